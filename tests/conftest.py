@@ -1,0 +1,130 @@
+"""Shared fixtures: tiny random-weight models saved as Hugging Face folders, and greedy oracles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+    "llama3-scaled": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        ),
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=64,
+        head_dim=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+}
+
+
+def make_tiny_model(kind: str, folder: Path, std: float = 0.3, seed: int = 0) -> Path:
+    """Save a random-weight model. A large init std makes logits spread out, so greedy choices
+    are rarely near-ties and a token mismatch means a real bug."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(TINY_CONFIGS[kind])
+    config = AutoConfig.for_model(values.pop("model_type"), **values, initializer_range=std)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)  # not all ones: exercise the weights
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {kind: make_tiny_model(kind, root / kind) for kind in TINY_CONFIGS}
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy continuation of one prompt with transformers (no padding)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_greedy_equal(model, prompt: list[int], ours: list[int], ref: list[int]) -> None:
+    """Token-identical, except after a near-tie in the reference (top-2 logit gap under 1e-4),
+    where our choice must be one of the tied tokens and the run stops being comparable."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if a == b:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < 1e-4, f"token {i}: ours {a} != reference {b}, top-2 gap {gap:.2e}"
+        assert abs(float(logits[a] - logits[b])) < 1e-4
+        return

@@ -1,0 +1,121 @@
+"""The scheduler over a page pool: budgets, chunking, admission, preemption and page accounting."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from yaied.cache.page_pool import PagePool
+from yaied.config import SchedulerConfig
+from yaied.engine.scheduler import Scheduler, StepOutput
+from yaied.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+def make(num_pages=64, page_size=4, budget=32, max_seqs=8, max_len=1024):
+    pool = PagePool(num_pages, page_size)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, pool, max_len), pool
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Request(rid, list(range(1, prompt_len + 1)), params)
+
+
+def step(scheduler: Scheduler, token: int = 7):
+    batch = scheduler.schedule()
+    if batch is None:
+        return None, []
+    sampled = [token] * batch.num_sampled
+    return batch, scheduler.update(batch, StepOutput(sampled))
+
+
+def test_long_prompt_is_chunked_and_decodes_come_first():
+    scheduler, _ = make(budget=16)
+    scheduler.add(request("a", 40))
+    sizes = []
+    while True:
+        batch, _ = step(scheduler)
+        sizes.append([len(s.token_ids) for s in batch.seqs])
+        if scheduler.requests["a"].output_token_ids:
+            break
+    assert sizes == [[16], [16], [8]]
+    scheduler.add(request("b", 40))
+    batch, _ = step(scheduler)
+    # a's decode rides first, b's chunk takes the rest of the budget
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 15)]
+
+
+def test_max_num_seqs_limits_running():
+    scheduler, _ = make(max_seqs=2, budget=100)
+    for i in range(4):
+        scheduler.add(request(str(i), 5))
+    batch, _ = step(scheduler)
+    assert [s.request_id for s in batch.seqs] == ["0", "1"]
+    assert len(scheduler.waiting) == 2
+
+
+def test_finish_by_length_frees_pages():
+    scheduler, pool = make()
+    scheduler.add(request("a", 10, max_tokens=3))
+    finished = []
+    while scheduler.has_work:
+        _, got = step(scheduler)
+        finished += [r for r in got if r.is_finished]
+    assert finished[0].finish_reason is FinishReason.LENGTH
+    assert finished[0].output_token_ids == [7, 7, 7]
+    assert pool.num_free == pool.num_pages
+
+
+def test_admission_waits_for_pages_fcfs():
+    scheduler, pool = make(num_pages=4, page_size=4, budget=64)
+    scheduler.add(request("big", 12))  # 3 pages
+    scheduler.add(request("next", 8))  # 2 pages: must wait, FCFS
+    scheduler.add(request("small", 1))  # would fit, but may not overtake
+    batch, _ = step(scheduler)
+    assert [s.request_id for s in batch.seqs] == ["big"]
+
+
+def test_preemption_recomputes_newest_and_keeps_output():
+    scheduler, pool = make(num_pages=4, page_size=4, budget=64)
+    scheduler.add(request("old", 7, max_tokens=8))  # 2 pages
+    scheduler.add(request("new", 7, max_tokens=8))  # 2 pages
+    step(scheduler)  # both prefilled: 8 tokens each -> every page in use after the first decode
+    preempted = False
+    while scheduler.has_work:
+        step(scheduler)
+        new = scheduler.requests.get("new")
+        if new is not None and new.status is RequestStatus.WAITING and new.output_token_ids:
+            preempted = True
+    assert preempted and scheduler.num_preemptions >= 1
+    assert pool.num_free == pool.num_pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 40), min_size=1, max_size=10),
+    max_tokens=st.integers(1, 12),
+    num_pages=st.integers(11, 30),
+    budget=st.integers(1, 48),
+    aborts=st.lists(st.integers(0, 9), max_size=4),
+)
+def test_random_workloads_finish_and_return_every_page(
+    prompts, max_tokens, num_pages, budget, aborts
+):
+    scheduler, pool = make(
+        num_pages=num_pages, page_size=4, budget=budget, max_seqs=4, max_len=num_pages * 4
+    )
+    for i, n in enumerate(prompts):
+        scheduler.add(request(str(i), n, max_tokens))
+    steps = 0
+    while scheduler.has_work:
+        if steps in aborts and scheduler.running:
+            scheduler.finish(scheduler.running[0], FinishReason.ABORT)
+        _, got = step(scheduler)
+        held = sum(len(r.page_ids) for r in scheduler.running)
+        assert held + pool.num_free == pool.num_pages
+        for r in scheduler.running:
+            assert len(r.page_ids) * 4 >= r.num_computed_tokens
+        steps += 1
+        assert steps < 2000
+    assert pool.num_free == pool.num_pages

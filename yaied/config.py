@@ -1,0 +1,174 @@
+"""Configuration: frozen dataclasses from TOML, then the environment, then explicit overrides.
+
+Precedence (later wins): the dataclass defaults (mirrored with comments in config/yaied.toml),
+the TOML file, environment variables ``YAIED_<SECTION>_<KEY>`` (e.g. ``YAIED_CACHE_PAGE_SIZE=32``), and
+overrides from the command line or ``LLM(**kwargs)``. Values found at start-up (page count, EOS ids)
+are never written back here; they travel in their own objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str = "smollm2-135m-instruct"  # HF folder, .gguf file, or the embedded default's name
+    dtype: str = "auto"  # auto = bfloat16 (faster on this class of CPU and on GPUs)
+    load_format: str = "auto"  # auto | dummy (random weights from the config, no tokenizer)
+    max_model_len: int = 0  # 0 = the model's own context length
+    model_impl: str = "native"  # native | transformers | auto
+    trust_remote_code: bool = False  # never runs code shipped with a model unless set
+    seed: int = 0  # seeds random weights of dummy models and unseeded sampling
+    cache_dir: str = ""  # where converted GGUF models go; "" = $YAIED_CACHE_DIR or ~/.cache/yaied
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, DTYPES)
+        _one_of("model.load_format", self.load_format, ("auto", "dummy"))
+        _one_of("model.model_impl", self.model_impl, ("native", "transformers", "auto"))
+        _at_least("model.max_model_len", self.max_model_len, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    kv_cache_gib: float = 1.0  # KV pool size on CPU
+    gpu_memory_utilization: float = 0.9  # share of free GPU memory for weights + KV pool
+    enable_prefix_caching: bool = True  # share KV pages of common prefixes between requests
+
+    def __post_init__(self) -> None:
+        _at_least("cache.page_size", self.page_size, 1)
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"cache.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("cache.gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # most requests running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    policy: str = "fcfs"  # fcfs (priority, mlfq and plas come with the session scheduler)
+
+    def __post_init__(self) -> None:
+        _at_least("scheduler.max_num_seqs", self.max_num_seqs, 1)
+        _at_least("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _one_of("scheduler.policy", self.policy, ("fcfs",))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    device: str = "auto"  # auto (cuda when present) | cpu | cuda | cuda:N
+    threads: int = 0  # torch CPU threads; 0 = every core
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device.device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
+            )
+        _at_least("device.threads", self.threads, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "device": DeviceConfig,
+}
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> EngineConfig:
+    """Load the config; ``overrides`` keys are ``section.key`` or a key unique across sections."""
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        for section, table in data.items():
+            if section not in SECTIONS:
+                continue  # sections of other components (server, router) are theirs to read
+            for key, value in table.items():
+                _field_type(section, key)  # rejects unknown keys
+                values[section][key] = value
+    env = os.environ if env is None else env
+    for section in SECTIONS:
+        for f in dataclasses.fields(SECTIONS[section]):
+            raw = env.get(f"YAIED_{section}_{f.name}".upper())
+            if raw is not None:
+                values[section][f.name] = _parse_env(section, f.name, raw)
+    for dotted, value in (overrides or {}).items():
+        section, key = _split_key(dotted)
+        values[section][key] = value
+    built = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
+    return EngineConfig(**built)
+
+
+def _split_key(dotted: str) -> tuple[str, str]:
+    if "." in dotted:
+        section, key = dotted.split(".", 1)
+        _field_type(section, key)
+        return section, key
+    owners = [s for s, cls in SECTIONS.items() if dotted in _field_names(cls)]
+    if len(owners) != 1:
+        known = sorted(f"{s}.{n}" for s, cls in SECTIONS.items() for n in _field_names(cls))
+        raise ValueError(f"unknown setting {dotted!r}; known settings: {', '.join(known)}")
+    return owners[0], dotted
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _field_type(section: str, key: str) -> type:
+    if section not in SECTIONS:
+        raise ValueError(f"unknown config section {section!r}; known: {', '.join(SECTIONS)}")
+    hints = get_type_hints(SECTIONS[section])
+    if key not in hints:
+        names = ", ".join(_field_names(SECTIONS[section]))
+        raise ValueError(f"unknown setting {section}.{key}; known in [{section}]: {names}")
+    return hints[key]
+
+
+def _parse_env(section: str, key: str, raw: str) -> Any:
+    kind = _field_type(section, key)
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        name = f"YAIED_{section}_{key}".upper()
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

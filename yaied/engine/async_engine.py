@@ -1,0 +1,232 @@
+"""The engine: one asyncio task that schedules, hands each batch to the worker thread, and streams.
+
+    generate() --inbox--> [engine task: drain inbox/aborts -> schedule -> worker.execute -> update]
+                                                                   |
+    async for event in generate(...)  <--  per-request queue  <----+ (detokenised TokenEvents)
+
+Only the engine task touches the scheduler, the page pool and the detokenizers, so they need no
+locks; only the worker thread touches the model and KV tensors. Closing a stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from yaied.cache.page_pool import PagePool
+from yaied.config import EngineConfig
+from yaied.engine.detokenizer import IncrementalDetokenizer
+from yaied.engine.scheduler import Batch, Scheduler, StepOutput
+from yaied.engine.validation import InputProcessor
+from yaied.request import FinishReason, Request, SamplingParams, TokenEvent
+from yaied.worker.worker import Worker, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    request: Request
+    queue: asyncio.Queue[TokenEvent]
+    detokenizer: IncrementalDetokenizer | None
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+        self.config = config
+        # The one worker thread: it builds the worker, so model and KV tensors live with it.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yaied-worker")
+        self.worker: Worker = self._executor.submit(
+            Worker, config, show_progress=show_progress
+        ).result()
+        self.info: WorkerInfo = self.worker.info
+        self.inputs = InputProcessor(self.worker.loaded, self.info)
+        self.pool = PagePool(self.info.num_pages, self.info.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.info.max_model_len)
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: deque[_Stream] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.dead: BaseException | None = None  # set when the loop itself crashed
+        self.num_steps = 0
+
+    @property
+    def tokenizer(self):
+        return self.inputs.tokenizer
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        priority: int = 0,
+        **sampling: object,
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream the events of one request. Bad input raises ValueError before anything is queued;
+        closing the iterator (break, cancellation, client gone) aborts the request."""
+        params = self.inputs.sampling_params(params, sampling)
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_started()
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            session_id=session_id,
+            priority=priority,
+            eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
+        )
+        stream = _Stream(request, asyncio.Queue(), self.inputs.detokenizer(request))
+        self._streams[request_id] = stream
+        self._inbox.append(stream)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                event = await stream.queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id; a no-op for an unknown or finished one."""
+        if request_id in self._streams:
+            self._aborts.append(request_id)
+            if self._wake is not None:
+                self._wake.set()
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "num_free_pages": self.pool.num_free,
+            "num_pages": self.pool.num_pages,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for request_id in list(self._streams):
+            self._finish_stream(request_id, FinishReason.ABORT, error=None)
+        self._executor.shutdown(wait=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.dead}")
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="yaied-engine")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._drain_inbox()
+                self._drain_aborts()
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    self._wake.clear()
+                    if not self._inbox and not self._aborts:
+                        await self._wake.wait()
+                    continue
+                output = await loop.run_in_executor(self._executor, self.worker.execute, batch)
+                self.num_steps += 1
+                self._apply(batch, output)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug in the loop: fail everyone rather than hang them
+            log.exception("engine loop crashed")
+            self.dead = exc
+            for request_id in list(self._streams):
+                self._finish_stream(request_id, FinishReason.ERROR, error=f"engine failed: {exc}")
+            raise
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft().request)
+
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            self._finish_stream(self._aborts.popleft(), FinishReason.ABORT, error=None)
+
+    def _apply(self, batch: Batch, output: StepOutput) -> None:
+        if output.error is not None:
+            for seq in batch.seqs:
+                self._finish_stream(seq.request_id, FinishReason.ERROR, error=output.error)
+            return
+        for request in self.scheduler.update(batch, output):
+            stream = self._streams[request.request_id]
+            token = request.output_token_ids[-1]
+            text, stop_string = "", None
+            if stream.detokenizer is not None:
+                text = stream.detokenizer.push(token)
+                stop_string = stream.detokenizer.stop_reason
+                if stop_string is not None:
+                    self.scheduler.finish(request, FinishReason.STOP)
+            reason = request.finish_reason
+            stop_reason: str | int | None = stop_string
+            if reason is FinishReason.STOP and stop_string is None:
+                stop_reason = token if token in request.params.stop_token_ids else None
+            if reason is not None and stop_string is None and stream.detokenizer is not None:
+                text += stream.detokenizer.flush()
+            self._emit(stream, [token], text, reason, stop_reason, None)
+
+    def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:
+        """End a request that did not finish by itself (abort, error), freeing its pages."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if stream in self._inbox:
+            self._inbox.remove(stream)
+        elif not stream.request.is_finished:
+            self.scheduler.finish(stream.request, reason)
+        stream.request.finish_reason = reason
+        self._emit(stream, [], "", reason, None, error)
+
+    def _emit(
+        self,
+        stream: _Stream,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        stop_reason: str | int | None,
+        error: str | None,
+    ) -> None:
+        request = stream.request
+        stream.queue.put_nowait(
+            TokenEvent(
+                request.request_id,
+                token_ids,
+                text,
+                reason,
+                stop_reason,
+                error,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=len(request.output_token_ids),
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        )
+        if reason is not None:
+            del self._streams[request.request_id]  # nothing is ever emitted after the last event

@@ -1,0 +1,113 @@
+"""``LLM``: the synchronous face of the engine, for scripts and benchmarks.
+
+It runs an AsyncEngine on a private event loop; ``generate`` submits every prompt at once, so
+they are batched continuously exactly as concurrent HTTP requests would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from yaied.config import EngineConfig, load_config
+from yaied.engine.async_engine import AsyncEngine
+from yaied.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | None = None,
+        config_path: str | None = None,
+        show_progress: bool = True,
+        **overrides: object,
+    ) -> None:
+        """``overrides`` are config settings by name (``max_num_seqs=8``) or ``section.key``."""
+        settings = dict(overrides)
+        if model is not None:
+            settings["model.model"] = model
+        if dtype is not None:
+            settings["model.dtype"] = dtype
+        self.config: EngineConfig = load_config(config_path, overrides=settings)
+        self._loop = asyncio.new_event_loop()
+        self.engine = AsyncEngine(self.config, show_progress=show_progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def hf_config(self):
+        return self.engine.worker.loaded.hf_config
+
+    @property
+    def model_folder(self) -> Path | None:
+        return self.engine.worker.loaded.folder
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    def stats(self) -> dict[str, int | float]:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **sampling: object,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a token-id list); outputs come in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError("give one SamplingParams, or one per prompt")
+        # Validate everything before queueing anything, so a bad prompt rejects the whole call.
+        inputs = self.engine.inputs
+        resolved = [inputs.sampling_params(p, dict(sampling)) for p in params_list]
+        for prompt, p in zip(prompts, resolved, strict=True):
+            inputs.prompt_token_ids(prompt, p)
+        return self._loop.run_until_complete(self._generate_all(prompts, resolved))
+
+    async def _generate_all(
+        self, prompts: list, params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        pairs = zip(prompts, params, strict=True)
+        return list(await asyncio.gather(*(self._collect(p, sp) for p, sp in pairs)))
+
+    async def _collect(self, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
+        token_ids: list[int] = []
+        text: list[str] = []
+        async for event in self.engine.generate(prompt, params):
+            token_ids += event.token_ids
+            text.append(event.text)
+            last = event
+        return RequestOutput(
+            request_id=last.request_id,
+            prompt_token_ids=self.engine.inputs.prompt_token_ids(prompt, params),
+            token_ids=token_ids,
+            text="".join(text),
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            num_cached_tokens=last.num_cached_tokens,
+            error=last.error,
+        )
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

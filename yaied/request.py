@@ -1,0 +1,168 @@
+"""The request vocabulary shared by every layer: sampling parameters, requests and token events."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field, fields
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached (or the context is full)
+    ABORT = "abort"  # the client went away or cancelled
+    ERROR = "error"  # the worker failed while running this request
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What a client may ask of one generation; validated at construction, never later."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists (and a lone string for stop); store tuples so params stay hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+            "max_tokens must be an integer",
+        )
+        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(_finite(self.temperature), "temperature must be a finite number")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(_finite(self.top_p), "top_p must be a finite number")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int), "top_k must be an integer")
+        _check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        _check(_finite(self.min_p), "min_p must be a finite number")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> SamplingParams:
+        """Build from keyword arguments, naming any unknown keyword instead of a TypeError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be re-admitted
+    RUNNING = "running"  # holds pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation as the scheduler sees it. Mutated only by the engine task.
+
+    Token bookkeeping: ``all_token_ids = prompt + output``; ``num_computed_tokens`` counts the
+    tokens whose K/V are in the cache. Prefill and decode follow one rule: computed tokens catch
+    up with ``len(all_token_ids)``, the last token's logits giving the next token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    page_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    # The EOS ids of the model, fixed at admission; empty when ignore_eos.
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One item of a request's stream: new tokens and text, and the finish reason on the last."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # set with FinishReason.ERROR
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The collected result of one request, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

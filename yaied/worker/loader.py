@@ -1,0 +1,99 @@
+"""Builds a ready model from a ModelConfig: resolve files, build the native module, load weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from yaied.config import ModelConfig
+from yaied.worker import model_files
+from yaied.worker.models import build_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    hf_config: object  # transformers PretrainedConfig
+    folder: Path | None  # the Hugging Face folder; None for dummy models given as a config file
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # bfloat16 by default: on GPUs, and on CPUs with bf16 matrix units, where we measured matmuls
+    # about 2.3x faster than fp32 (docs/benchmarks.md). Greedy parity tests ask for float32.
+    return torch.bfloat16 if name == "auto" else DTYPES[name]
+
+
+def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool) -> LoadedModel:
+    started = time.perf_counter()
+    dtype = resolve_dtype(config.dtype, device)
+    folder, hf_config = _resolve_config(config, show_progress)
+    torch.manual_seed(config.seed)
+    model = build_model(hf_config, device)
+    if config.load_format == "dummy":
+        _init_dummy_weights(model, config.seed)
+    else:
+        model.load_weights(
+            model_files.iter_safetensors_weights(folder, show_progress=show_progress)
+        )
+    model = model.to(dtype)
+    model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
+    model.eval()
+    max_len = _max_model_len(hf_config, config.max_model_len)
+    log.info(
+        "loaded %s (%s, %s) in %.1fs",
+        config.model,
+        type(model).__name__,
+        dtype,
+        time.perf_counter() - started,
+    )
+    return LoadedModel(model, hf_config, folder, dtype, max_len)
+
+
+def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | None, object]:
+    if config.trust_remote_code:
+        raise ValueError("trust_remote_code is not supported by native models")
+    path = Path(config.model)
+    if config.load_format == "dummy" and path.suffix == ".json" and path.is_file():
+        from transformers import AutoConfig
+
+        data = json.loads(path.read_text())
+        model_type = data.pop("model_type")
+        return None, AutoConfig.for_model(model_type, **data)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    folder = model_files.resolve_model_folder(
+        config.model, cache_dir=cache_dir, show_progress=show_progress
+    )
+    return folder, model_files.load_hf_config(folder)
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights for benchmarks of shapes whose weights we lack: small normal matrices, unit
+    norms, so activations stay in range through many layers."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            values = torch.randn(param.shape, generator=generator) * 0.02
+            param.data.copy_(values)
+
+
+def _max_model_len(hf_config, configured: int) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if configured and configured > native:
+        raise ValueError(f"max_model_len {configured} exceeds the model's context length {native}")
+    return configured or native

@@ -1,0 +1,122 @@
+"""The worker: owns the model and the KV tensors, and runs one step at a time.
+
+Only the worker thread calls into it (the engine hands it batches through a one-thread executor),
+so model and KV tensors need no locks. An exception in a step is caught here and returned as a
+StepOutput with an error, so the engine fails that step's requests and goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from yaied.config import EngineConfig
+from yaied.engine.scheduler import Batch, StepOutput
+from yaied.worker.loader import LoadedModel, load_model
+from yaied.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What the engine learns from the worker at start-up (never written back into config)."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def kv_bytes_per_token(hf_shape, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * hf_shape.num_layers * hf_shape.num_kv_heads * hf_shape.head_dim * element
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+        self.config = config
+        self.device = pick_device(config.device.device)
+        threads = config.device.threads or os.cpu_count() or 1
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads)
+        self.loaded: LoadedModel = load_model(
+            config.model, self.device, show_progress=show_progress
+        )
+        shape = self.loaded.model.shape
+        page_size = config.cache.page_size
+        num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)
+        max_len = self.loaded.max_model_len
+        if num_pages * page_size < max_len:
+            raise ValueError(
+                f"the KV pool holds {num_pages * page_size} tokens, less than one request's "
+                f"context of {max_len}: raise cache.kv_cache_gib or lower model.max_model_len"
+            )
+        self.kv_caches = [
+            (
+                torch.zeros(
+                    num_pages * page_size,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    dtype=self.loaded.dtype,
+                    device=self.device,
+                ),
+                torch.zeros(
+                    num_pages * page_size,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    dtype=self.loaded.dtype,
+                    device=self.device,
+                ),
+            )
+            for _ in range(shape.num_layers)
+        ]
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_caches,
+            page_size,
+            shape.vocab_size,
+            self.device,
+            seed=config.model.seed,
+        )
+        self.info = WorkerInfo(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_model_len=max_len,
+            vocab_size=shape.vocab_size,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+        # Test-only fault injection: a callable run before each step (see tests).
+        self.fault_hook = None
+
+    def _num_pages(self, page_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.cache.gpu_memory_utilization
+        else:
+            budget = self.config.cache.kv_cache_gib * 2**30
+        return max(int(budget // page_bytes), 1)
+
+    def execute(self, batch: Batch) -> StepOutput:
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(batch)
+            return self.runner.execute(batch)
+        except Exception as exc:  # one bad step fails its requests, never the engine
+            log.error("step failed: %s\n%s", exc, traceback.format_exc())
+            return StepOutput([], error=f"{type(exc).__name__}: {exc}")
