@@ -1,8 +1,8 @@
 """Configuration: frozen dataclasses from TOML, then the environment, then explicit overrides.
 
 Precedence (later wins): the dataclass defaults (mirrored with comments in config/yaied.toml),
-the TOML file, environment variables ``YAIED_<SECTION>_<KEY>`` (e.g. ``YAIED_CACHE_PAGE_SIZE=32``), and
-overrides from the command line or ``LLM(**kwargs)``. Values found at start-up (page count, EOS ids)
+the TOML file, environment variables ``YAIED_<SECTION>_<KEY>`` (say ``YAIED_CACHE_PAGE_SIZE``),
+and overrides from the command line or ``LLM(**kwargs)``. Values found at start-up (page count, EOS ids)
 are never written back here; they travel in their own objects.
 """
 

