@@ -101,17 +101,22 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Reference greedy continuation of one prompt with transformers (no padding)."""
+    """Reference greedy continuation of one prompt with transformers' generate (no padding).
+    EOS is neither a stop nor suppressed, as with ignore_eos: min_new_tokens would ban it."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # else generate merges the model's EOS back in
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert out.shape[1] == len(prompt) + max_new_tokens
     return out[0, len(prompt) :].tolist()
 
 

@@ -2,8 +2,8 @@
 
 Precedence (later wins): the dataclass defaults (mirrored with comments in config/yaied.toml),
 the TOML file, environment variables ``YAIED_<SECTION>_<KEY>`` (say ``YAIED_CACHE_PAGE_SIZE``),
-and overrides from the command line or ``LLM(**kwargs)``. Values found at start-up (page count, EOS ids)
-are never written back here; they travel in their own objects.
+and overrides from the command line or ``LLM(**kwargs)``. Values found at start-up (page count,
+EOS ids) are never written back here; they travel in their own objects.
 """
 
 from __future__ import annotations

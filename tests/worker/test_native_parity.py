@@ -58,12 +58,12 @@ def test_logits_match_transformers(pair):
     reference, llm = pair
     runner = llm.engine.worker.runner
     prompt = random_prompts(1, 40, 40, llm.vocab_size, seed=7)[0]
-    from yaied.engine.scheduler import Batch, ScheduledSeq
+    from yaied.engine.scheduler import ScheduledSeq
 
     pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
     try:
         seq = ScheduledSeq("x", prompt, 0, pages, True, SamplingParams(temperature=0.0))
-        input_ids, positions, meta, rows = runner._prepare(Batch([seq], len(prompt)))
+        input_ids, positions, meta, rows = runner._prepare([seq])
         with torch.inference_mode():
             hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
             ours = runner.model.compute_logits(hidden[rows])[0]

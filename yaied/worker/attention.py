@@ -1,15 +1,17 @@
 """Paged attention in plain torch: the CPU path, and the reference for the Triton kernels.
 
-The KV pool of one layer is two tensors ``[num_slots, num_kv_heads, head_dim]``; a slot is
-``page_id * page_size + offset``. A step's tokens are packed into one row dimension:
+The KV pool of one layer is two tensors ``[num_pages, page_size, num_kv_heads, head_dim]``; a slot
+is ``page_id * page_size + offset``. A step's tokens are packed into one row dimension:
 
-    rows [0, num_decodes)                     one token per decoding sequence, batched together
+    rows [0, num_decodes)                     one token per decoding sequence
     rows [num_decodes, num_tokens)            prefill chunks, one sequence after another
 
-Decodes are batched by gathering each sequence's slots into a padded ``[B, max_len]`` index. Prefill
-chunks attend one sequence at a time: a chunk with no earlier context attends to its own fresh K/V
-(causal), a chunk over cached context gathers that context from the pool and masks causally with the
-chunk sitting at the end of it.
+Decodes are batched: each bucket of decodes with similar context lengths gathers its sequences'
+pages into one padded ``[B, max_len]`` block (whole pages, so the gather copies contiguous runs)
+and runs one attention call. Grouped-query heads are folded into query rows
+(``[B, kv_heads, group, head_dim]``), which the CPU kernels run much faster than their GQA path.
+A prefill chunk with no earlier context attends to its own fresh K/V (causal); a chunk over
+cached context gathers that context and masks causally with the chunk at its end.
 """
 
 from __future__ import annotations
@@ -21,22 +23,26 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    rows: torch.Tensor  # [B] int64: the rows of these decodes in the packed batch
+    page_table: torch.Tensor  # [B, max_pages] int64, padded with page 0
+    bias: torch.Tensor  # [B, 1, 1, max_pages * page_size]: 0 where attended, -inf past the end
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     start: int  # first row of the chunk in the packed batch
     num_tokens: int  # query length
-    context_len: int  # tokens attended to, including this chunk (= its end position)
-    # [context_len] slots of the whole context; None when the chunk is the whole context.
-    context_slots: torch.Tensor | None
-    # [num_tokens, context_len] True where attention is allowed; None when context_slots is None.
+    # [num_pages] pages of the whole context, and the causal mask [num_tokens, context_len];
+    # both None when the chunk is its whole context (it then attends to its own fresh K/V).
+    pages: torch.Tensor | None
     mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64, padded with slot 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    decode_buckets: list[DecodeBucket]
     prefills: list[PrefillChunk]
 
 
@@ -47,9 +53,19 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # k, v: [num_tokens, num_kv_heads, head_dim]
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    # k, v: [num_tokens, num_kv_heads, head_dim]; caches viewed as [num_slots, kv_heads, head_dim]
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache: [num_pages, page_size, kv_heads, head_dim]; pages: [..., P] ->
+    [..., kv_heads, P * page_size, head_dim] (the heads-first layout attention wants)."""
+    num_pages, page_size, kv_heads, head_dim = cache.shape
+    gathered = cache.view(num_pages, -1).index_select(0, pages.reshape(-1))
+    gathered = gathered.view(*pages.shape[:-1], pages.shape[-1] * page_size, kv_heads, head_dim)
+    return gathered.transpose(-3, -2)
 
 
 def paged_attention(
@@ -61,38 +77,40 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already in
-    the pool). Returns [num_tokens, num_heads, head_dim]."""
+    """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already
+    written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    gqa = num_heads != num_kv_heads
-    b = meta.num_decodes
-    if b:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kv_heads, max_len, head_dim]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
-        out[:b] = F.scaled_dot_product_attention(
-            q[:b].unsqueeze(2),
-            keys,
-            values,
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        ).squeeze(2)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    for bucket in meta.decode_buckets:
+        b = bucket.rows.shape[0]
+        # Head h reads kv head h // group, so the query heads fold into [b, kv_heads, group, d].
+        query = q.index_select(0, bucket.rows).view(b, num_kv_heads, group, head_dim)
+        keys = gather_pages(k_cache, bucket.page_table)  # [b, kv_heads, max_len, d]
+        values = gather_pages(v_cache, bucket.page_table)
+        result = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=bucket.bias.to(q.dtype), scale=scale
+        )
+        out.index_copy_(0, bucket.rows, result.view(b, num_heads, head_dim))
+    gqa = group != 1
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        if chunk.context_slots is None:
-            keys, values, mask, causal = k[rows], v[rows], None, True
+        if chunk.pages is None:
+            keys = k[rows].transpose(0, 1).unsqueeze(0)
+            values = v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            mask, causal = chunk.mask, False
+            context_len = chunk.mask.shape[1]
+            keys = gather_pages(k_cache, chunk.pages)[:, :context_len].unsqueeze(0)
+            values = gather_pages(v_cache, chunk.pages)[:, :context_len].unsqueeze(0)
         out[rows] = (
             F.scaled_dot_product_attention(
                 query,
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
+                keys,
+                values,
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
                 scale=scale,
                 enable_gqa=gqa,
             )

@@ -8,8 +8,12 @@ import torch
 from torch import nn
 
 from yaied.engine.scheduler import Batch, ScheduledSeq, StepOutput
-from yaied.worker.attention import AttentionMetadata, PrefillChunk
+from yaied.worker.attention import AttentionMetadata, DecodeBucket, PrefillChunk
 from yaied.worker.sampler import SamplingTensors, sample
+
+# Decodes are split into at most this many buckets of at least MIN_DECODE_BUCKET sequences.
+MAX_DECODE_BUCKETS = 4
+MIN_DECODE_BUCKET = 8
 
 
 class ModelRunner:
@@ -29,7 +33,6 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._offsets = torch.arange(page_size, device=device)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -44,16 +47,17 @@ class ModelRunner:
 
     def _slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
         """KV slots of positions [start, end) of a sequence with the given page table."""
+        positions = torch.arange(start, end)
         pages = torch.tensor(page_ids, dtype=torch.int64)
-        slots = (pages[:, None] * self.page_size + self._offsets.cpu()[None, :]).view(-1)
-        return slots[start:end]
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         input_ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
         sample_rows: list[int] = []
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        decodes: list[ScheduledSeq] = []
+        decode_rows: list[int] = []
         prefill_chunks: list[PrefillChunk] = []
         for seq in seqs:
             n = len(seq.token_ids)
@@ -63,17 +67,15 @@ class ModelRunner:
             slot_parts.append(self._slots(seq.page_ids, seq.start_pos, seq.start_pos + n))
             if seq.sample:
                 sample_rows.append(row + n - 1)
-            if n > 1:
+            if n == 1:
+                decodes.append(seq)
+                decode_rows.append(row)
+            else:
                 prefill_chunks.append(self._prefill_chunk(seq, row))
         device = self.device
-        decode_slots = decode_mask = None
-        if decodes:
-            decode_slots, decode_mask = self._decode_index(decodes)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(device),
-            num_decodes=len(decodes),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_buckets=self._decode_buckets(decodes, decode_rows),
             prefills=prefill_chunks,
         )
         return (
@@ -86,22 +88,42 @@ class ModelRunner:
     def _prefill_chunk(self, seq: ScheduledSeq, row: int) -> PrefillChunk:
         n, context_len = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
         if seq.start_pos == 0:
-            return PrefillChunk(row, n, context_len, None, None)
-        slots = self._slots(seq.page_ids, 0, context_len).to(self.device)
+            return PrefillChunk(row, n, None, None)
+        num_pages = -(-context_len // self.page_size)
+        pages = torch.tensor(seq.page_ids[:num_pages], dtype=torch.int64, device=self.device)
         query_pos = torch.arange(seq.start_pos, context_len, device=self.device)
         key_pos = torch.arange(context_len, device=self.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, context_len] causal, chunk at the end
-        return PrefillChunk(row, n, context_len, slots, mask)
+        return PrefillChunk(row, n, pages, mask)
 
-    def _decode_index(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded slot index [B, max_len] and mask [B, 1, 1, max_len] over each context."""
-        lengths = torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int64)
-        max_pages = max(len(s.page_ids) for s in decodes)
-        table = torch.zeros(len(decodes), max_pages, dtype=torch.int64)
-        for i, s in enumerate(decodes):
-            table[i, : len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int64)
-        max_len = int(lengths.max())
-        slots = (table[:, :, None] * self.page_size + self._offsets.cpu()).view(len(decodes), -1)
-        slots = slots[:, :max_len]
-        mask = torch.arange(max_len)[None, :] < lengths[:, None]
-        return slots.to(self.device), mask[:, None, None, :].to(self.device)
+    def _decode_buckets(self, decodes: list[ScheduledSeq], rows: list[int]) -> list[DecodeBucket]:
+        """Group decodes of similar context length, so padding to the longest costs little."""
+        if not decodes:
+            return []
+        order = sorted(range(len(decodes)), key=lambda i: decodes[i].start_pos)
+        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(order) // MIN_DECODE_BUCKET))
+        size = -(-len(order) // num_buckets)
+        return [
+            self._decode_bucket([decodes[i] for i in part], [rows[i] for i in part])
+            for part in (order[j : j + size] for j in range(0, len(order), size))
+        ]
+
+    def _decode_bucket(self, decodes: list[ScheduledSeq], rows: list[int]) -> DecodeBucket:
+        lengths = [s.start_pos + 1 for s in decodes]
+        max_pages = -(-max(lengths) // self.page_size)
+        table = torch.tensor(
+            [
+                s.page_ids[:max_pages] + [0] * (max_pages - len(s.page_ids[:max_pages]))
+                for s in decodes
+            ],
+            dtype=torch.int64,
+        )
+        positions = torch.arange(max_pages * self.page_size)
+        past_end = positions[None, :] >= torch.tensor(lengths)[:, None]
+        bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        device = self.device
+        return DecodeBucket(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            page_table=table.to(device),
+            bias=bias[:, None, None, :].to(device),
+        )

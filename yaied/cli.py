@@ -1,0 +1,319 @@
+"""`yaied serve | chat`: argument parsing and wiring; the engine does the work.
+
+Every config setting gets a flag generated from the dataclasses in ``yaied.config``
+(``--page-size``, ``--enable-prefix-caching/--no-enable-prefix-caching``), so a new setting is a
+new flag with no edit here. Only the flags a user gave become overrides: an unset flag must not
+mask the TOML file or a ``YAIED_*`` variable.
+
+Errors a user can fix (a bad flag, config value or model) print one line and exit 2; Ctrl-C exits
+130 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+import tomllib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
+
+from yaied.config import SECTIONS, EngineConfig, load_config
+from yaied.request import SamplingParams
+
+if TYPE_CHECKING:
+    from yaied.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+PROG = "yaied"
+DEFAULT_PROMPT = "Hi! What is a large language model, in one sentence?"
+# A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
+_SETTING_PREFIX = "cfg:"
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """Something the user can fix (a flag, a config value, the model): one line, exit code 2."""
+
+
+class GenerationError(Exception):
+    """The engine failed while generating: one line, exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage and exits; we want one line and an exit code from main().
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingFlag:
+    setting: str  # "cache.page_size"
+    flag: str  # "--page-size"
+    kind: type  # the dataclass field's type: int, float, str or bool
+    default: Any
+    help: str  # the field's metadata["help"], where config.py gives one
+
+
+def setting_flags() -> list[SettingFlag]:
+    """One flag per config setting; a key shared by two sections gets its section as a prefix."""
+    counts = Counter(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+    flags = []
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            stem = f.name if counts[f.name] == 1 else f"{section}_{f.name}"
+            flag = "--" + stem.replace("_", "-")
+            setting = f"{section}.{f.name}"
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            help_text = f.metadata.get("help", "")
+            flags.append(SettingFlag(setting, flag, hints[f.name], default, help_text))
+    return flags
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    groups = {s: parser.add_argument_group(f"[{s}] settings") for s in SECTIONS}
+    for spec in setting_flags():
+        section = spec.setting.split(".", 1)[0]
+        common = dict(dest=_SETTING_PREFIX + spec.setting, default=argparse.SUPPRESS)
+        help_text = f"{spec.help} [{spec.setting}, default {spec.default!r}]".lstrip()
+        if spec.kind is bool:
+            action = argparse.BooleanOptionalAction
+            groups[section].add_argument(spec.flag, action=action, help=help_text, **common)
+        else:
+            metavar = spec.kind.__name__.upper()
+            groups[section].add_argument(
+                spec.flag, type=spec.kind, metavar=metavar, help=help_text, **common
+            )
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.strip().isdigit() else 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--config", metavar="PATH", help="a TOML file (see config/yaied.toml)")
+    common.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
+    )
+    _add_setting_flags(common)
+
+    parser = _Parser(prog=PROG, description="yaied: an LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat}")
+    serve = commands.add_parser(
+        "serve",
+        parents=[common],
+        help="load the model and answer one prompt",
+        description="Load the model and stream one answer to --prompt. The HTTP server (with "
+        "--host and --port) comes with the daemon; until then they are accepted and unused.",
+    )
+    serve.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question to answer")
+    serve.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    serve.add_argument("--host", default="127.0.0.1", help="(used once the daemon lands)")
+    serve.add_argument("--port", type=_port, default=8000, help="(used once the daemon lands)")
+    serve.set_defaults(run=_serve)
+
+    chat = commands.add_parser(
+        "chat",
+        parents=[common],
+        help="chat with the model on the terminal",
+        description="Chat through the model's chat template. Commands: /reset clears the "
+        "history; /exit, /quit or end of input (Ctrl-D) ends.",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the chat")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=None, help="default: the model's own")
+    chat.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    chat.set_defaults(run=_chat)
+    return parser
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the user gave as flags, as ``load_config`` overrides."""
+    return {
+        key.removeprefix(_SETTING_PREFIX): value
+        for key, value in vars(args).items()
+        if key.startswith(_SETTING_PREFIX)
+    }
+
+
+def load_cli_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return load_config(args.config, overrides=config_overrides(args))
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{args.config}: {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename or args.config}: {exc.strerror}") from exc
+    except TypeError as exc:  # a TOML value of the wrong type fails a comparison in validation
+        raise UsageError(f"bad config value: {exc}") from exc
+
+
+# -- running the engine ---------------------------------------------------------------------
+
+
+Session = Callable[["AsyncEngine", asyncio.Runner], int]
+
+
+def _with_engine(config: EngineConfig, session: Session) -> int:
+    """Build the engine and run ``session`` with one event loop, shutting the engine down after.
+
+    asyncio.Runner is asyncio.run split open: one loop across several ``run`` calls, so `chat` reads
+    stdin between turns outside the loop, where Ctrl-C interrupts at once instead of only cancelling
+    the main task.
+    """
+    from yaied.engine.async_engine import AsyncEngine  # torch loads only for a command that runs
+
+    with asyncio.Runner() as runner:
+        # Progress bars only for a person watching; in a log they are noise.
+        engine = AsyncEngine(config, show_progress=sys.stderr.isatty())
+        try:
+            return session(engine, runner)
+        finally:
+            runner.run(engine.shutdown())
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already wrote the special tokens; adding them again would double a Llama BOS.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass(slots=True)
+class Reply:
+    text: str
+    num_tokens: int
+
+
+async def stream_reply(
+    engine: AsyncEngine, prompt: str | list[int], sampling: dict[str, Any]
+) -> Reply:
+    """Generate, writing the text to stdout as it arrives."""
+    parts: list[str] = []
+    num_tokens = 0
+    async for event in engine.generate(prompt, **sampling):
+        if event.error is not None:
+            raise GenerationError(f"generation failed: {event.error}")
+        num_tokens += len(event.token_ids)
+        parts.append(event.text)
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return Reply("".join(parts), num_tokens)
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    # Before the model loads: a bad --temperature should not cost a load.
+    SamplingParams.from_kwargs(**sampling)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = load_cli_config(args)
+    sampling = {"max_tokens": args.max_tokens}
+    _check_sampling(sampling)
+
+    def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
+        tokenizer = engine.tokenizer
+        prompt: str | list[int] = args.prompt
+        if _has_chat_template(tokenizer):
+            prompt = _chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+        started = time.perf_counter()
+        reply = runner.run(stream_reply(engine, prompt, sampling))
+        seconds = time.perf_counter() - started
+        rate = reply.num_tokens / seconds if seconds > 0 else 0.0
+        print(f"{reply.num_tokens} tokens in {seconds:.2f} s ({rate:.1f} tok/s)", file=sys.stderr)
+        return 0
+
+    return _with_engine(config, session)
+
+
+def _read_line(interactive: bool) -> str | None:
+    try:
+        return input("> " if interactive else "")
+    except EOFError:
+        if interactive:
+            print()  # leave the shell prompt on a line of its own
+        return None
+
+
+def _chat(args: argparse.Namespace) -> int:
+    config = load_cli_config(args)
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    _check_sampling(sampling)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+
+    def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
+        tokenizer = engine.tokenizer
+        if not _has_chat_template(tokenizer):
+            raise UsageError(f"model {config.model.model!r} has no chat template; chat needs one")
+        interactive = sys.stdin.isatty()
+        messages = list(opening)
+        while (line := _read_line(interactive)) is not None:
+            command = line.strip()
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                messages = list(opening)
+                continue
+            if not command:
+                continue
+            messages.append({"role": "user", "content": line})
+            prompt = _chat_prompt_ids(tokenizer, messages)
+            try:
+                reply = runner.run(stream_reply(engine, prompt, sampling))
+            except ValueError as exc:  # the conversation outgrew the context: let the user go on
+                messages.pop()
+                print(f"{PROG}: {exc}; /reset starts over", file=sys.stderr)
+                continue
+            messages.append({"role": "assistant", "content": reply.text})
+        return 0
+
+    return _with_engine(config, session)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        return args.run(args)
+    except KeyboardInterrupt:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # end the ^C line
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except GenerationError as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except (UsageError, ValueError, OSError) as exc:
+        log.debug("%s failed", PROG, exc_info=True)  # the traceback, for --log-level debug
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
