@@ -1,17 +1,19 @@
 """Paged attention in plain torch: the CPU path, and the reference for the Triton kernels.
 
-The KV pool of one layer is two tensors ``[num_pages, page_size, num_kv_heads, head_dim]``; a slot
-is ``page_id * page_size + offset``. A step's tokens are packed into one row dimension:
+The KV pool of one layer is two tensors ``[num_kv_heads, num_pages, page_size, head_dim]``; a slot
+is ``page_id * page_size + offset``. Heads come first so that gathering a sequence's pages for one
+head yields contiguous ``[context_len, head_dim]`` rows that batched matmuls read directly.
+A step's tokens are packed into one row dimension:
 
     rows [0, num_decodes)                     one token per decoding sequence
     rows [num_decodes, num_tokens)            prefill chunks, one sequence after another
 
 Decodes are batched: each bucket of decodes with similar context lengths gathers its sequences'
-pages into one padded ``[B, max_len]`` block (whole pages, so the gather copies contiguous runs)
-and runs one attention call. Grouped-query heads are folded into query rows
-(``[B, kv_heads, group, head_dim]``), which the CPU kernels run much faster than their GQA path.
-A prefill chunk with no earlier context attends to its own fresh K/V (causal); a chunk over
-cached context gathers that context and masks causally with the chunk at its end.
+pages into one padded block and runs two batched matmuls over (kv head, sequence) pairs, the
+grouped query heads of a kv head being the rows of its query matrix. (The CPU SDPA kernels are
+tuned for long queries and run this shape an order of magnitude slower.) A prefill chunk with no
+earlier context attends to its own fresh K/V (causal SDPA); a chunk over cached context gathers
+that context and masks causally with the chunk at its end.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 class DecodeBucket:
     rows: torch.Tensor  # [B] int64: the rows of these decodes in the packed batch
     page_table: torch.Tensor  # [B, max_pages] int64, padded with page 0
-    bias: torch.Tensor  # [B, 1, 1, max_pages * page_size]: 0 where attended, -inf past the end
+    bias: torch.Tensor  # [B, 1, max_pages * page_size] fp32: 0 where attended, -inf past the end
 
 
 @dataclass(slots=True)
@@ -53,19 +55,18 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # k, v: [num_tokens, num_kv_heads, head_dim]; caches viewed as [num_slots, kv_heads, head_dim]
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # k, v: [num_tokens, kv_heads, head_dim]; caches viewed as [kv_heads, num_slots, head_dim]
+    kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """cache: [num_pages, page_size, kv_heads, head_dim]; pages: [..., P] ->
-    [..., kv_heads, P * page_size, head_dim] (the heads-first layout attention wants)."""
-    num_pages, page_size, kv_heads, head_dim = cache.shape
-    gathered = cache.view(num_pages, -1).index_select(0, pages.reshape(-1))
-    gathered = gathered.view(*pages.shape[:-1], pages.shape[-1] * page_size, kv_heads, head_dim)
-    return gathered.transpose(-3, -2)
+    """cache: [kv_heads, num_pages, page_size, head_dim]; pages: [B, P] (or [P]) ->
+    [kv_heads * B, P * page_size, head_dim] (or [kv_heads, P * page_size, head_dim])."""
+    kv_heads, num_pages, page_size, head_dim = cache.shape
+    gathered = cache.view(kv_heads, num_pages, -1).index_select(1, pages.reshape(-1))
+    return gathered.view(-1, pages.shape[-1] * page_size, head_dim)
 
 
 def paged_attention(
@@ -80,41 +81,60 @@ def paged_attention(
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
     for bucket in meta.decode_buckets:
-        b = bucket.rows.shape[0]
-        # Head h reads kv head h // group, so the query heads fold into [b, kv_heads, group, d].
-        query = q.index_select(0, bucket.rows).view(b, num_kv_heads, group, head_dim)
-        keys = gather_pages(k_cache, bucket.page_table)  # [b, kv_heads, max_len, d]
-        values = gather_pages(v_cache, bucket.page_table)
-        result = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=bucket.bias.to(q.dtype), scale=scale
-        )
-        out.index_copy_(0, bucket.rows, result.view(b, num_heads, head_dim))
-    gqa = group != 1
+        out.index_copy_(0, bucket.rows, _decode_attention(q, k_cache, v_cache, bucket, scale))
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        if chunk.pages is None:
-            keys = k[rows].transpose(0, 1).unsqueeze(0)
-            values = v[rows].transpose(0, 1).unsqueeze(0)
-        else:
-            context_len = chunk.mask.shape[1]
-            keys = gather_pages(k_cache, chunk.pages)[:, :context_len].unsqueeze(0)
-            values = gather_pages(v_cache, chunk.pages)[:, :context_len].unsqueeze(0)
-        out[rows] = (
-            F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=chunk.mask,
-                is_causal=chunk.mask is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            .squeeze(0)
-            .transpose(0, 1)
-        )
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+) -> torch.Tensor:
+    b = bucket.rows.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[0]
+    group = num_heads // kv_heads
+    # Head h reads kv head h // group: query rows [kv_heads * b, group, head_dim].
+    query = q.index_select(0, bucket.rows).view(b, kv_heads, group, head_dim)
+    query = query.transpose(0, 1).reshape(kv_heads * b, group, head_dim)
+    keys = gather_pages(k_cache, bucket.page_table)  # [kv_heads * b, max_len, head_dim]
+    values = gather_pages(v_cache, bucket.page_table)
+    bias = bucket.bias.repeat(kv_heads, 1, 1)  # [kv_heads * b, 1, max_len], -inf past the end
+    scores = torch.baddbmm(bias.to(q.dtype), query, keys.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    result = torch.bmm(probs, values)  # [kv_heads * b, group, head_dim]
+    return result.view(kv_heads, b, group, head_dim).transpose(0, 1).reshape(b, num_heads, -1)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+    if chunk.pages is None:
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    else:
+        context_len = chunk.mask.shape[1]
+        keys = gather_pages(k_cache, chunk.pages)[:, :context_len].unsqueeze(0)
+        values = gather_pages(v_cache, chunk.pages)[:, :context_len].unsqueeze(0)
+    result = F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return result.squeeze(0).transpose(0, 1)

@@ -125,5 +125,5 @@ class ModelRunner:
         return DecodeBucket(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             page_table=table.to(device),
-            bias=bias[:, None, None, :].to(device),
+            bias=bias[:, None, :].to(device),
         )

@@ -66,8 +66,8 @@ class Worker:
                 f"the KV pool holds {num_pages * page_size} tokens, less than one request's "
                 f"context of {max_len}: raise cache.kv_cache_gib or lower model.max_model_len"
             )
-        # Per layer: K and V pools [num_pages, page_size, kv_heads, head_dim].
-        kv_shape = (num_pages, page_size, shape.num_kv_heads, shape.head_dim)
+        # Per layer: K and V pools [kv_heads, num_pages, page_size, head_dim] (see attention.py).
+        kv_shape = (shape.num_kv_heads, num_pages, page_size, shape.head_dim)
         dtype, device = self.loaded.dtype, self.device
         self.kv_caches = [
             (
