@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import tomllib
@@ -38,6 +40,7 @@ _SETTING_PREFIX = "cfg:"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool killed by the signal reports
 
 
 class UsageError(Exception):
@@ -230,6 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
         tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise UsageError(f"model {config.model.model!r} has no tokenizer; --prompt needs one")
         prompt: str | list[int] = args.prompt
         if _has_chat_template(tokenizer):
             prompt = _chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
@@ -272,6 +277,8 @@ def _chat(args: argparse.Namespace) -> int:
                 break
             if command == "/reset":
                 messages = list(opening)
+                if interactive:
+                    print("(history cleared)", file=sys.stderr)
                 continue
             if not command:
                 continue
@@ -292,6 +299,12 @@ def _chat(args: argparse.Namespace) -> int:
 # -- entry point ----------------------------------------------------------------------------
 
 
+def _silence_stdout() -> None:
+    # Python flushes stdout again at exit; into a closed pipe that prints one more traceback.
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -310,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:  # `yaied serve | head`: the reader left; stop as quietly as it did
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except GenerationError as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED

@@ -7,6 +7,7 @@ they are batched continuously exactly as concurrent HTTP requests would be.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,8 +33,8 @@ class LLM:
         if dtype is not None:
             settings["model.dtype"] = dtype
         self.config: EngineConfig = load_config(config_path, overrides=settings)
-        self._loop = asyncio.new_event_loop()
         self.engine = AsyncEngine(self.config, show_progress=show_progress)
+        self._loop = asyncio.new_event_loop()
 
     @property
     def tokenizer(self):
@@ -105,6 +106,13 @@ class LLM:
         if not self._loop.is_closed():
             self._loop.run_until_complete(self.engine.shutdown())
             self._loop.close()
+
+    def __del__(self) -> None:
+        # Scripts often drop an LLM without close(); stop the engine task quietly then.
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            with contextlib.suppress(Exception):
+                self.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -42,9 +42,13 @@ class AsyncEngine:
         self.config = config
         # The one worker thread: it builds the worker, so model and KV tensors live with it.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yaied-worker")
-        self.worker: Worker = self._executor.submit(
-            Worker, config, show_progress=show_progress
-        ).result()
+        try:
+            self.worker: Worker = self._executor.submit(
+                Worker, config, show_progress=show_progress
+            ).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
         self.info: WorkerInfo = self.worker.info
         self.inputs = InputProcessor(self.worker.loaded, self.info)
         self.pool = PagePool(self.info.num_pages, self.info.page_size)
@@ -156,7 +160,7 @@ class AsyncEngine:
                 self._apply(batch, output)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # a bug in the loop: fail everyone rather than hang them
+        except Exception as exc:  # a bug in the loop: fail everyone rather than hang them
             log.exception("engine loop crashed")
             self.dead = exc
             for request_id in list(self._streams):

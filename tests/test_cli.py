@@ -1,0 +1,276 @@
+"""The command line: generated config flags, one-line errors, and `serve`/`chat` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import re
+import sys
+
+import pytest
+
+from yaied import cli
+from yaied.config import SECTIONS
+from yaied.engine.async_engine import AsyncEngine
+from yaied.request import FinishReason, TokenEvent
+
+SAMPLE_VALUES = {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x")}
+
+
+@pytest.fixture(autouse=True)
+def no_config_env(monkeypatch):
+    # A YAIED_<SECTION>_<KEY> in the caller's shell must not change what these tests see.
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            monkeypatch.delenv(f"YAIED_{section}_{f.name}".upper(), raising=False)
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+
+def test_every_setting_has_a_flag():
+    flags = {spec.setting: spec.flag for spec in cli.setting_flags()}
+    settings = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert set(flags) == settings
+    assert len(set(flags.values())) == len(flags)
+    for flag in ("--max-num-seqs", "--page-size", "--kv-cache-gib", "--dtype", "--model"):
+        assert flag in flags.values()
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_each_flag_parses_to_a_typed_override(command):
+    for spec in cli.setting_flags():
+        if spec.kind is bool:
+            assert cli.config_overrides(parse(command, spec.flag)) == {spec.setting: True}
+            negated = "--no-" + spec.flag.removeprefix("--")
+            assert cli.config_overrides(parse(command, negated)) == {spec.setting: False}
+        else:
+            raw, value = SAMPLE_VALUES[spec.kind]
+            overrides = cli.config_overrides(parse(command, spec.flag, raw))
+            assert overrides == {spec.setting: value}
+            assert type(overrides[spec.setting]) is spec.kind
+
+
+def test_only_given_flags_become_overrides():
+    assert cli.config_overrides(parse("serve")) == {}
+    assert cli.config_overrides(
+        parse("chat", "--page-size", "8", "--no-enable-prefix-caching")
+    ) == {
+        "cache.page_size": 8,
+        "cache.enable_prefix_caching": False,
+    }
+
+
+def test_flags_over_env_over_toml(tmp_path, monkeypatch):
+    path = tmp_path / "yaied.toml"
+    path.write_text(
+        "[cache]\npage_size = 8\n[scheduler]\nmax_num_seqs = 2\nmax_num_batched_tokens = 64\n"
+    )
+    monkeypatch.setenv("YAIED_SCHEDULER_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("YAIED_SCHEDULER_MAX_NUM_BATCHED_TOKENS", "128")
+    args = parse("serve", "--config", str(path), "--max-num-batched-tokens", "256")
+    config = cli.load_cli_config(args)
+    assert config.cache.page_size == 8  # TOML, untouched by an unset flag
+    assert config.scheduler.max_num_seqs == 3  # env over TOML
+    assert config.scheduler.max_num_batched_tokens == 256  # flag over env
+
+
+def test_serve_and_chat_defaults():
+    serve = parse("serve")
+    assert (serve.host, serve.port, serve.max_tokens) == ("127.0.0.1", 8000, 64)
+    assert serve.prompt and serve.log_level == "warning"
+    chat = parse("chat")
+    assert (chat.temperature, chat.top_p, chat.max_tokens, chat.system) == (0.7, None, 256, None)
+
+
+def test_help_exits_zero(capsys):
+    code, out, _ = run_main(capsys, "serve", "--help")
+    assert code == 0
+    assert "--page-size" in out and "--no-enable-prefix-caching" in out
+    assert "daemon" in out  # --host/--port wait for the HTTP server
+
+
+# -- errors: one line, exit 2 ---------------------------------------------------------------
+
+
+def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
+    assert code == 2
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("yaied: error: ")
+    assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        ([], "required"),
+        (["frob"], "invalid choice: 'frob'"),
+        (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+        (["serve", "--page-size", "x"], r"--page-size: invalid int value: 'x'"),
+        (["serve", "--page-size", "0"], r"cache\.page_size must be an integer >= 1"),
+        (["serve", "--dtype", "int8"], r"model\.dtype must be one of"),
+        (["chat", "--policy", "x"], r"scheduler\.policy must be one of"),
+        (["serve", "--kv-cache-gib", "0"], r"cache\.kv_cache_gib must be > 0"),
+        (["serve", "--port", "0"], r"--port: port must be an integer in 1\.\.65535"),
+        (["serve", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["chat", "--temperature", "-1"], "temperature must be >= 0"),
+        (["chat", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
+        (["serve", "--log-level", "loud"], "--log-level: invalid choice"),
+    ],
+)
+def test_bad_flags_and_values(capsys, argv, pattern):
+    assert_one_line_error(*run_main(capsys, *argv), pattern)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    missing = tmp_path / "nope.toml"
+    result = run_main(capsys, "serve", "--config", str(missing))
+    assert_one_line_error(*result, rf"cannot read {re.escape(str(missing))}: No such file")
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("[cache\npage_size = 8\n", r"yaied\.toml: .*line 1"),
+        ("[cache]\npage_sise = 8\n", r"unknown setting cache\.page_sise"),
+        ('[cache]\nkv_cache_gib = "1"\n', "bad config value"),
+    ],
+)
+def test_bad_config_files(capsys, tmp_path, text, pattern):
+    path = tmp_path / "yaied.toml"
+    path.write_text(text)
+    assert_one_line_error(*run_main(capsys, "serve", "--config", str(path)), pattern)
+
+
+def test_bad_env_value(capsys, monkeypatch):
+    monkeypatch.setenv("YAIED_CACHE_PAGE_SIZE", "sixteen")
+    assert_one_line_error(*run_main(capsys, "chat"), "YAIED_CACHE_PAGE_SIZE='sixteen'")
+
+
+def test_unknown_model(capsys, tmp_path):
+    result = run_main(capsys, "serve", "--model", str(tmp_path / "no-such-model"))
+    assert_one_line_error(*result, "unknown model")
+
+
+@pytest.mark.parametrize(
+    ("command", "pattern"), [("chat", "has no chat template"), ("serve", "has no tokenizer")]
+)
+def test_a_model_without_tokenizer(capsys, tiny_model_dirs, monkeypatch, command, pattern):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    argv = [command, "--model", str(tiny_model_dirs["llama"]), "--kv-cache-gib", "0.01"]
+    assert_one_line_error(*run_main(capsys, *argv), pattern)
+
+
+# -- interrupts and engine failures ---------------------------------------------------------
+
+
+def test_ctrl_c_exits_130_quietly(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_serve", interrupted)
+    assert run_main(capsys, "serve") == (130, "", "")
+
+
+class FailingEngine:
+    async def generate(self, prompt, **sampling):
+        yield TokenEvent("r", [5], "par", None)
+        yield TokenEvent("r", [], "", FinishReason.ERROR, error="worker died")
+
+
+def test_a_failed_generation_exits_1_with_one_line(capsys, monkeypatch):
+    def serve(args):
+        return asyncio.run(cli.stream_reply(FailingEngine(), "hi", {}))
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    code, out, err = run_main(capsys, "serve")
+    assert code == 1
+    assert out == "par"  # what streamed before the failure stays printed
+    assert err == "yaied: error: generation failed: worker died\n"
+
+
+# -- end to end with the default model ------------------------------------------------------
+
+# One torch thread: with every core, a test run beside other busy processes was measured 25x
+# slower per step (OpenMP threads waiting on a preempted sibling).
+ONE_THREAD = ("--threads", "1")
+
+
+@pytest.fixture
+def torch_threads_restored():
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the worker set it for the whole process
+
+
+@pytest.fixture
+def generate_calls(monkeypatch) -> list[dict[str, str]]:
+    """Record each accepted generation's prompt (decoded) and text, passing the events through."""
+    calls: list[dict[str, str]] = []
+    real = AsyncEngine.generate
+
+    async def generate(self, prompt, *args, **kwargs):
+        events = real(self, prompt, *args, **kwargs)
+        first = await anext(events)  # a rejected prompt raises here, before any record
+        call = {"prompt": self.tokenizer.decode(prompt), "text": first.text}
+        calls.append(call)
+        yield first
+        async for event in events:
+            call["text"] += event.text
+            yield event
+
+    monkeypatch.setattr(AsyncEngine, "generate", generate)
+    return calls
+
+
+@pytest.mark.slow
+def test_chat_keeps_history_resets_and_survives_a_too_long_turn(
+    capsys, monkeypatch, generate_calls, torch_threads_restored
+):
+    too_long = "word " * 300  # over --max-model-len: reported, dropped, the chat goes on
+    lines = ["Hello!", "What is 2+2?", "/reset", too_long, "", "Bye", "/exit", "never read"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    argv = [
+        "chat",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--max-model-len",
+        "256",
+        *ONE_THREAD,
+    ]
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0, err
+    assert len(generate_calls) == 3
+    first, second, third = generate_calls
+    assert "Hello!" in first["prompt"]
+    assert "Hello!" in second["prompt"] and first["text"] in second["prompt"]
+    assert "What is 2+2?" in second["prompt"]
+    assert "Hello!" not in third["prompt"] and "Bye" in third["prompt"]
+    assert all(call["text"].strip() for call in generate_calls)
+    # No "> " prompt without a TTY: stdout holds just the replies, one per line break.
+    assert out == "".join(call["text"] + "\n" for call in generate_calls)
+    assert "exceeds the model's context length" in err and "/reset" in err
+
+
+@pytest.mark.slow
+def test_serve_prints_the_answer_and_a_rate(capsys, torch_threads_restored):
+    code, out, err = run_main(capsys, "serve", "--max-tokens", "4", *ONE_THREAD)
+    assert code == 0, err
+    assert out.strip()
+    assert re.search(r"^[1-4] tokens in \d+\.\d\d s \(\d+\.\d tok/s\)$", err, re.MULTILINE), err

@@ -1,0 +1,70 @@
+"""Model loading: dummy weights, dtypes, clear errors for what cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY_CONFIGS
+from yaied import LLM, SamplingParams
+
+
+def test_dummy_model_from_a_config_file(tmp_path):
+    path = tmp_path / "tiny-qwen3.json"
+    path.write_text(json.dumps(TINY_CONFIGS["qwen3"]))
+    with LLM(
+        str(path), load_format="dummy", dtype="bfloat16", kv_cache_gib=0.01, show_progress=False
+    ) as llm:
+        assert llm.tokenizer is None and llm.model_folder is None
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4 and out.text == ""
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate(["text"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes_run_and_agree_with_fp32_on_the_first_token(tiny_model_dirs, dtype):
+    folder = str(tiny_model_dirs["llama"])
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with LLM(folder, dtype="float32", kv_cache_gib=0.01, show_progress=False) as llm:
+        ref = llm.generate(prompt, params)[0].token_ids
+    with LLM(folder, dtype=dtype, kv_cache_gib=0.01, show_progress=False) as llm:
+        assert llm.engine.worker.loaded.dtype == getattr(torch, dtype)
+        assert llm.generate(prompt, params)[0].token_ids == ref
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    path = tmp_path / "gpt2.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_layer": 1,
+                "n_embd": 32,
+                "n_head": 2,
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+        LLM(str(path), load_format="dummy", show_progress=False)
+
+
+def test_pool_too_small_for_one_context_is_refused(tiny_model_dirs):
+    with pytest.raises(ValueError, match="KV pool holds"):
+        LLM(str(tiny_model_dirs["llama"]), kv_cache_gib=1e-5, show_progress=False)
+
+
+def test_unknown_setting_and_bad_value_are_clear_errors(tiny_model_dirs):
+    with pytest.raises(ValueError, match="unknown setting 'max_seqs'"):
+        LLM(str(tiny_model_dirs["llama"]), max_seqs=4)
+    with pytest.raises(ValueError, match="model.dtype"):
+        LLM(str(tiny_model_dirs["llama"]), dtype="int8")
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="not downloaded|hub"):
+        LLM("meta-llama/Llama-3-8B", show_progress=False)
