@@ -145,7 +145,7 @@ def test_missing_config_file(capsys, tmp_path):
     [
         ("[cache\npage_size = 8\n", r"yaied\.toml: .*line 1"),
         ("[cache]\npage_sise = 8\n", r"unknown setting cache\.page_sise"),
-        ('[cache]\nkv_cache_gib = "1"\n', "bad config value"),
+        ('[cache]\nkv_cache_gib = "1"\n', "kv_cache_gib must be a float"),
     ],
 )
 def test_bad_config_files(capsys, tmp_path, text, pattern):

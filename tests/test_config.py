@@ -203,3 +203,22 @@ def test_config_is_hashable_and_replace_validates():
     assert hash(config) == hash(EngineConfig())
     with pytest.raises(ValueError, match=r"cache\.page_size"):
         dataclasses.replace(config.cache, page_size=0)
+
+
+def test_wrong_types_are_value_errors(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[cache]\nenable_prefix_caching = "no"\n')
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        load_config(path)
+    with pytest.raises(ValueError, match="max_num_seqs must be a int"):
+        load_config(overrides={"max_num_seqs": True})
+    assert load_config(overrides={"kv_cache_gib": 2}).cache.kv_cache_gib == 2.0
+
+
+def test_unknown_section_is_rejected_but_component_sections_pass(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[schedular]\nmax_num_seqs = 4\n")
+    with pytest.raises(ValueError, match=r"unknown config section \[schedular\]"):
+        load_config(path)
+    path.write_text('[server]\nhost = "0.0.0.0"\n')
+    assert load_config(path) == load_config()

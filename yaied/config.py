@@ -85,6 +85,9 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 
+# Sections of config/yaied.toml that other components (the daemon, the router) read.
+OTHER_SECTIONS = ("server", "router")
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -105,8 +108,11 @@ def load_config(
         with open(path, "rb") as f:
             data = tomllib.load(f)
         for section, table in data.items():
+            if section in OTHER_SECTIONS:
+                continue  # read by their own components
             if section not in SECTIONS:
-                continue  # sections of other components (server, router) are theirs to read
+                known = ", ".join([*SECTIONS, *OTHER_SECTIONS])
+                raise ValueError(f"unknown config section [{section}] in {path}; known: {known}")
             for key, value in table.items():
                 _field_type(section, key)  # rejects unknown keys
                 values[section][key] = value
@@ -119,6 +125,9 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         section, key = _split_key(dotted)
         values[section][key] = value
+    for section, table in values.items():
+        for key, value in table.items():
+            table[key] = _checked_type(section, key, value)
     built = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
     return EngineConfig(**built)
 
@@ -147,6 +156,16 @@ def _field_type(section: str, key: str) -> type:
         names = ", ".join(_field_names(SECTIONS[section]))
         raise ValueError(f"unknown setting {section}.{key}; known in [{section}]: {names}")
     return hints[key]
+
+
+def _checked_type(section: str, key: str, value: Any) -> Any:
+    """A value of the field's type (ints are accepted for floats), else a ValueError."""
+    kind = _field_type(section, key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{section}.{key} must be a {kind.__name__}, got {value!r}")
 
 
 def _parse_env(section: str, key: str, raw: str) -> Any:
