@@ -1,0 +1,356 @@
+"""Offline throughput of the engine on the DESIGN.md workloads, optionally against transformers.
+
+    .venv/bin/python scripts/bench_offline.py --workload W-mixed [--compare-hf] [--runs 3]
+
+Every prompt is submitted at once through ``yaied.LLM.generate`` (greedy, ignore_eos) and the
+wall time of that call is measured. One JSON line per run goes to stdout; logs go to stderr.
+
+Workloads (one ``random.Random(seed)`` draws every length first, then the token ids, uniformly
+from [0, vocab_size); run k uses seed k, so run 0 is the canonical workload and a later run never
+hits the prefix cache filled by an earlier one):
+
+- W-mixed:  32 prompts of 64..512 tokens, 64 output tokens each.
+- W-decode: 16 prompts of 32..128 tokens, 256 output tokens each.
+- W-prefix: 8 groups x 4 prompts: a shared 1024-token prefix plus 32 own tokens; 32 outputs.
+- W-nano:   256 prompts, input and output lengths each uniform in 100..1024.
+
+``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
+batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
+asked for are counted) and reports ``hf_output_tok_s`` and ``ratio`` = ours / hf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import torch
+
+WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano")
+HF_NANO_BATCH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def build_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
+    """All lengths are drawn before any token id, so lengths do not depend on the vocabulary."""
+    rng = random.Random(seed)
+    if name in ("W-mixed", "W-decode"):
+        count, low, high, out = (32, 64, 512, 64) if name == "W-mixed" else (16, 32, 128, 256)
+        input_lens = [rng.randint(low, high) for _ in range(count)]
+        prompts = [_random_ids(rng, n, vocab_size) for n in input_lens]
+        return Workload(name, prompts, [out] * count)
+    if name == "W-prefix":
+        # 8 groups of 4, in group order: g0p0 g0p1 g0p2 g0p3 g1p0 ...
+        prompts = []
+        for _ in range(8):
+            prefix = _random_ids(rng, 1024, vocab_size)
+            prompts += [prefix + _random_ids(rng, 32, vocab_size) for _ in range(4)]
+        return Workload(name, prompts, [32] * len(prompts))
+    if name == "W-nano":
+        input_lens = [rng.randint(100, 1024) for _ in range(256)]
+        output_lens = [rng.randint(100, 1024) for _ in range(256)]
+        prompts = [_random_ids(rng, n, vocab_size) for n in input_lens]
+        return Workload(name, prompts, output_lens)
+    raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
+
+
+# -- the machine and the model -------------------------------------------------------------------
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    # "auto" is bfloat16, as in the engine's loader.
+    return {"auto": torch.bfloat16, "bfloat16": torch.bfloat16}.get(name) or getattr(torch, name)
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak_gflops(dtype: torch.dtype, device: torch.device, reps: int = 5) -> float:
+    """The best throughput of square matmuls in `dtype`: the machine's practical matmul peak."""
+    sizes = (4096, 8192) if device.type == "cuda" else (1024, 1536, 2048)
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.matmul(a, b)  # warm-up: thread pool, kernel selection
+        _sync(device)
+        for _ in range(reps):
+            started = time.perf_counter()
+            torch.matmul(a, b)
+            _sync(device)
+            best = max(best, 2 * n**3 / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def matmul_params(hf_config: Any) -> int:
+    """Parameters that a token multiplies through: everything but the input embedding, with the
+    lm_head counted even when it is tied to the embedding."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only, no memory
+        model = AutoModelForCausalLM.from_config(hf_config)
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # tied tensors counted once
+    return total - embedding.numel() + (head.numel() if head is embedding else 0)
+
+
+# -- our engine ------------------------------------------------------------------------------
+
+
+def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"load_format": args.load_format, "threads": threads}
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.no_prefix_cache:
+        overrides["enable_prefix_caching"] = False
+    return overrides
+
+
+def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str, float]]:
+    """(elapsed seconds, output tokens, cached prompt tokens, deltas of the engine's counters)."""
+    from yaied import SamplingParams
+
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
+    ]
+    before = llm.stats()
+    started = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - started
+    after = llm.stats()
+    for i, (out, wanted) in enumerate(zip(outputs, workload.output_lens, strict=True)):
+        error = getattr(out, "error", None)
+        if error or len(out.token_ids) != wanted:
+            raise RuntimeError(
+                f"request {i}: {len(out.token_ids)} of {wanted} tokens, "
+                f"finish_reason={out.finish_reason}, error={error}"
+            )
+    deltas = {
+        key: after[key] - before.get(key, 0)
+        for key in ("prefix_cache_queries", "prefix_cache_hits", "num_steps", "num_preemptions")
+        if key in after
+    }
+    output_tokens = sum(len(out.token_ids) for out in outputs)
+    cached = sum(out.num_cached_tokens or 0 for out in outputs)
+    return elapsed, output_tokens, cached, deltas
+
+
+# -- transformers ----------------------------------------------------------------------------
+
+
+def load_hf_model(
+    args: argparse.Namespace, llm: Any, dtype: torch.dtype, device: torch.device
+) -> Any:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    # transformers renamed torch_dtype to dtype in 4.56.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    if args.load_format == "dummy":  # random weights, as the engine's: fine for throughput
+        model = AutoModelForCausalLM.from_config(llm.hf_config, **{dtype_kw: dtype})
+    else:
+        from yaied.worker.model_files import resolve_model_folder
+
+        folder = resolve_model_folder(args.model)
+        model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_kw: dtype})
+    return model.to(device).eval()
+
+
+def _eos_id(hf_config: Any) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def hf_generate(model: Any, prompts: list[list[int]], num_new: int, device: torch.device) -> float:
+    """One left-padded greedy `generate` of exactly `num_new` tokens per prompt; its seconds."""
+    from transformers import GenerationConfig
+
+    eos = _eos_id(model.config)
+    pad = eos if eos is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=eos,
+    )
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    _sync(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+        )
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    if out.shape[1] != width + num_new:
+        raise RuntimeError(f"transformers generated {out.shape[1] - width} of {num_new} tokens")
+    return elapsed
+
+
+def run_hf(model: Any, workload: Workload, device: torch.device) -> float:
+    """Seconds for the whole workload; W-nano (mixed output lengths) goes in batches of 64."""
+    if len(set(workload.output_lens)) == 1:
+        return hf_generate(model, workload.prompts, workload.output_lens[0], device)
+    elapsed = 0.0
+    for start in range(0, len(workload.prompts), HF_NANO_BATCH):
+        batch = slice(start, start + HF_NANO_BATCH)
+        elapsed += hf_generate(
+            model, workload.prompts[batch], max(workload.output_lens[batch]), device
+        )
+    return elapsed
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True, choices=WORKLOADS)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32")
+    )
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    parser.add_argument("--runs", type=int, default=1, help="timed runs; run k uses seed k")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = every core")
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--kv-cache-gib", type=float)
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    device = bench_device()
+    dtype = torch_dtype(args.dtype)
+
+    from yaied import LLM, SamplingParams
+
+    _log(f"loading {args.model} ({args.dtype}, load_format={args.load_format})")
+    llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads))
+    try:
+        llm.generate(
+            [list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
+        hf_model = None
+        if args.compare_hf:
+            _log("loading the transformers model")
+            hf_model = load_hf_model(args, llm, dtype, device)
+            hf_generate(hf_model, [list(range(1, 17))], 4, device)  # warm-up
+        _log("measuring the matmul peak")
+        peak = measure_matmul_peak_gflops(dtype, device)
+        params = matmul_params(llm.hf_config)
+        for run in range(args.runs):
+            workload = build_workload(args.workload, llm.vocab_size, seed=run)
+            _log(f"run {run}: {args.workload}, {len(workload.prompts)} requests")
+            record = _run_once(args, llm, hf_model, workload, run, peak, params, device)
+            sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
+            sys.stdout.flush()
+    finally:
+        llm.close()
+
+
+def _run_once(
+    args: argparse.Namespace,
+    llm: Any,
+    hf_model: Any,
+    workload: Workload,
+    seed: int,
+    peak: float,
+    params: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    elapsed, output_tokens, cached, deltas = run_engine(llm, workload)
+    prompt_tokens = workload.num_prompt_tokens
+    # Approximate: 2 FLOPs per parameter per token computed (prompt tokens not served from the
+    # prefix cache, plus outputs), ignoring attention's own FLOPs and that prefill runs lm_head
+    # only for the last position. Good enough to place us against the machine's matmul peak.
+    achieved = 2 * params * (prompt_tokens - cached + output_tokens) / elapsed / 1e9
+    record: dict[str, Any] = {
+        "workload": workload.name,
+        "model": args.model,
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "seed": seed,
+        "num_requests": len(workload.prompts),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "cached_prompt_tokens": cached,
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(output_tokens / elapsed, 2),
+        "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 2),
+        "matmul_peak_gflops": round(peak, 1),
+        "achieved_gflops": round(achieved, 1),
+        "roofline_share": round(achieved / peak, 4),
+    }
+    if deltas.get("prefix_cache_queries"):
+        record["prefix_cache_hit_rate"] = round(
+            deltas["prefix_cache_hits"] / deltas["prefix_cache_queries"], 4
+        )
+    record.update({k: v for k, v in deltas.items() if k in ("num_steps", "num_preemptions")})
+    if hf_model is not None:
+        hf_elapsed = run_hf(hf_model, workload, device)
+        hf_tok_s = workload.num_output_tokens / hf_elapsed
+        record["hf_elapsed_s"] = round(hf_elapsed, 3)
+        record["hf_output_tok_s"] = round(hf_tok_s, 2)
+        record["ratio"] = round(record["output_tok_s"] / hf_tok_s, 3)
+    return record
+
+
+if __name__ == "__main__":
+    main()
