@@ -18,6 +18,7 @@ that context and masks causally with the chunk at its end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,12 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class DecodeBucket:
-    rows: torch.Tensor  # [B] int64: the rows of these decodes in the packed batch
-    page_table: torch.Tensor  # [B, max_pages] int64, padded with page 0
-    bias: torch.Tensor  # [B, 1, max_pages * page_size] fp32: 0 where attended, -inf past the end
+    start: int  # the bucket's decodes are rows [start, start + count) of the packed batch
+    count: int
+    page_table: torch.Tensor  # [count, max_pages] int64, padded with page 0
+    # [kv_heads * count, 1, max_pages * page_size] in the model dtype: 0 where attended, -inf
+    # past each sequence's end
+    bias: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -42,10 +46,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class KernelDecodes:
+    """All decodes (rows [0, count)) for a fused decode kernel that reads pages in place."""
+
+    kernel: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, page_table, context_lens, scale)
+    count: int
+    page_table: torch.Tensor  # [count, max_pages] int64
+    context_lens: torch.Tensor  # [count] int64
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    decode_buckets: list[DecodeBucket]
+    decode_buckets: list[DecodeBucket]  # the torch path's decodes
     prefills: list[PrefillChunk]
+    kernel_decodes: KernelDecodes | None = None  # set instead of buckets where a kernel runs
 
 
 def write_kv(
@@ -81,8 +96,15 @@ def paged_attention(
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
+    fused = meta.kernel_decodes
+    if fused is not None:
+        rows = slice(0, fused.count)
+        out[rows] = fused.kernel(
+            q[rows], k_cache, v_cache, fused.page_table, fused.context_lens, scale
+        )
     for bucket in meta.decode_buckets:
-        out.index_copy_(0, bucket.rows, _decode_attention(q, k_cache, v_cache, bucket, scale))
+        rows = slice(bucket.start, bucket.start + bucket.count)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
@@ -96,18 +118,16 @@ def _decode_attention(
     bucket: DecodeBucket,
     scale: float,
 ) -> torch.Tensor:
-    b = bucket.rows.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    # q: [b, num_heads, head_dim], the bucket's rows
+    b, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     # Head h reads kv head h // group: query rows [kv_heads * b, group, head_dim].
-    query = q.index_select(0, bucket.rows).view(b, kv_heads, group, head_dim)
-    query = query.transpose(0, 1).reshape(kv_heads * b, group, head_dim)
+    query = q.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     keys = gather_pages(k_cache, bucket.page_table)  # [kv_heads * b, max_len, head_dim]
     values = gather_pages(v_cache, bucket.page_table)
-    bias = bucket.bias.repeat(kv_heads, 1, 1)  # [kv_heads * b, 1, max_len], -inf past the end
-    scores = torch.baddbmm(bias.to(q.dtype), query, keys.transpose(1, 2), alpha=scale)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    scores = torch.baddbmm(bucket.bias, query, keys.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     result = torch.bmm(probs, values)  # [kv_heads * b, group, head_dim]
     return result.view(kv_heads, b, group, head_dim).transpose(0, 1).reshape(b, num_heads, -1)
 

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from yaied.engine.scheduler import Batch, ScheduledSeq, StepOutput
-from yaied.worker.attention import AttentionMetadata, DecodeBucket, PrefillChunk
+from yaied.kernels.cpu_decode import CpuDecodeKernel
+from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.sampler import SamplingTensors, sample
 
 # Decodes are split into at most this many buckets of at least MIN_DECODE_BUCKET sequences.
@@ -31,8 +32,18 @@ class ModelRunner:
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.device = device
+        self.dtype = kv_caches[0][0].dtype
+        self.decode_kernel = self._load_decode_kernel(model) if device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+
+    def _load_decode_kernel(self, model: nn.Module) -> CpuDecodeKernel | None:
+        kernel = CpuDecodeKernel.load()
+        shape = model.shape
+        group = shape.num_heads // shape.num_kv_heads
+        if kernel is None or not kernel.supports(self.dtype, group, shape.head_dim):
+            return None
+        return kernel
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -45,38 +56,36 @@ class ModelRunner:
         token_ids = sample(logits, tensors, self.generator).tolist()  # the step's one host sync
         return StepOutput(token_ids, model_time=time.perf_counter() - start)
 
-    def _slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
+    def _slots(self, page_ids: list[int], start: int, end: int) -> list[int]:
         """KV slots of positions [start, end) of a sequence with the given page table."""
-        positions = torch.arange(start, end)
-        pages = torch.tensor(page_ids, dtype=torch.int64)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        size = self.page_size
+        return [page_ids[pos // size] * size + pos % size for pos in range(start, end)]
 
     def _prepare(self, seqs: list[ScheduledSeq]):
+        """Pack the batch into rows: decodes first, sorted by context length so that each decode
+        bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order."""
+        decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+        chunks = [s for s in seqs if len(s.token_ids) > 1]
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        sample_rows: list[int] = []
-        decodes: list[ScheduledSeq] = []
-        decode_rows: list[int] = []
+        slots: list[int] = []
+        first_row: dict[str, int] = {}
         prefill_chunks: list[PrefillChunk] = []
-        for seq in seqs:
+        for seq in decodes + chunks:
             n = len(seq.token_ids)
-            row = len(input_ids)
+            first_row[seq.request_id] = len(input_ids)
+            if n > 1:
+                prefill_chunks.append(self._prefill_chunk(seq, len(input_ids)))
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.start_pos + n)
-            slot_parts.append(self._slots(seq.page_ids, seq.start_pos, seq.start_pos + n))
-            if seq.sample:
-                sample_rows.append(row + n - 1)
-            if n == 1:
-                decodes.append(seq)
-                decode_rows.append(row)
-            else:
-                prefill_chunks.append(self._prefill_chunk(seq, row))
+            slots += self._slots(seq.page_ids, seq.start_pos, seq.start_pos + n)
+        sample_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs if s.sample]
         device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts).to(device),
-            decode_buckets=self._decode_buckets(decodes, decode_rows),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
             prefills=prefill_chunks,
+            kernel_decodes=self._kernel_decodes(decodes) if self.decode_kernel else None,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -96,34 +105,42 @@ class ModelRunner:
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, context_len] causal, chunk at the end
         return PrefillChunk(row, n, pages, mask)
 
-    def _decode_buckets(self, decodes: list[ScheduledSeq], rows: list[int]) -> list[DecodeBucket]:
-        """Group decodes of similar context length, so padding to the longest costs little."""
+    def _kernel_decodes(self, decodes: list[ScheduledSeq]) -> KernelDecodes | None:
+        if not decodes:
+            return None
+        max_pages = max(len(s.page_ids) for s in decodes)
+        table = [s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in decodes]
+        return KernelDecodes(
+            kernel=self.decode_kernel,
+            count=len(decodes),
+            page_table=torch.tensor(table, dtype=torch.int64),
+            context_lens=torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int64),
+        )
+
+    def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:
+        """Split the (length-sorted) decodes into runs of similar context length, so padding each
+        run to its longest costs little."""
         if not decodes:
             return []
-        order = sorted(range(len(decodes)), key=lambda i: decodes[i].start_pos)
-        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(order) // MIN_DECODE_BUCKET))
-        size = -(-len(order) // num_buckets)
+        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(decodes) // MIN_DECODE_BUCKET))
+        size = -(-len(decodes) // num_buckets)
         return [
-            self._decode_bucket([decodes[i] for i in part], [rows[i] for i in part])
-            for part in (order[j : j + size] for j in range(0, len(order), size))
+            self._decode_bucket(decodes[start : start + size], start)
+            for start in range(0, len(decodes), size)
         ]
 
-    def _decode_bucket(self, decodes: list[ScheduledSeq], rows: list[int]) -> DecodeBucket:
+    def _decode_bucket(self, decodes: list[ScheduledSeq], start: int) -> DecodeBucket:
         lengths = [s.start_pos + 1 for s in decodes]
         max_pages = -(-max(lengths) // self.page_size)
-        table = torch.tensor(
-            [
-                s.page_ids[:max_pages] + [0] * (max_pages - len(s.page_ids[:max_pages]))
-                for s in decodes
-            ],
-            dtype=torch.int64,
-        )
+        table = [s.page_ids[:max_pages] + [0] * (max_pages - len(s.page_ids)) for s in decodes]
         positions = torch.arange(max_pages * self.page_size)
         past_end = positions[None, :] >= torch.tensor(lengths)[:, None]
-        bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
-        device = self.device
+        bias = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, float("-inf"))
+        kv_heads = self.kv_caches[0][0].shape[0]
         return DecodeBucket(
-            rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            page_table=table.to(device),
-            bias=bias[:, None, :].to(device),
+            start=start,
+            count=len(decodes),
+            page_table=torch.tensor(table, dtype=torch.int64, device=self.device),
+            # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
+            bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )

@@ -1,0 +1,151 @@
+"""Launcher for the CPU paged decode-attention kernel (cpu_paged_decode.c).
+
+The torch path (yaied.worker.attention._decode_attention) gathers every sequence's pages into a
+padded copy and reads it again in two batched matmuls; on a CPU that is memory-bound work done
+three times. The C kernel reads K/V once, straight from the pages. It is compiled on first use with
+the system C compiler into the yaied cache folder and loaded with ctypes (no torch headers, so it
+builds in about a second); where no compiler is found the engine keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+# -fassociative-math lets the compiler vectorise the dot-product reductions; infinities stay
+# legal (the online softmax starts from -inf), so no -ffast-math.
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-fopenmp",
+]
+_FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+
+
+class CpuDecodeKernel:
+    """The compiled kernel; ``CpuDecodeKernel.load()`` returns None where it cannot be built."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for dtype, name in _FUNCTIONS.items():
+            function = getattr(library, name)
+            function.argtypes = _ARGTYPES
+            function.restype = ctypes.c_int
+            self._functions[dtype] = function
+
+    @classmethod
+    def load(cls, cache_dir: Path | None = None) -> CpuDecodeKernel | None:
+        if os.environ.get("YAIED_DISABLE_CPU_KERNELS"):
+            return None
+        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if compiler is None:
+            log.info("no C compiler found: CPU decode attention uses the torch path")
+            return None
+        try:
+            return cls(ctypes.CDLL(str(_build(compiler, cache_dir))))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
+            return None
+
+    def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+        return dtype in self._functions and group <= 16 and head_dim <= 256
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [rows, heads, head_dim]; caches: [kv_heads, num_pages, page_size, head_dim];
+        page_table: [rows, max_pages] int64; context_lens: [rows] int64. Returns like q."""
+        rows, heads, head_dim = q.shape
+        kv_heads, num_pages, page_size, cache_dim = k_cache.shape
+        _check(q.device.type == "cpu", "the CPU kernel needs CPU tensors")
+        _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
+        _check(v_cache.shape == k_cache.shape, "k and v caches differ in shape")
+        _check(q.dtype == k_cache.dtype == v_cache.dtype, "q and caches differ in dtype")
+        _check(page_table.dtype == context_lens.dtype == torch.int64, "indices must be int64")
+        _check(page_table.shape[0] == rows and context_lens.shape == (rows,), "bad index shapes")
+        q, page_table, context_lens = (t.contiguous() for t in (q, page_table, context_lens))
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
+        out = torch.empty_like(q)
+        status = self._functions[q.dtype](
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            page_table.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            0,
+            rows,
+            kv_heads,
+            heads // kv_heads,
+            head_dim,
+            num_pages,
+            page_size,
+            page_table.shape[1],
+            scale,
+        )
+        _check(status == 0, "the CPU kernel rejected the shapes")
+        return out
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _build(compiler: str, cache_dir: Path | None) -> Path:
+    """Compile once per source, flags and machine; later loads reuse the shared object."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join(CFLAGS).encode() + platform.machine().encode() + _cpu_flags()
+    ).hexdigest()[:16]
+    root = cache_dir or Path(os.environ.get("YAIED_CACHE_DIR", Path.home() / ".cache" / "yaied"))
+    target = root / "kernels" / f"cpu_paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(built, target)  # atomic: a concurrent build never leaves half a file
+    return target
+
+
+def _cpu_flags() -> bytes:
+    # -march=native code must not be reused on a different CPU sharing the cache folder.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
