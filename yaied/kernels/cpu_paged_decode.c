@@ -55,7 +55,7 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                       \
-    static void NAME##_one(const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, \
+    static inline __attribute__((always_inline)) void NAME##_one(const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, \
                            int64_t context_len, T *out, int64_t group, int64_t head_dim,         \
                            int64_t page_size, int64_t page_stride, float scale) {                \
         float query[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                      \
@@ -126,9 +126,20 @@ static inline uint16_t float_to_bf16(float f) {
         for (int64_t r = row_begin; r < row_end; r++) {                                          \
             for (int64_t h = 0; h < kv_heads; h++) {                                             \
                 int64_t offset = r * row_stride + h * group * head_dim;                          \
-                NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride,     \
-                           page_table + r * max_pages, context_lens[r], out + offset, group,     \
-                           head_dim, page_size, page_stride, scale);                             \
+                const int64_t *pages = page_table + r * max_pages;                               \
+                /* Constant head sizes let the compiler unroll and vectorise fully. */           \
+                if (head_dim == 64 && page_size == 16)                                           \
+                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
+                               pages, context_lens[r], out + offset, group, 64, 16, 16 * 64,     \
+                               scale);                                                           \
+                else if (head_dim == 128 && page_size == 16)                                     \
+                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
+                               pages, context_lens[r], out + offset, group, 128, 16, 16 * 128,   \
+                               scale);                                                           \
+                else                                                                             \
+                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
+                               pages, context_lens[r], out + offset, group, head_dim,            \
+                               page_size, page_stride, scale);                                   \
             }                                                                                    \
         }                                                                                        \
         return 0;                                                                                \
