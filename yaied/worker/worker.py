@@ -16,6 +16,7 @@ import torch
 
 from yaied.config import EngineConfig
 from yaied.engine.scheduler import Batch, StepOutput
+from yaied.worker.cpu_linear import can_pack, pack_linears
 from yaied.worker.loader import LoadedModel, load_model
 from yaied.worker.model_runner import ModelRunner
 
@@ -57,6 +58,8 @@ class Worker:
         self.loaded: LoadedModel = load_model(
             config.model, self.device, show_progress=show_progress
         )
+        if can_pack(self.loaded.dtype, self.device):
+            pack_linears(self.loaded.model, config.scheduler.max_num_batched_tokens)
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
         num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)
