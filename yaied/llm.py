@@ -87,9 +87,13 @@ class LLM:
     async def _collect(self, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
         token_ids: list[int] = []
         text: list[str] = []
+        logprobs: list = []
+        prompt_logprobs = None
         async for event in self.engine.generate(prompt, params):
             token_ids += event.token_ids
             text.append(event.text)
+            logprobs += event.logprobs or []
+            prompt_logprobs = prompt_logprobs or event.prompt_logprobs
             last = event
         return RequestOutput(
             request_id=last.request_id,
@@ -100,6 +104,8 @@ class LLM:
             stop_reason=last.stop_reason,
             num_cached_tokens=last.num_cached_tokens,
             error=last.error,
+            logprobs=logprobs if params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def close(self) -> None:

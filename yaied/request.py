@@ -5,7 +5,11 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps logit_bias values to [-100, 100]
 
 
 class FinishReason(enum.StrEnum):
@@ -29,6 +33,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Same seed, same tokens, whatever else shares the batch: each seeded draw gets its own
+    # generator, seeded from (seed, number of output tokens so far).
+    seed: int | None = None
+    # OpenAI penalties on the counts of OUTPUT tokens:
+    # logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' rule over prompt + output tokens: positive logits / p, negative logits * p.
+    repetition_penalty: float = 1.0
+    # Added to the raw logits before anything else. Accepts a dict {token_id: bias}; stored as
+    # sorted (token_id, bias) pairs so params stay hashable. Biases are clamped to [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
+    # Top-N alternatives per sampled token (0: the sampled token's logprob only), and per prompt
+    # token. Logprobs are the log-softmax of the RAW model logits, before logit_bias, penalties,
+    # temperature and top-k/top-p (vLLM's default): they describe the model, not the sampler.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop); store tuples so params stay hashable.
@@ -36,6 +58,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(
@@ -56,10 +79,42 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
         )
+        self._check_openai_knobs()
+
+    def _check_openai_knobs(self) -> None:
+        _check(self.seed is None or _integer(self.seed), "seed must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value), f"{name} must be a finite number")
+            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
+        _check(_finite(self.repetition_penalty), "repetition_penalty must be a finite number")
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        _check(_integer(self.min_tokens), "min_tokens must be an integer")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> SamplingParams:
@@ -76,6 +131,32 @@ class SamplingParams:
 
 def _finite(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """A {token_id: bias} mapping (or (id, bias) pairs) as sorted pairs, biases clamped to
+    [-100, 100] as OpenAI does. JSON object keys arrive as strings, so decimal strings count as
+    ids. Whether an id is below the vocabulary size is the engine's check."""
+    items = value.items() if isinstance(value, Mapping) else value
+    _check(isinstance(items, Iterable), "logit_bias must map token ids to numbers")
+    pairs: dict[int, float] = {}
+    for item in items:  # type: ignore[union-attr]
+        _check(
+            isinstance(item, tuple | list) and len(item) == 2, "logit_bias must map ids to numbers"
+        )
+        token, bias = item
+        if isinstance(token, str) and token.isdecimal():
+            token = int(token)
+        _check(
+            _integer(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}"
+        )
+        _check(_finite(bias), f"logit_bias values must be finite numbers, got {bias!r}")
+        pairs[token] = min(max(float(bias), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+    return tuple(sorted(pairs.items()))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -107,7 +188,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # The page table. Its first num_shared_pages pages belong to the radix cache (locked through
+    # prefix_node while this request uses them); the rest are the request's own.
     page_ids: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0
+    prefix_node: object | None = None
+    prefix_counted: bool = False  # its prompt was counted in the cache's query/hit totals
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
@@ -136,6 +222,17 @@ class Request:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """One token's log-probability under the raw model distribution, and the top-N alternatives
+    (most likely first; empty when N is 0)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class TokenEvent:
     """One item of a request's stream: new tokens and text, and the finish reason on the last."""
 
@@ -148,6 +245,9 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
+    # On the first event, when asked for: one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,3 +266,5 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -5,16 +5,18 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import SchedulerConfig
 from yaied.engine.scheduler import Scheduler, StepOutput
 from yaied.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
-def make(num_pages=64, page_size=4, budget=32, max_seqs=8, max_len=1024):
+def make(num_pages=64, page_size=4, budget=32, max_seqs=8, max_len=1024, caching=False):
     pool = PagePool(num_pages, page_size)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
-    return Scheduler(config, pool, max_len), pool
+    kv = KVCacheManager(pool, enable_prefix_caching=caching)
+    return Scheduler(config, kv, max_len), pool
 
 
 def request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
@@ -119,3 +121,63 @@ def test_random_workloads_finish_and_return_every_page(
         steps += 1
         assert steps < 2000
     assert pool.num_free == pool.num_pages
+
+
+def run_to_end(scheduler):
+    while scheduler.has_work:
+        step(scheduler)
+
+
+def test_a_later_request_starts_from_the_cached_prefix():
+    scheduler, pool = make(page_size=4, budget=64, caching=True)
+    prefix = list(range(1, 13))  # three full pages
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    scheduler.add(Request("a", prefix + [50, 51], params))
+    run_to_end(scheduler)
+    b = Request("b", prefix + [60, 61, 62], params)
+    scheduler.add(b)
+    batch, _ = step(scheduler)
+    assert b.num_cached_tokens == 12
+    assert [(s.start_pos, len(s.token_ids)) for s in batch.seqs] == [(12, 3)]
+    run_to_end(scheduler)
+    assert scheduler.kv.num_queried_tokens == 14 + 15 and scheduler.kv.num_hit_tokens == 12
+
+
+def test_chunks_of_a_running_prefill_are_shared_at_once():
+    scheduler, _ = make(page_size=4, budget=8, caching=True)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    long = Request("long", list(range(1, 30)), params)
+    scheduler.add(long)
+    step(scheduler)  # first chunk: tokens 0..7, two full pages, cached right away
+    twin = Request("twin", list(range(1, 9)) + [99], params)
+    scheduler.add(twin)
+    while twin.status is RequestStatus.WAITING:
+        step(scheduler)
+    assert not long.is_finished  # its pages were cached while it still runs
+    assert twin.num_cached_tokens == 8
+
+
+def test_disabled_cache_never_hits():
+    scheduler, _ = make(page_size=4, budget=64, caching=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for name in "ab":
+        scheduler.add(Request(name, list(range(1, 20)), params))
+        run_to_end(scheduler)
+    assert scheduler.kv.num_hit_tokens == 0 and scheduler.kv.tree.num_cached_pages == 0
+
+
+def test_preempted_request_resumes_from_its_cached_pages():
+    scheduler, pool = make(num_pages=6, page_size=4, budget=64, caching=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.add(Request("old", list(range(1, 9)), params))
+    scheduler.add(Request("new", list(range(20, 28)), params))
+    resumed_from = None
+    while scheduler.has_work:
+        new = scheduler.requests.get("new")
+        was_waiting = new is not None and new.status is RequestStatus.WAITING
+        step(scheduler)
+        if was_waiting and new.output_token_ids and new.status is RequestStatus.RUNNING:
+            resumed_from = resumed_from or new.num_cached_tokens
+    assert scheduler.num_preemptions >= 1
+    assert resumed_from and resumed_from >= 8  # its prompt pages came back from the cache
+    assert pool.num_free + scheduler.kv.tree.num_cached_pages == pool.num_pages

@@ -63,10 +63,10 @@ def test_logits_match_transformers(pair):
     pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
     try:
         seq = ScheduledSeq("x", prompt, 0, pages, True, SamplingParams(temperature=0.0))
-        input_ids, positions, meta, rows = runner._prepare([seq])
+        prep = runner._prepare([seq])
         with torch.inference_mode():
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-            ours = runner.model.compute_logits(hidden[rows])[0]
+            hidden = runner.model(prep.input_ids, prep.positions, runner.kv_caches, prep.meta)
+            ours = runner.model.compute_logits(hidden[prep.sample_rows])[0]
             theirs = reference(torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     finally:

@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import EngineConfig
 from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.scheduler import Batch, Scheduler, StepOutput
 from yaied.engine.validation import InputProcessor
-from yaied.request import FinishReason, Request, SamplingParams, TokenEvent
+from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.worker.worker import Worker, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class _Stream:
     request: Request
     queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer | None
+    # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class AsyncEngine:
@@ -52,7 +55,10 @@ class AsyncEngine:
         self.info: WorkerInfo = self.worker.info
         self.inputs = InputProcessor(self.worker.loaded, self.info)
         self.pool = PagePool(self.info.num_pages, self.info.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.info.max_model_len)
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.info.max_model_len)
         self._streams: dict[str, _Stream] = {}
         self._inbox: deque[_Stream] = deque()
         self._aborts: deque[str] = deque()
@@ -118,8 +124,12 @@ class AsyncEngine:
         return {
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
-            "num_free_pages": self.pool.num_free,
+            # Cached pages that no running request uses count as free (they are evicted on demand).
+            "num_free_pages": self.kv.num_free_pages,
             "num_pages": self.pool.num_pages,
+            "num_cached_pages": self.kv.tree.num_cached_pages,
+            "prefix_cache_queries": self.kv.num_queried_tokens,
+            "prefix_cache_hits": self.kv.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
         }
@@ -180,6 +190,11 @@ class AsyncEngine:
             for seq in batch.seqs:
                 self._finish_stream(seq.request_id, FinishReason.ERROR, error=output.error)
             return
+        logprobs = self._logprobs_by_request(batch, output)
+        for request_id, scored in output.prompt_logprobs.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.prompt_logprobs = (stream.prompt_logprobs or []) + scored
         for request in self.scheduler.update(batch, output):
             stream = self._streams[request.request_id]
             token = request.output_token_ids[-1]
@@ -195,7 +210,26 @@ class AsyncEngine:
                 stop_reason = token if token in request.params.stop_token_ids else None
             if reason is not None and stop_string is None and stream.detokenizer is not None:
                 text += stream.detokenizer.flush()
-            self._emit(stream, [token], text, reason, stop_reason, None)
+            token_logprobs = logprobs.get(request.request_id)
+            prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
+            self._emit(
+                stream,
+                [token],
+                text,
+                reason,
+                stop_reason,
+                None,
+                logprobs=None if token_logprobs is None else [token_logprobs],
+                prompt_logprobs=prompt_logprobs,
+            )
+
+    @staticmethod
+    def _logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:
+        if output.sampled_logprobs is None:
+            return {}
+        sampled = [seq.request_id for seq in batch.seqs if seq.sample]
+        pairs = zip(sampled, output.sampled_logprobs, strict=True)
+        return {request_id: lp for request_id, lp in pairs if lp is not None}
 
     def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         """End a request that did not finish by itself (abort, error), freeing its pages."""
@@ -217,6 +251,9 @@ class AsyncEngine:
         reason: FinishReason | None,
         stop_reason: str | int | None,
         error: str | None,
+        *,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> None:
         request = stream.request
         stream.queue.put_nowait(
@@ -230,6 +267,8 @@ class AsyncEngine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=len(request.output_token_ids),
                 num_cached_tokens=request.num_cached_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
         if reason is not None:

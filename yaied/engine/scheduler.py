@@ -7,19 +7,21 @@ the worker samples the next one.
 
 Each step: decodes of running requests first (latency), then the unfinished prefills of running
 requests, then waiting requests in arrival order while the token budget, the running-request limit
-and free pages allow. A running request that cannot get a page preempts the newest running request
-(recompute: its pages are freed and it re-queues at the front with its output kept).
+and free pages allow (cached pages nobody uses count as free; they are evicted on demand). A
+waiting request first takes the longest cached prefix of its tokens and prefills only the rest. A
+running request that cannot get a page preempts the newest running request (recompute: its pages go
+to the prefix cache, and it re-queues at the front with its output kept).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from yaied.cache.page_pool import PagePool
+from yaied.cache.cache_manager import KVCacheManager
 from yaied.config import SchedulerConfig
-from yaied.request import FinishReason, Request, RequestStatus, SamplingParams
+from yaied.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -32,6 +34,17 @@ class ScheduledSeq:
     page_ids: list[int]  # the request's page table, covering every position up to the chunk's end
     sample: bool  # the chunk ends at the request's last token: sample the next one
     params: SamplingParams
+    # What the sampler needs beyond params; each is filled only when its knob is set, so a
+    # default request copies nothing.
+    num_output_tokens: int = 0  # output tokens so far: a seeded draw uses (seed, this)
+    penalty_prompt_ids: list[int] | None = None  # prompt copy, for repetition_penalty
+    penalty_output_ids: list[int] | None = None  # output copy, for any penalty
+    banned_token_ids: tuple[int, ...] = ()  # EOS and stop ids, while output < min_tokens
+    # prompt_logprobs: row i of the chunk (position start_pos + i) scores the prompt token at
+    # position start_pos + i + 1, which is prompt_logprob_targets[i]. The last row of a chunk
+    # that does not finish the prompt scores the next chunk's first token; the last prompt row
+    # scores nothing (it samples). None when not asked for.
+    prompt_logprob_targets: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -51,12 +64,21 @@ class StepOutput:
     sampled_token_ids: list[int]
     error: str | None = None
     model_time: float = 0.0
+    # Aligned with sampled_token_ids (None for rows that did not ask); None when no row asked.
+    sampled_logprobs: list[TokenLogprobs | None] | None = None
+    # Per request id, the prompt tokens scored by this step's chunk: a leading None for
+    # position 0 when the chunk starts there, then one entry per prompt_logprob_targets item.
+    # Concatenated over a prompt's chunks: one entry per prompt token.
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int
+    ) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -94,9 +116,15 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.params.prompt_logprobs is None:
+                # Prefill only what the prefix cache lacks. (Prompt logprobs need every prompt
+                # position computed, so those requests skip the cache lookup.)
+                self.kv.match_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, n, None):
+            if not self.kv.reserve(request, n):
+                self._unmatch(request)
                 break  # first come, first served: no overtaking when pages are short
+            self.kv.count_prefix_hit(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -110,21 +138,33 @@ class Scheduler:
     def _slice(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + n] if n > 1 else [request.token_at(start)]
-        return ScheduledSeq(
+        params, output = request.params, request.output_token_ids
+        seq = ScheduledSeq(
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
             page_ids=list(request.page_ids),
             sample=start + n == request.num_tokens,
-            params=request.params,
+            params=params,
+            num_output_tokens=len(output),
         )
+        if seq.sample and params.has_penalties:
+            seq.penalty_output_ids = list(output)
+            if params.repetition_penalty != 1.0:
+                seq.penalty_prompt_ids = list(request.prompt_token_ids)
+        if seq.sample and len(output) < params.min_tokens:
+            banned = request.eos_token_ids.union(params.stop_token_ids)
+            seq.banned_token_ids = tuple(sorted(banned))
+        # Once output exists the prompt was scored already: a recompute does not score it again.
+        if params.prompt_logprobs is not None and not output:
+            seq.prompt_logprob_targets = request.prompt_token_ids[start + 1 : start + n + 1]
+        return seq
 
     def _reserve_pages(self, request: Request, n: int, scheduled: set[str] | None) -> bool:
         """Give the request pages for its next n tokens. A running request (``scheduled`` is the
         set of ids already in this step) may preempt the newest running request not yet in the
         step, else itself; a waiting one (``scheduled`` None) only waits."""
-        need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
-        while need > self.pool.num_free:
+        while not self.kv.reserve(request, n):
             if scheduled is None:
                 return False
             victim = next(
@@ -133,14 +173,19 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return False
-        if need > 0:
-            request.page_ids.extend(self.pool.allocate(need))
         return True
 
+    def _unmatch(self, request: Request) -> None:
+        """Undo match_prefix for a request that could not be admitted after all."""
+        self.kv.release(request, keep=False)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+
     def _preempt(self, request: Request) -> None:
+        """Recompute preemption: the request's computed pages go to the prefix cache, so when it
+        is re-admitted it resumes from them (unless they were evicted meanwhile)."""
         self.running.remove(request)
-        self.pool.free(request.page_ids)
-        request.page_ids = []
+        self.kv.release(request, keep=True)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -158,6 +203,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if len(seq.token_ids) > 1:
+                self.kv.cache(request)  # a prefill chunk's pages serve other requests at once
             if token is None:
                 continue
             request.output_token_ids.append(token)
@@ -169,7 +216,9 @@ class Scheduler:
         return got_token
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        if token in request.eos_token_ids or token in request.params.stop_token_ids:
+        # min_tokens holds off EOS and stop token ids (the sampler also bans them until then).
+        may_stop = len(request.output_token_ids) >= request.params.min_tokens
+        if may_stop and (token in request.eos_token_ids or token in request.params.stop_token_ids):
             return FinishReason.STOP
         if len(request.output_token_ids) >= request.params.max_tokens:
             return FinishReason.LENGTH
@@ -185,8 +234,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.pool.free(request.page_ids)
-        request.page_ids = []
+        # A failed step may have left this request's K/V incomplete: don't cache it then.
+        self.kv.release(request, keep=reason is not FinishReason.ERROR)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

@@ -44,9 +44,19 @@ class InputProcessor:
         if params is not None and sampling:
             raise ValueError("pass either a SamplingParams or sampling keywords, not both")
         if params is None:
-            return self.default_params(**sampling)
+            return self._checked_against_model(self.default_params(**sampling))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        return self._checked_against_model(params)
+
+    def _checked_against_model(self, params: SamplingParams) -> SamplingParams:
+        vocab = self.info.vocab_size
+        for token, _ in params.logit_bias:
+            if token >= vocab:
+                raise ValueError(f"logit_bias names token {token}, beyond the vocabulary ({vocab})")
+        for token in params.stop_token_ids:
+            if token >= vocab:
+                raise ValueError(f"stop_token_ids names {token}, beyond the vocabulary ({vocab})")
         return params
 
     def prompt_token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

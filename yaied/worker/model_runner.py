@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from yaied.engine.scheduler import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
+from yaied.request import TokenLogprobs
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
+from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
 
 # Decodes are split into at most this many buckets of at least MIN_DECODE_BUCKET sequences.
 MAX_DECODE_BUCKETS = 4
 MIN_DECODE_BUCKET = 8
+
+
+class PreparedInputs(NamedTuple):
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled, batch order
+    first_row: dict[str, int]  # request id -> the row of its chunk's first token
 
 
 class ModelRunner:
@@ -48,20 +59,63 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
         start = time.perf_counter()
-        input_ids, positions, meta, sample_rows = self._prepare(batch.seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
-        params = [seq.params for seq in batch.seqs if seq.sample]
-        tensors = SamplingTensors.build(params, self.vocab_size, self.device)
-        token_ids = sample(logits, tensors, self.generator).tolist()  # the step's one host sync
-        return StepOutput(token_ids, model_time=time.perf_counter() - start)
+        prepared = self._prepare(batch.seqs)
+        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        sampling = [seq for seq in batch.seqs if seq.sample]
+        logits = self.model.compute_logits(hidden[prepared.sample_rows])  # raw, [sampled, vocab]
+        token_ids = sample(logits, self._sampling_tensors(sampling), self.generator)
+        logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
+        prompt = self._prompt_logprobs(batch.seqs, hidden, prepared.first_row)
+        return StepOutput(
+            token_ids.tolist(),  # with no logprobs asked for, the step's one host sync
+            model_time=time.perf_counter() - start,
+            sampled_logprobs=logprobs,
+            prompt_logprobs=prompt,
+        )
+
+    def _sampling_tensors(self, seqs: list[ScheduledSeq]) -> SamplingTensors:
+        return SamplingTensors.build(
+            [s.params for s in seqs],
+            self.vocab_size,
+            self.device,
+            prompt_ids=[s.penalty_prompt_ids for s in seqs],
+            output_ids=[s.penalty_output_ids for s in seqs],
+            banned_ids=[s.banned_token_ids for s in seqs],
+            num_output_tokens=[s.num_output_tokens for s in seqs],
+        )
+
+    def _prompt_logprobs(
+        self, seqs: list[ScheduledSeq], hidden: torch.Tensor, first_row: dict[str, int]
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        """Score each asking chunk's prompt_logprob_targets with its rows' logits, computed only
+        for those rows. A chunk at position 0 gets a leading None: the first token has no
+        context to be scored in."""
+        asking = [s for s in seqs if s.prompt_logprob_targets is not None]
+        if not asking:
+            return {}
+        rows: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        for seq in asking:
+            seq_targets = seq.prompt_logprob_targets or []
+            first = first_row[seq.request_id]
+            rows += range(first, first + len(seq_targets))
+            targets += seq_targets
+            num_top += [seq.params.prompt_logprobs or 0] * len(seq_targets)
+        scored = iter(prompt_logprobs(hidden, self.model.compute_logits, rows, targets, num_top))
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for seq in asking:
+            entries: list[TokenLogprobs | None] = [None] if seq.start_pos == 0 else []
+            entries += [next(scored) for _ in seq.prompt_logprob_targets or []]
+            out[seq.request_id] = entries
+        return out
 
     def _slots(self, page_ids: list[int], start: int, end: int) -> list[int]:
         """KV slots of positions [start, end) of a sequence with the given page table."""
         size = self.page_size
         return [page_ids[pos // size] * size + pos % size for pos in range(start, end)]
 
-    def _prepare(self, seqs: list[ScheduledSeq]):
+    def _prepare(self, seqs: list[ScheduledSeq]) -> PreparedInputs:
         """Pack the batch into rows: decodes first, sorted by context length so that each decode
         bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order."""
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
@@ -87,11 +141,12 @@ class ModelRunner:
             prefills=prefill_chunks,
             kernel_decodes=self._kernel_decodes(decodes) if self.decode_kernel else None,
         )
-        return (
+        return PreparedInputs(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             meta,
             torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            first_row,
         )
 
     def _prefill_chunk(self, seq: ScheduledSeq, row: int) -> PrefillChunk:

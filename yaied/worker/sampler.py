@@ -1,13 +1,27 @@
 """Sampling, vectorised over the batch: every knob is a per-row tensor, so one batch may mix greedy
-and random requests with different temperatures, top-k, top-p and min-p."""
+and random requests with different temperatures, top-k, top-p, min-p, penalties and biases.
+
+The order on the logits of one row (vLLM's and OpenAI's):
+
+    raw logits -> + logit_bias -> repetition, frequency and presence penalties
+               -> min_tokens bans (-inf) -> argmax for greedy rows
+               -> / temperature -> top-k, top-p -> softmax -> min-p -> exponential race
+
+Everything up to the bans is "processing" and is skipped entirely when no row asks for it, so a
+batch of plain requests pays nothing for the knobs it does not use.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from yaied.request import SamplingParams
+from yaied.worker.penalties import PenaltyTensors, apply_penalties, build_penalties
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -23,15 +37,32 @@ class SamplingTensors:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    # (rows, token ids, biases) of every logit_bias entry, flattened over the batch.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: PenaltyTensors | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    # (row, generator seed) of the random rows with a seed: their noise comes from a generator
+    # of their own, so their draws do not depend on the rest of the batch.
+    seeded_rows: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], vocab_size: int, device: torch.device
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device,
+        *,
+        prompt_ids: Sequence[list[int] | None] | None = None,
+        output_ids: Sequence[list[int] | None] | None = None,
+        banned_ids: Sequence[Sequence[int]] | None = None,
+        num_output_tokens: Sequence[int] | None = None,
     ) -> SamplingTensors:
+        """The keyword lists are aligned with params (one entry per row); a missing list or a
+        None entry means an empty history, no bans, or no output yet."""
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
-        return cls(
+        tensors = cls(
             temperature=torch.tensor(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                 dtype=torch.float32,
@@ -46,12 +77,86 @@ class SamplingTensors:
             need_top_p=any(p.top_p < 1.0 for p in random_rows),
             need_min_p=any(p.min_p > 0.0 for p in random_rows),
         )
+        if any(p.logit_bias for p in params):
+            tensors.logit_bias = _bias_tensors(params, vocab_size, device)
+        if any(p.has_penalties for p in params):
+            tensors.penalties = build_penalties(params, prompt_ids, output_ids, vocab_size, device)
+        if banned_ids is not None and any(banned_ids):
+            tensors.banned = _ban_tensors(banned_ids, vocab_size, device)
+        counts = num_output_tokens or [0] * len(params)
+        tensors.seeded_rows = tuple(
+            (row, _draw_seed(p.seed, counts[row]))
+            for row, p in enumerate(params)
+            if p.seed is not None and not greedy[row]
+        )
+        return tensors
+
+    @property
+    def need_processing(self) -> bool:
+        return not (self.logit_bias is None and self.penalties is None and self.banned is None)
+
+
+def _draw_seed(seed: int, step: int) -> int:
+    """A generator seed for draw number `step` of a request seeded with `seed`. Mixed (splitmix64
+    finaliser) rather than added, so seed s at step 1 and seed s + 1 at step 0 stay unrelated."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _bias_tensors(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Ids past the vocabulary are the engine's to reject; dropping them here keeps one bad id
+    # from failing every request of the step.
+    entries = [
+        (row, token, bias)
+        for row, p in enumerate(params)
+        for token, bias in p.logit_bias
+        if token < vocab_size
+    ]
+    rows, tokens, biases = zip(*entries, strict=True) if entries else ((), (), ())
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+        torch.tensor(biases, dtype=torch.float32, device=device),
+    )
+
+
+def _ban_tensors(
+    banned_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [(row, t) for row, ids in enumerate(banned_ids) for t in ids if t < vocab_size]
+    rows, tokens = zip(*pairs, strict=True) if pairs else ((), ())
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
+
+
+def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Bias, penalties and bans; returns a new tensor (the caller's raw logits are kept for
+    logprobs), or the input itself when no row asks for any of them."""
+    if not t.need_processing:
+        return logits
+    logits = logits.clone()
+    if t.logit_bias is not None:
+        rows, tokens, biases = t.logit_bias
+        logits.index_put_((rows, tokens), biases, accumulate=True)
+    if t.penalties is not None:
+        apply_penalties(logits, t.penalties)
+    if t.banned is not None:
+        rows, tokens = t.banned
+        logits.index_put_((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+    return logits
 
 
 def sample(
     logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """logits: [rows, vocab] fp32. Returns the sampled token ids [rows] int64."""
+    """logits: [rows, vocab] fp32, left unchanged. Returns the sampled token ids [rows] int64."""
+    logits = process_logits(logits, t)
     greedy_ids = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy_ids
@@ -65,9 +170,27 @@ def sample(
         probs = probs.masked_fill(probs < threshold, 0.0)
     # Sampling by the exponential race: argmax(p / E) with E ~ Exp(1) draws from p, needs no
     # renormalisation and runs the same on every device.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = (probs / _exponential_noise(probs, t, generator)).argmax(dim=-1)
     return torch.where(t.greedy, greedy_ids, sampled)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, t: SamplingTensors, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Exp(1) noise like probs: seeded rows from a generator of their own, the other rows from
+    the shared one (each row drawn once: drawing costs about as much as the softmax)."""
+    if not t.seeded_rows:
+        return torch.empty_like(probs).exponential_(generator=generator)
+    noise = torch.empty_like(probs)
+    for row, seed in t.seeded_rows:
+        own = torch.Generator(device=probs.device).manual_seed(seed)
+        noise[row].exponential_(generator=own)
+    seeded = {row for row, _ in t.seeded_rows}
+    others = [row for row in range(probs.shape[0]) if row not in seeded]
+    if others:
+        shared = probs.new_empty((len(others), probs.shape[1]))
+        noise[torch.tensor(others, device=probs.device)] = shared.exponential_(generator=generator)
+    return noise
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""SamplingParams: the OpenAI knobs are validated at construction and params stay hashable."""
+
+from __future__ import annotations
+
+import pytest
+
+from yaied.request import SamplingParams
+
+
+def test_logit_bias_is_stored_sorted_clamped_and_hashable():
+    p = SamplingParams(logit_bias={9: 150, "3": -2.5, 4: -101.0})
+    assert p.logit_bias == ((3, -2.5), (4, -100.0), (9, 100.0))
+    assert p == SamplingParams(logit_bias=[(4, -100), (9, 100), (3, -2.5)])
+    assert hash(p) == hash(SamplingParams(logit_bias={3: -2.5, 4: -100.0, 9: 100.0}))
+
+
+def test_defaults_leave_every_knob_off():
+    p = SamplingParams()
+    assert not p.has_penalties and p.logit_bias == () and p.seed is None
+    assert p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": 3}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # above max_tokens=16
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
+    ],
+)
+def test_bad_knobs_name_their_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_edges_are_accepted():
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, seed=-7)
+    SamplingParams(max_tokens=4, min_tokens=4, logprobs=20, prompt_logprobs=0)
