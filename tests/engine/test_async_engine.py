@@ -135,3 +135,61 @@ async def test_worker_exception_fails_that_step_only(engine):
 def test_sampling_params_reject_unknown_keyword():
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_kwargs(temprature=0.5)
+
+
+async def test_seeded_sampling_ignores_batch_company(engine):
+    """The same seed gives the same tokens alone and beside other requests."""
+    seeded = dict(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+
+    def tokens(events):
+        return [t for e in events for t in e.token_ids]
+
+    alone = tokens(await collect(engine, [4, 5, 6], **seeded))
+    crowd = await asyncio.gather(
+        collect(engine, [7, 8], max_tokens=8, temperature=1.0, ignore_eos=True),
+        collect(engine, [4, 5, 6], **seeded),
+        collect(engine, [9] * 30, max_tokens=5, temperature=0.7, ignore_eos=True),
+    )
+    assert tokens(crowd[1]) == alone
+    unseeded = {
+        tuple(
+            tokens(await collect(engine, [4, 5, 6], max_tokens=8, temperature=1.0, ignore_eos=True))
+        )
+        for _ in range(3)
+    }
+    assert len(unseeded) > 1  # without a seed, draws differ
+
+
+async def test_logprobs_reach_the_events(engine):
+    events = await collect(
+        engine,
+        [1, 2, 3, 4],
+        max_tokens=3,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=2,
+        prompt_logprobs=1,
+    )
+    assert [len(e.logprobs) for e in events] == [1, 1, 1]
+    first = events[0].logprobs[0]
+    assert first.token_id == events[0].token_ids[0] and len(first.top_ids) == 2
+    assert first.logprob == pytest.approx(first.top_logprobs[0])  # greedy took the top token
+    prompt = events[0].prompt_logprobs
+    assert prompt[0] is None and [p.token_id for p in prompt[1:]] == [2, 3, 4]
+    assert all(e.prompt_logprobs is None for e in events[1:])
+
+
+async def test_min_tokens_holds_off_stop_token_ids(engine):
+    first = await collect(engine, [9, 8, 7], max_tokens=6, temperature=0.0, ignore_eos=True)
+    stop_at = first[0].token_ids[0]
+    events = await collect(
+        engine,
+        [9, 8, 7],
+        max_tokens=6,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_token_ids=[stop_at],
+        min_tokens=3,
+    )
+    out = [t for e in events for t in e.token_ids]
+    assert len(out) >= 3 and stop_at not in out[:3]

@@ -28,7 +28,9 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     prompts = []
     for _ in range(3):
         prefix = [rng.randrange(256) for _ in range(rng.randint(40, 70))]
-        prompts += [prefix + [rng.randrange(256) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+        prompts += [
+            prefix + [rng.randrange(256) for _ in range(rng.randint(1, 20))] for _ in range(4)
+        ]
     return prompts
 
 
@@ -40,8 +42,13 @@ def check_all(model, prompts, outputs, new_tokens=NEW_TOKENS):
 def test_prefix_hits_and_chunks_over_cached_prefixes(reference):
     folder, model = reference
     prompts = shared_prefix_prompts(seed=11)
-    with LLM(str(folder), dtype="float32", kv_cache_gib=0.01, max_num_batched_tokens=24,
-             show_progress=False) as llm:
+    with LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_num_batched_tokens=24,
+        show_progress=False,
+    ) as llm:
         first = llm.generate(prompts, PARAMS)
         again = llm.generate(prompts, PARAMS)  # now nearly everything is a cache hit
         stats = llm.stats()
@@ -59,8 +66,13 @@ def test_preemption_keeps_greedy_output(reference):
     # Tiny qwen2: 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 4 bytes = 512 B a token, 8 KiB a
     # page. 66 pages hold one full 1024-token context, but not 14 requests of ~9 pages at once.
     pages = 66
-    with LLM(str(folder), dtype="float32", kv_cache_gib=pages * 8192 / 2**30,
-             max_num_batched_tokens=128, show_progress=False) as llm:
+    with LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_gib=pages * 8192 / 2**30,
+        max_num_batched_tokens=128,
+        show_progress=False,
+    ) as llm:
         assert llm.stats()["num_pages"] == pages
         outputs = llm.generate(prompts, params)
         stats = llm.stats()
@@ -74,8 +86,13 @@ def test_disabled_prefix_cache_gives_the_same_tokens(reference):
     prompts = shared_prefix_prompts(seed=13)
     outputs = []
     for enabled in (True, False):
-        with LLM(str(folder), dtype="float32", kv_cache_gib=0.01, show_progress=False,
-                 enable_prefix_caching=enabled) as llm:
+        with LLM(
+            str(folder),
+            dtype="float32",
+            kv_cache_gib=0.01,
+            show_progress=False,
+            enable_prefix_caching=enabled,
+        ) as llm:
             outputs.append([o.token_ids for o in llm.generate(prompts + prompts, PARAMS)])
             assert (llm.stats()["prefix_cache_hits"] > 0) == enabled
     assert outputs[0] == outputs[1]
