@@ -198,3 +198,45 @@ def test_unseeded_rows_stay_random_beside_seeded_ones():
     second = seeded_draws(rows, 100, seed=1)
     assert torch.equal(first[0], second[0])
     assert not torch.equal(first[1], second[1])
+
+
+def test_top_candidates_shortcut_equals_full_sort(monkeypatch):
+    """top-k/top-p over the best candidates gives exactly what sorting the whole vocabulary
+    gives, including rows whose top_p mass lies beyond the candidates (they fall back)."""
+    from yaied.worker import sampler as sampler_module
+
+    torch.manual_seed(0)
+    vocab = 3000
+    logits = torch.randn(6, vocab) * torch.tensor([[0.5], [3.0], [8.0], [1.0], [2.0], [0.2]])
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=40),
+        SamplingParams(temperature=1.0, top_k=7),
+        SamplingParams(temperature=1.0, top_p=0.99),  # needs far more than 64 candidates
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.3),
+    ]
+    tensors = SamplingTensors.build(params, vocab, torch.device("cpu"))
+
+    def full(x):
+        return sampler_module._filter_sorted(x, *x.sort(dim=-1, descending=True), tensors)
+
+    expected = full(logits)
+    for candidates in (64, 512):
+        monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", candidates)
+        got = sampler_module._apply_top_k_top_p(logits, tensors)
+        assert torch.equal(got.isinf(), expected.isinf())
+        torch.testing.assert_close(got[~got.isinf()], expected[~expected.isinf()])
+    # and without the hard rows, the shortcut itself (no fallback) is taken and still exact
+    easy = [1, 2, 4]
+    tensors = SamplingTensors.build([params[i] for i in easy], vocab, torch.device("cpu"))
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 512)
+    sorts = []
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorts.append(1) or 1 / 0)
+    got = sampler_module._apply_top_k_top_p(logits[easy], tensors)
+    assert not sorts  # the partial sort sufficed
+    expected = sampler_module._filter_sorted(
+        logits[easy], *torch.sort(logits[easy], dim=-1, descending=True), tensors
+    )
+    expected[2] = logits[4]  # the unfiltered row keeps every token
+    torch.testing.assert_close(got, expected)

@@ -193,8 +193,12 @@ class AsyncEngine:
         logprobs = self._logprobs_by_request(batch, output)
         for request_id, scored in output.prompt_logprobs.items():
             stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.prompt_logprobs = (stream.prompt_logprobs or []) + scored
+            if stream is None:
+                continue
+            # A chunk from position 0 (it leads with None) starts the list anew: after a
+            # preemption the prompt is scored again from the start.
+            restart = bool(scored) and scored[0] is None
+            stream.prompt_logprobs = scored if restart else (stream.prompt_logprobs or []) + scored
         for request in self.scheduler.update(batch, output):
             stream = self._streams[request.request_id]
             token = request.output_token_ids[-1]

@@ -73,9 +73,7 @@ class StepOutput:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
         self.pool = kv.pool

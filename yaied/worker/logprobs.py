@@ -45,8 +45,12 @@ def sampled_logprobs(
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
     if not rows:
         return None
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    found = token_logprobs(logits[index], token_ids[index], [num_logprobs[i] or 0 for i in rows])
+    num_top = [num_logprobs[i] or 0 for i in rows]
+    if len(rows) == len(num_logprobs):  # every row asked: no [rows, vocab] copy
+        found = token_logprobs(logits, token_ids, num_top)
+    else:
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        found = token_logprobs(logits[index], token_ids[index], num_top)
     out: list[TokenLogprobs | None] = [None] * len(num_logprobs)
     for row, entry in zip(rows, found, strict=True):
         out[row] = entry

@@ -180,30 +180,70 @@ def _exponential_noise(
     """Exp(1) noise like probs: seeded rows from a generator of their own, the other rows from
     the shared one (each row drawn once: drawing costs about as much as the softmax)."""
     if not t.seeded_rows:
-        return torch.empty_like(probs).exponential_(generator=generator)
+        return _exp1_(torch.empty_like(probs), generator)
     noise = torch.empty_like(probs)
     for row, seed in t.seeded_rows:
         own = torch.Generator(device=probs.device).manual_seed(seed)
-        noise[row].exponential_(generator=own)
+        _exp1_(noise[row], own)
     seeded = {row for row, _ in t.seeded_rows}
     others = [row for row in range(probs.shape[0]) if row not in seeded]
     if others:
-        shared = probs.new_empty((len(others), probs.shape[1]))
-        noise[torch.tensor(others, device=probs.device)] = shared.exponential_(generator=generator)
+        shared = _exp1_(probs.new_empty((len(others), probs.shape[1])), generator)
+        noise[torch.tensor(others, device=probs.device)] = shared
     return noise
 
 
+def _exp1_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill with Exp(1) draws as -log(U), U uniform in [0, 1): six times faster than
+    Tensor.exponential_ on CPU. U = 0 gives +inf, which only makes p / E zero for that token."""
+    return out.uniform_(generator=generator).log_().neg_()
+
+
+# top-k/top-p first look at this many best tokens per row (a partial sort, about 7x cheaper than
+# sorting a 49k vocabulary); rows whose top_p mass lies beyond them take the full sort.
+TOP_CANDIDATES = 1024
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    active_k = t.top_k[t.top_k < vocab]
+    num = max(TOP_CANDIDATES, int(active_k.max()) if active_k.numel() else 0)
+    if num >= vocab:
+        return _filter_sorted(logits, *logits.sort(dim=-1, descending=True), t)
+    values, order = logits.topk(num, dim=-1)  # sorted, descending
+    unfiltered = (t.top_k >= vocab) & (t.top_p >= 1.0)  # rows that keep every token
+    if t.need_top_p:
+        # Enough candidates when top-k already cut below them, or their share of the whole
+        # distribution reaches top_p.
+        mass = (values - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)
+        enough = (t.top_k <= num) | (mass >= t.top_p) | unfiltered
+        if not bool(enough.all()):
+            return _filter_sorted(logits, *logits.sort(dim=-1, descending=True), t)
+    filtered = _filter_sorted(logits, values, order, t)
+    return torch.where(unfiltered.unsqueeze(1), logits, filtered)
+
+
+def _filter_sorted(
+    logits: torch.Tensor, sorted_logits: torch.Tensor, order: torch.Tensor, t: SamplingTensors
+) -> torch.Tensor:
+    """Apply top-k and top-p to the best tokens of each row, sorted descending (all of the
+    vocabulary or a prefix of it); every token outside them gets -inf."""
+    vocab = logits.shape[-1]
+    ranks = torch.arange(sorted_logits.shape[-1], device=logits.device).unsqueeze(0)
     drop = ranks >= t.top_k.unsqueeze(1)
     if t.need_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        # Probabilities as top-k leaves them: within the top k where top-k is on, else over the
+        # whole vocabulary (which the candidates may not all cover).
+        top_k_on = (t.top_k < vocab).unsqueeze(1)
+        norm = torch.where(
+            top_k_on, kept.logsumexp(dim=-1, keepdim=True), logits.logsumexp(dim=-1, keepdim=True)
+        )
+        probs = (kept - norm).exp()
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
         # it already does. The top token is always kept.
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= mass_before >= t.top_p.unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
