@@ -7,32 +7,26 @@ from pathlib import Path
 import pytest
 import torch
 
+# Shapes shared by every tiny config; each entry below says what makes its family different.
+_TINY_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    ),
+    "llama": dict(_TINY_BASE, model_type="llama", architectures=["LlamaForCausalLM"]),
     "llama3-scaled": dict(
+        _TINY_BASE,
         model_type="llama",
         architectures=["LlamaForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         rope_theta=500000.0,
         rope_scaling=dict(
@@ -44,47 +38,25 @@ TINY_CONFIGS: dict[str, dict] = {
         ),
     ),
     "mistral": dict(
+        _TINY_BASE,
         model_type="mistral",
         architectures=["MistralForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
         sliding_window=None,
     ),
     "qwen2": dict(
+        _TINY_BASE,
         model_type="qwen2",
         architectures=["Qwen2ForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=1024,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     ),
     "qwen3": dict(
+        _TINY_BASE,
         model_type="qwen3",
         architectures=["Qwen3ForCausalLM"],
-        hidden_size=64,
         head_dim=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=1024,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         rope_theta=1000000.0,
     ),
 }
@@ -107,6 +79,15 @@ def make_tiny_model(kind: str, folder: Path, std: float = 0.3, seed: int = 0) ->
                 param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    """The embedded default model's converted folder, from the real cache: the first run
+    converts it, every later run and test file reuses it."""
+    from yaied.worker.model_files import DEFAULT_MODEL_NAME, resolve_model_folder
+
+    return resolve_model_folder(DEFAULT_MODEL_NAME, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -15,19 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from yaied.worker import gguf_convert
 from yaied.worker.gguf_convert import convert_gguf_to_hf_folder, hf_tensor_name
 from yaied.worker.model_files import (
-    DEFAULT_MODEL_NAME,
     find_default_model_gguf,
     iter_safetensors_weights,
     load_hf_config,
     load_tokenizer,
-    resolve_model_folder,
 )
-
-
-@pytest.fixture(scope="session")
-def default_model_folder() -> Path:
-    # The real cache: the first run converts, every later run (and test file) reuses it.
-    return resolve_model_folder(DEFAULT_MODEL_NAME, show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,6 @@ from yaied.worker.model_files import (
 )
 
 
-@pytest.fixture(scope="session")
-def default_model_folder() -> Path:
-    # The real cache: the first run converts, every later run (and test file) reuses it.
-    return resolve_model_folder(DEFAULT_MODEL_NAME, show_progress=False)
-
-
 def _write_tiny_gguf(path: Path) -> None:
     """A one-layer llama GGUF without tokenizer: enough to convert in milliseconds."""
     rng = np.random.default_rng(0)

