@@ -42,7 +42,7 @@ def test_api_keys(tiny):
 
 
 def test_queue_full_is_429_with_retry_after(tiny):
-    long = {"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True}
+    long = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
     url = tiny.v1 + "/completions"
     # max_num_seqs=1: the first runs, the second waits (the queue holds 1), the third is refused.
     with ThreadPoolExecutor(2) as pool:

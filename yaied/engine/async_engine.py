@@ -15,7 +15,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -66,6 +66,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None  # set when the loop itself crashed
         self.num_steps = 0
+        # Told each step's size in tokens (the server's iteration_tokens histogram). It runs in
+        # the engine task, so it must be cheap and must not raise.
+        self.step_observer: Callable[[int], None] | None = None
 
     @property
     def tokenizer(self):
@@ -167,6 +170,8 @@ class AsyncEngine:
                     continue
                 output = await loop.run_in_executor(self._executor, self.worker.execute, batch)
                 self.num_steps += 1
+                if self.step_observer is not None:
+                    self.step_observer(batch.num_tokens)
                 self._apply(batch, output)
         except asyncio.CancelledError:
             raise

@@ -1,0 +1,1 @@
+"""The HTTP server: an OpenAI-compatible, streaming-first API over one AsyncEngine."""

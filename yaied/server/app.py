@@ -1,0 +1,209 @@
+"""The Starlette app: routes, auth, body limits and OpenAI-style errors.
+
+``build_app(server_config, load_engine, model_name)`` returns an app that listens at once; its
+lifespan loads the engine in a thread (``/health`` is 503 until then) and shuts it down at exit.
+Every app-wide object lives in the lifespan state (``request.state.server``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from yaied.server import generate
+from yaied.server.config import ServerConfig
+from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.openapi import openapi_schema
+from yaied.server.protocol import parse_detokenize, parse_tokenize
+from yaied.server.state import EngineLoader, ServerState
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+# Paths that need the API key when keys are configured; probes and scrapers stay open.
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object: 413 past server.max_body_bytes, 400 when malformed."""
+    server: ServerState = request.state.server
+    limit = server.config.max_body_bytes
+    too_large = APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdecimal() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also bounds chunked bodies with no length
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        body = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the JSON body must be an object", code="invalid_json")
+    return body
+
+
+class AuthMiddleware:
+    """401 unless a configured key is given as ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        token = given[7:] if given[:7].lower() == b"bearer " else b""
+        # compare_digest against every key: the time taken says nothing about which one is close.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        if not ok:
+            error = APIError(401, "missing or invalid API key", code="invalid_api_key")
+            response = error.response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def health(request: Request) -> Response:
+    server: ServerState = request.state.server
+    if server.ready:
+        return Response(status_code=200)
+    try:
+        server.ready_engine()
+    except APIError as exc:
+        return exc.response()
+    return Response(status_code=503)
+
+
+async def models(request: Request) -> Response:
+    server: ServerState = request.state.server
+    card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "yaied"}
+    if server.engine is not None:
+        card["max_model_len"] = server.engine.info.max_model_len
+    return json_response({"object": "list", "data": [card]})
+
+
+async def metrics(request: Request) -> Response:
+    server: ServerState = request.state.server
+    return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(openapi_schema(VERSION))
+
+
+async def tokenize(request: Request) -> Response:
+    server: ServerState = request.state.server
+    engine = server.ready_engine()
+    body = await read_json(request)
+    server.check_model(body.get("model"))
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer")
+    prompts, messages = parse_tokenize(body)
+    if messages:
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template", param="messages")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        tokens = tokenizer.encode(prompts[0], add_special_tokens=True)
+    max_len = engine.info.max_model_len
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+
+
+async def detokenize(request: Request) -> Response:
+    server: ServerState = request.state.server
+    engine = server.ready_engine()
+    body = await read_json(request)
+    server.check_model(body.get("model"))
+    tokens = parse_detokenize(body)
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer")
+    vocab = engine.info.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return json_response({"prompt": engine.tokenizer.decode(tokens)})
+
+
+def _with_request_id(request: Request, response: Response) -> Response:
+    request_id = getattr(request.state, "request_id", None)
+    if request_id:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    if exc.status >= 500:
+        log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+    return _with_request_id(request, exc.response())
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
+    return json_response(error_body(exc.status_code, message), exc.status_code, exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return _with_request_id(request, json_response(error_body(500, f"internal error: {exc}"), 500))
+
+
+def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) -> Starlette:
+    served = config.served_model_name or model_name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        import asyncio
+
+        server = ServerState(config, served)
+        loading = asyncio.create_task(server.load(load_engine), name="yaied-load")
+        try:
+            yield {"server": server}
+        finally:
+            await loading  # a thread cannot be cancelled; the load finishes, then we shut down
+            if server.engine is not None:
+                await server.engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", generate.completions, methods=["POST"]),
+        Route("/v1/chat/completions", generate.chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+    )
+    app.add_middleware(AuthMiddleware, api_keys=config.api_keys)
+    return app

@@ -1,0 +1,94 @@
+"""The `[server]` section of config/yaied.toml: where the daemon listens and what it accepts.
+
+yaied/config.py owns the engine's sections and skips this one; the same precedence applies here:
+defaults < TOML < ``YAIED_SERVER_<KEY>`` < explicit overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # listen address; 0.0.0.0 for every interface
+    port: int = 8000  # listen port
+    served_model_name: str = ""  # the name in /v1/models and requests; "" = model.model
+    api_keys: tuple[str, ...] = ()  # accepted `Authorization: Bearer` keys; empty = no auth
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_queue_len: int = 1024  # waiting requests beyond this get 429; 0 = unlimited
+    sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
+    retry_after_seconds: int = 1  # the Retry-After of a 429
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("server.api_keys must be non-empty strings")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        for name in ("max_body_bytes", "retry_after_seconds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_len < 0:
+            raise ValueError(f"server.max_queue_len must be >= 0, got {self.max_queue_len}")
+        if not self.sse_ping_seconds > 0:
+            raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
+
+
+def load_server_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    """Read `[server]` from the TOML file, then ``YAIED_SERVER_*``, then ``overrides``."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            values.update(tomllib.load(f).get("server", {}))
+    env = os.environ if env is None else env
+    for f in dataclasses.fields(ServerConfig):
+        raw = env.get(f"YAIED_SERVER_{f.name}".upper())
+        if raw is not None:
+            values[f.name] = _parse_env(f.name, raw)
+    values.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) server.{', server.'.join(unknown)}")
+    for key, value in values.items():
+        values[key] = _checked_type(key, value)
+    return ServerConfig(**values)
+
+
+def _kind(key: str) -> type:
+    default = ServerConfig.__dataclass_fields__[key].default
+    return type(default)
+
+
+def _parse_env(key: str, raw: str) -> Any:
+    kind = _kind(key)
+    if kind is tuple:  # api keys: comma-separated, so one variable can hold several
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    try:
+        return kind(raw)
+    except ValueError:
+        name = f"YAIED_SERVER_{key}".upper()
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _checked_type(key: str, value: Any) -> Any:
+    kind = _kind(key)
+    if kind is tuple and isinstance(value, list | tuple):
+        return tuple(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"server.{key} must be a {kind.__name__}, got {value!r}")

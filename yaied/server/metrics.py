@@ -1,0 +1,153 @@
+"""Prometheus metrics, in a registry of the app's own (never the process-global one).
+
+Names follow DESIGN.md (vLLM's semantics, prefix ``yaied:``), labelled ``model_name`` and
+``engine``. Gauges and the engine's own counters are read from ``engine.stats()`` at scrape time
+by a custom collector, so they can never drift from the engine; per-request counters and
+histograms are observed by the server as each request's events pass through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from yaied.request import TokenEvent
+
+StatsFn = Callable[[], dict[str, int | float] | None]  # None while no engine is loaded
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineStatsCollector:
+    """Gauges and engine counters from one ``stats()`` call per scrape."""
+
+    def __init__(self, stats: StatsFn, label_values: list[str]) -> None:
+        self._stats = stats
+        self._labels = label_values
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        names = ["model_name", "engine"]
+        # Cached pages nobody holds are evictable on demand, so they count as free.
+        usage = 1.0 - stats["num_free_pages"] / stats["num_pages"] if stats["num_pages"] else 0.0
+        gauges = {
+            "num_requests_running": ("Requests running (holding KV pages).", "running"),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", "waiting"),
+        }
+        for key, (doc, _) in gauges.items():
+            gauge = GaugeMetricFamily(f"yaied:{key}", doc, labels=names)
+            gauge.add_metric(self._labels, stats[key])
+            yield gauge
+        gauge = GaugeMetricFamily(
+            "yaied:kv_cache_usage_perc", "KV cache pages held by requests (0-1).", labels=names
+        )
+        gauge.add_metric(self._labels, usage)
+        yield gauge
+        counters = {
+            "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up."),
+            "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache."),
+            "num_preemptions": ("num_preemptions", "Requests preempted."),
+        }
+        for name, (key, doc) in counters.items():
+            counter = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
+            counter.add_metric(self._labels, stats[key])
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: StatsFn) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name, "engine": "0"}
+        names = list(self.labels)
+        reg = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"yaied:{name}", doc, [*names, *extra], registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            hist = Histogram(f"yaied:{name}", doc, names, registry=reg, buckets=buckets)
+            return hist.labels(**self.labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success", "Requests finished, by reason.", ("finished_reason",)
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency.", _E2E_BUCKETS)
+        # Approximated as the time to first token minus the last step's length (see RequestTimer).
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting before the prefill.", _LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step.", _ITERATION_BUCKETS
+        )
+        self.registry.register(EngineStatsCollector(stats, list(self.labels.values())))
+        for metric in (self.prompt_tokens, self.generation_tokens):
+            metric.labels(**self.labels)  # present (at 0) before the first request
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """One request's timings, observed as its events pass through the server.
+
+    Queue time is approximate: the server never sees when the scheduler admits a request, so it
+    takes the time to first token minus the gap between the two events that followed it
+    (about one step: the prefill's length if the prompt fit one step). Exact would need an admission
+    timestamp from the engine.
+    """
+
+    metrics: ServerMetrics
+    start: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+    finished: bool = False
+
+    def on_event(self, event: TokenEvent) -> None:
+        now = time.monotonic()
+        if event.token_ids:
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.observe(now - self.start)
+            elif self.last is not None:
+                self.metrics.itl.observe(now - self.last)
+                if self.last == self.first:  # the second token: one step after the first
+                    step = now - self.last
+                    self.metrics.queue_time.observe(max(0.0, self.first - self.start - step))
+            self.last = now
+        if event.finished:
+            self.finish(event.finish_reason.value, event.num_prompt_tokens, event.num_output_tokens)
+
+    def finish(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        m, labels = self.metrics, self.metrics.labels
+        m.e2e.observe(time.monotonic() - self.start)
+        m.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
+        m.generation_tokens.labels(**labels).inc(num_output_tokens)
+        m.request_success.labels(**labels, finished_reason=reason).inc()

@@ -1,0 +1,95 @@
+"""A hand-written OpenAPI schema: the endpoints and the request fields we accept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 0},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer"},
+    "min_p": {"type": "number"},
+    "n": {"type": "integer", "minimum": 1},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "seed": {"type": "integer"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "ignore_eos": {"type": "boolean"},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+    "priority": {"type": "integer"},
+    "user": {"type": "string"},
+}
+_TOKENS = {"type": "array", "items": {"type": "integer"}}
+_COMPLETION = {
+    **_SAMPLING,
+    "prompt": {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            _TOKENS,
+            {"type": "array", "items": _TOKENS},
+        ]
+    },
+    "echo": {"type": "boolean"},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+}
+_MESSAGES = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {"role": {"type": "string"}, "content": {}},
+    },
+}
+_CHAT = {
+    **_SAMPLING,
+    "messages": _MESSAGES,
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+}
+
+
+def _post(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": {"description": "JSON, or text/event-stream when streaming"}},
+        }
+    }
+
+
+def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": media}}}}
+
+
+def openapi_schema(version: str) -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "yaied", "version": version},
+        "paths": {
+            "/v1/completions": _post("Text completion", _COMPLETION, ["prompt"]),
+            "/v1/chat/completions": _post("Chat completion", _CHAT, ["messages"]),
+            "/v1/models": _get("The served model"),
+            "/tokenize": _post(
+                "Prompt or messages to token ids",
+                {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES},
+                [],
+            ),
+            "/detokenize": _post(
+                "Token ids to text", {"model": {"type": "string"}, "tokens": _TOKENS}, ["tokens"]
+            ),
+            "/health": _get("200 when the engine is loaded and running, else 503"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/openapi.json": _get("This schema"),
+        },
+    }

@@ -1,0 +1,256 @@
+"""OpenAI request parsing: JSON bodies to prompts and sampling keywords. Pure functions.
+
+Parsing checks shapes and JSON types and names the offending field; value ranges are
+SamplingParams' job (its ValueErrors become 400s in errors.from_value_error), so each rule lives
+in one place. Unknown fields are ignored with a warning, as OpenAI clients send extras freely;
+fields we do not implement are refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from yaied.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+# Request field -> SamplingParams field, for the knobs that pass straight through.
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+}
+_COMMON_FIELDS = {
+    *_SAMPLING_FIELDS,
+    "model",
+    "max_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "user",
+    "priority",
+}
+COMPLETION_FIELDS = frozenset({*_COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix"})
+CHAT_FIELDS = frozenset(
+    {
+        *_COMMON_FIELDS,
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "parallel_tool_calls",
+    }
+)
+MAX_N = 128  # choices per prompt; more is a typo, not a workload
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """One API call: its prompts (chat: the messages, to be templated) and sampling keywords."""
+
+    kind: Literal["completion", "chat"]
+    model: str | None
+    prompts: list[Prompt] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # None: the default (16, or the rest of the context for chat)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # top-N per sampled token; None: no logprobs
+    priority: int = 0
+    user: str | None = None
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """The field's value (None and absent read as the default), or a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    is_bool = isinstance(value, bool)
+    if bool in kinds and is_bool:
+        return value
+    if is_bool or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds).replace("float", "number")
+        raise APIError(400, f"{name} must be {names}, got {value!r}", param=name)
+    return value
+
+
+def _unknown_fields(body: dict[str, Any], known: frozenset[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        log.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+
+
+def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
+    parsed.model = _get(body, "model", (str,))
+    parsed.n = _get(body, "n", (int,), 1)
+    if not 1 <= parsed.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {parsed.n}", param="n")
+    parsed.stream = _get(body, "stream", (bool,), False)
+    options = _get(body, "stream_options", (dict,), {})
+    parsed.include_usage = bool(_get(options, "include_usage", (bool,), False))
+    if options and not parsed.stream:
+        raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    parsed.user = _get(body, "user", (str,))
+    parsed.priority = _get(body, "priority", (int,), 0)
+    kinds: dict[str, tuple[type, ...]] = {
+        "seed": (int,),
+        "top_k": (int,),
+        "min_tokens": (int,),
+        "ignore_eos": (bool,),
+        "include_stop_str_in_output": (bool,),
+        "skip_special_tokens": (bool,),
+        "logit_bias": (dict,),
+        "stop_token_ids": (list,),
+    }
+    for name, target in _SAMPLING_FIELDS.items():
+        value = _get(body, name, kinds.get(name, (int, float)))
+        if value is not None:
+            parsed.sampling[target] = value
+    stop = _get(body, "stop", (str, list))
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) for s in stop):
+            raise APIError(400, "stop must be a string or a list of strings", param="stop")
+        parsed.sampling["stop"] = stop
+
+
+def parse_completion(body: dict[str, Any]) -> ParsedRequest:
+    _unknown_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    if _get(body, "suffix", (str,)):
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if _get(body, "best_of", (int,), 1) > 1:
+        raise APIError(400, "best_of > 1 is not supported", param="best_of")
+    parsed = ParsedRequest("completion", None)
+    _common(body, parsed)
+    parsed.prompts = parse_prompts(body.get("prompt"))
+    parsed.max_tokens = _get(body, "max_tokens", (int,), 16)
+    parsed.echo = _get(body, "echo", (bool,), False)
+    parsed.logprobs = _get(body, "logprobs", (int,))
+    return parsed
+
+
+def parse_prompts(prompt: Any) -> list[Prompt]:
+    """A string, a list of strings, a token-id list, or a list of token-id lists."""
+    message = "prompt must be a string, a list of strings, or token ids (a list or list of lists)"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(400, message if prompt is not None else "prompt is required", "prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        return list(prompt)
+    raise APIError(400, message, param="prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+    _unknown_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    _refuse_unimplemented_chat(body)
+    parsed = ParsedRequest("chat", None)
+    _common(body, parsed)
+    parsed.messages = parse_messages(body.get("messages"))
+    parsed.max_tokens = _get(body, "max_completion_tokens", (int,))
+    if parsed.max_tokens is None:
+        parsed.max_tokens = _get(body, "max_tokens", (int,))
+    if _get(body, "logprobs", (bool,), False):
+        parsed.logprobs = _get(body, "top_logprobs", (int,), 0)
+    elif body.get("top_logprobs") is not None:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return parsed
+
+
+def _refuse_unimplemented_chat(body: dict[str, Any]) -> None:
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise APIError(400, f"{name} (tool calling) is not supported", param=name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise APIError(400, f"{name} (tool calling) is not supported", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(
+            400,
+            'response_format is not supported other than {"type": "text"}',
+            param="response_format",
+        )
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """Messages with their content flattened to a string (text parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"{where} must be an object with a string role", param=where)
+        content = message.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            content = _text_parts(content, where)
+        elif not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or a list of parts", where)
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f"{where}.content[{j}]: only text parts are supported, got type {kind!r}",
+                param=f"{where}.content",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_tokenize(body: dict[str, Any]) -> tuple[list[Prompt] | None, list[dict[str, str]]]:
+    """/tokenize takes a prompt (string or ids) or chat messages."""
+    if body.get("messages") is not None:
+        return None, parse_messages(body["messages"])
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt (a string) or messages is required", param="prompt")
+    return [prompt], []
+
+
+def parse_detokenize(body: dict[str, Any]) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
+        raise APIError(400, "tokens must be a list of token ids", param="tokens")
+    return tokens

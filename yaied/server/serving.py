@@ -1,0 +1,224 @@
+"""Running a parsed request on the engine: prompts to jobs, jobs to events, events to responses.
+
+Each choice (prompt x n) is one engine request, run by its own pump task into one queue, so
+streaming interleaves choices as their tokens arrive. Closing the merged iterator cancels the
+pumps, which closes their engine streams and so aborts their requests: that is the only
+cancellation path, whether the client left, a choice failed or the response was complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from yaied.engine.async_engine import AsyncEngine
+from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.server.errors import APIError, from_value_error
+from yaied.server.metrics import ServerMetrics
+from yaied.server.protocol import ParsedRequest
+from yaied.server.responses import CompletionLogprobs, TokenText
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request: choice ``index`` of the response, for prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    drop_generated: bool = False  # max_tokens 0: run one token, report none (echo scoring)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    job: Job
+    echo: bool
+    token_text: TokenText
+    completion_logprobs: CompletionLogprobs | None = None
+    text: list[str] = field(default_factory=list)
+    chat_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    seen_event: bool = False
+
+    def update(self, event: TokenEvent) -> tuple[str, list[TokenLogprobs]]:
+        """Record an event; the new text and token logprobs it brings (echo on the first)."""
+        prefix = ""
+        if not self.seen_event:
+            self.seen_event = True
+            if self.echo:
+                prefix = self.job.prompt_text
+                if self.completion_logprobs is not None:
+                    self.completion_logprobs.add_prompt(
+                        self.job.prompt_ids, event.prompt_logprobs or []
+                    )
+        text, lps = event.text, list(event.logprobs or [])
+        if self.job.drop_generated:
+            text, lps = "", []
+        else:
+            self.num_output_tokens = event.num_output_tokens
+        if self.completion_logprobs is not None:
+            for lp in lps:
+                self.completion_logprobs.add(lp.token_id, lp)
+        self.chat_logprobs.extend(lps)
+        self.text.append(prefix + text)
+        if event.finished:
+            self.num_prompt_tokens = event.num_prompt_tokens
+            self.num_cached_tokens = event.num_cached_tokens
+            self.finish_reason = event.finish_reason.value
+            self.stop_reason = event.stop_reason
+            if self.job.drop_generated and event.finish_reason is not FinishReason.ERROR:
+                self.finish_reason, self.stop_reason = "length", None
+        return prefix + text, lps
+
+
+def build_jobs(engine: AsyncEngine, parsed: ParsedRequest, base_id: str) -> list[Job]:
+    """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
+    aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
+    aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
+    if parsed.kind == "chat":
+        aliases["logprobs"] = "top_logprobs"
+    try:
+        prompts = _tokenized_prompts(engine, parsed)
+        jobs = []
+        for prompt_index, (ids, text) in enumerate(prompts):
+            params, drop = _params_for(engine, parsed, len(ids))
+            engine.inputs.prompt_token_ids(ids, params)  # the context-length check
+            for _ in range(parsed.n):
+                index = len(jobs)
+                jobs.append(Job(index, prompt_index, base_id, ids, text, params, drop))
+    except ValueError as exc:
+        raise from_value_error(exc, aliases) from None
+    if len(jobs) > 1:
+        for job in jobs:
+            job.request_id = f"{base_id}-{job.index}"
+    return jobs
+
+
+def _tokenized_prompts(engine: AsyncEngine, parsed: ParsedRequest) -> list[tuple[list[int], str]]:
+    tokenizer = engine.tokenizer
+    if parsed.kind == "chat":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        text = tokenizer.apply_chat_template(
+            parsed.messages, tokenize=False, add_generation_prompt=True
+        )
+        # The template wrote the special tokens already; adding them again doubles a BOS.
+        return [(tokenizer.encode(text, add_special_tokens=False), text)]
+    out = []
+    probe = SamplingParams(max_tokens=1)  # the real max_tokens is checked once params exist
+    for prompt in parsed.prompts:
+        ids = engine.inputs.prompt_token_ids(prompt, probe)
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        out.append((ids, text))
+    return out
+
+
+def _params_for(
+    engine: AsyncEngine, parsed: ParsedRequest, num_prompt_tokens: int
+) -> tuple[SamplingParams, bool]:
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:  # chat's default: whatever the context has left
+        max_tokens = engine.info.max_model_len - num_prompt_tokens
+        if max_tokens < 1:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "
+                f"{engine.info.max_model_len} tokens"
+            )
+    # Completions with max_tokens 0 (echo scoring in eval harnesses): run one token for the
+    # prompt's logprobs and report none. Chat has no use for it; SamplingParams refuses 0 there.
+    drop = max_tokens == 0 and parsed.kind == "completion"
+    sampling: dict[str, Any] = dict(parsed.sampling, max_tokens=1 if drop else max_tokens)
+    if drop and sampling.get("min_tokens"):
+        raise ValueError("min_tokens must be 0 when max_tokens is 0")
+    if parsed.logprobs is not None:
+        sampling["logprobs"] = parsed.logprobs
+        if parsed.echo:
+            sampling["prompt_logprobs"] = parsed.logprobs
+    return engine.inputs.sampling_params(None, sampling), drop
+
+
+async def run_jobs(
+    engine: AsyncEngine,
+    jobs: list[Job],
+    metrics: ServerMetrics,
+    *,
+    session_id: str | None,
+    priority: int,
+) -> AsyncIterator[tuple[Job, TokenEvent]]:
+    """The events of every job, interleaved as they come; closing this aborts the unfinished."""
+    queue: asyncio.Queue[tuple[Job, TokenEvent | BaseException]] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        timer = metrics.timer()
+        stream = engine.generate(
+            job.prompt_ids,
+            job.params,
+            request_id=job.request_id,
+            session_id=session_id,
+            priority=priority,
+        )
+        try:
+            async for event in stream:
+                timer.on_event(event)
+                queue.put_nowait((job, event))
+        except Exception as exc:  # e.g. a request id already in use: report, don't hang
+            queue.put_nowait((job, exc))
+        finally:
+            await stream.aclose()
+            timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
+
+    tasks = [asyncio.create_task(pump(job), name=f"yaied-{job.request_id}") for job in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            job, item = await queue.get()
+            if isinstance(item, BaseException):
+                if isinstance(item, ValueError):
+                    raise from_value_error(item)
+                raise item
+            remaining -= item.finished
+            yield job, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(choices: list[ChoiceState]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens; a prompt counts once however many choices it has."""
+    prompt = cached = completion = 0
+    seen: set[int] = set()
+    for choice in choices:
+        completion += choice.num_output_tokens
+        if choice.job.prompt_index not in seen:
+            seen.add(choice.job.prompt_index)
+            prompt += len(choice.job.prompt_ids)
+            cached += choice.num_cached_tokens
+    return prompt, completion, cached
+
+
+def new_choices(jobs: list[Job], parsed: ParsedRequest, token_text: TokenText) -> list[ChoiceState]:
+    legacy = parsed.kind == "completion" and parsed.logprobs is not None
+    return [
+        ChoiceState(
+            job, parsed.echo, token_text, CompletionLogprobs(token_text) if legacy else None
+        )
+        for job in jobs
+    ]

@@ -1,0 +1,75 @@
+"""The app-wide objects, held in Starlette's lifespan state (no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from yaied.engine.async_engine import AsyncEngine
+from yaied.server.config import ServerConfig
+from yaied.server.errors import APIError
+from yaied.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+EngineLoader = Callable[[], AsyncEngine]  # blocking: run in a thread while the server listens
+
+
+@dataclass(slots=True)
+class ServerState:
+    config: ServerConfig
+    model_name: str
+    engine: AsyncEngine | None = None
+    load_error: BaseException | None = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.model_name, self._stats)
+
+    def _stats(self) -> dict[str, int | float] | None:
+        return None if self.engine is None else self.engine.stats()
+
+    async def load(self, loader: EngineLoader) -> None:
+        try:
+            engine = await asyncio.to_thread(loader)
+        except Exception as exc:
+            log.exception("loading the engine failed")
+            self.load_error = exc
+            return
+        engine.step_observer = self.metrics.iteration_tokens.observe
+        self.engine = engine
+        log.info("engine ready: %s", self.model_name)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.dead is None
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 saying why there is none."""
+        if self.engine is None:
+            reason = "failed to load" if self.load_error is not None else "is still loading"
+            raise APIError(503, f"the model {reason}", code="engine_not_ready")
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine has stopped: {self.engine.dead}", code="engine_dead")
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_queue(self, engine: AsyncEngine) -> None:
+        limit = self.config.max_queue_len
+        if limit and engine.stats()["num_requests_waiting"] >= limit:
+            raise APIError(
+                429,
+                f"too many requests waiting ({limit}); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
