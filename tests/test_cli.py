@@ -88,8 +88,8 @@ def test_flags_over_env_over_toml(tmp_path, monkeypatch):
 
 def test_serve_and_chat_defaults():
     serve = parse("serve")
-    assert (serve.host, serve.port, serve.max_tokens) == ("127.0.0.1", 8000, 64)
-    assert serve.prompt and serve.log_level == "warning"
+    assert (serve.host, serve.port, serve.max_tokens) == (None, None, 64)  # [server] defaults
+    assert serve.prompt is None and serve.log_level == "warning"
     chat = parse("chat")
     assert (chat.temperature, chat.top_p, chat.max_tokens, chat.system) == (0.7, None, 256, None)
 
@@ -98,7 +98,7 @@ def test_help_exits_zero(capsys):
     code, out, _ = run_main(capsys, "serve", "--help")
     assert code == 0
     assert "--page-size" in out and "--no-enable-prefix-caching" in out
-    assert "daemon" in out  # --host/--port wait for the HTTP server
+    assert "--served-model-name" in out and "--api-key" in out
 
 
 # -- errors: one line, exit 2 ---------------------------------------------------------------
@@ -124,7 +124,7 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         (["chat", "--policy", "x"], r"scheduler\.policy must be one of"),
         (["serve", "--kv-cache-gib", "0"], r"cache\.kv_cache_gib must be > 0"),
         (["serve", "--port", "0"], r"--port: port must be an integer in 1\.\.65535"),
-        (["serve", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["serve", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
         (["chat", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
         (["serve", "--log-level", "loud"], "--log-level: invalid choice"),
@@ -165,11 +165,12 @@ def test_unknown_model(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("command", "pattern"), [("chat", "has no chat template"), ("serve", "has no tokenizer")]
+    ("command", "pattern"),
+    [(["chat"], "has no chat template"), (["serve", "--prompt", "Hi"], "has no tokenizer")],
 )
 def test_a_model_without_tokenizer(capsys, tiny_model_dirs, monkeypatch, command, pattern):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
-    argv = [command, "--model", str(tiny_model_dirs["llama"]), "--kv-cache-gib", "0.01"]
+    argv = [*command, "--model", str(tiny_model_dirs["llama"]), "--kv-cache-gib", "0.01"]
     assert_one_line_error(*run_main(capsys, *argv), pattern)
 
 
@@ -270,7 +271,7 @@ def test_chat_keeps_history_resets_and_survives_a_too_long_turn(
 
 @pytest.mark.slow
 def test_serve_prints_the_answer_and_a_rate(capsys, torch_threads_restored):
-    code, out, err = run_main(capsys, "serve", "--max-tokens", "4", *ONE_THREAD)
+    code, out, err = run_main(capsys, "serve", "--prompt", "Hi!", "--max-tokens", "4", *ONE_THREAD)
     assert code == 0, err
     assert out.strip()
     assert re.search(r"^[1-4] tokens in \d+\.\d\d s \(\d+\.\d tok/s\)$", err, re.MULTILINE), err

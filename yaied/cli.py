@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROG = "yaied"
-DEFAULT_PROMPT = "Hi! What is a large language model, in one sentence?"
 # A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
 _SETTING_PREFIX = "cfg:"
 EXIT_USAGE = 2
@@ -118,14 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         parents=[common],
-        help="load the model and answer one prompt",
-        description="Load the model and stream one answer to --prompt. The HTTP server (with "
-        "--host and --port) comes with the daemon; until then they are accepted and unused.",
+        help="serve the OpenAI-compatible HTTP API (or answer one --prompt)",
+        description="Serve the model over the OpenAI-compatible HTTP API on --host:--port (the "
+        "daemon listens at once; /health answers 503 until the model has loaded). With --prompt, "
+        "answer that one prompt on the terminal instead and exit.",
     )
-    serve.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question to answer")
-    serve.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    serve.add_argument("--host", default="127.0.0.1", help="(used once the daemon lands)")
-    serve.add_argument("--port", type=_port, default=8000, help="(used once the daemon lands)")
+    serve.add_argument("--prompt", default=None, help="answer this one prompt and exit")
+    serve.add_argument("--max-tokens", type=int, default=64, metavar="N", help="with --prompt")
+    serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=None, help="listen port (default 8000)")
+    serve.add_argument("--served-model-name", default=None, help="the name in /v1/models")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="accept this Bearer key (repeatable; YAIED_SERVER_API_KEYS takes a comma list)",
+    )
     serve.set_defaults(run=_serve)
 
     chat = commands.add_parser(
@@ -227,6 +235,32 @@ def _check_sampling(sampling: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.prompt is None:
+        return _serve_http(args)
+    return _answer_one_prompt(args)
+
+
+def _serve_http(args: argparse.Namespace) -> int:
+    from yaied.daemon import run_server  # the server packages load only for the daemon
+    from yaied.server.config import load_server_config
+    from yaied.worker.model_files import check_model_reference
+
+    config = load_cli_config(args)
+    check_model_reference(config.model.model, load_format=config.model.load_format)
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "served_model_name": args.served_model_name,
+        "api_keys": tuple(args.api_key) if args.api_key else None,
+    }
+    server = load_server_config(
+        args.config, overrides={k: v for k, v in flags.items() if v is not None}
+    )
+    run_server(config, server)
+    return 0
+
+
+def _answer_one_prompt(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
     sampling = {"max_tokens": args.max_tokens}
     _check_sampling(sampling)

@@ -117,6 +117,17 @@ def resolve_model_folder(
     )
 
 
+def check_model_reference(model: str, *, load_format: str = "auto") -> None:
+    """Reject a model reference that can never load, cheaply (no conversion, no weights): what a
+    daemon checks before it starts listening."""
+    path = Path(model).expanduser()
+    if load_format == "dummy" and path.is_file() and path.suffix == ".json":
+        return
+    if path.is_dir() or path.is_file() or model.strip().lower() == DEFAULT_MODEL_NAME:
+        return
+    resolve_model_folder(model, show_progress=False)  # raises the full explanation
+
+
 def load_hf_config(folder: Path) -> PretrainedConfig:
     """The folder's transformers config; ValueError if it has no config.json."""
     _offline()
