@@ -89,7 +89,7 @@ def test_flags_over_env_over_toml(tmp_path, monkeypatch):
 def test_serve_and_chat_defaults():
     serve = parse("serve")
     assert (serve.host, serve.port, serve.max_tokens) == (None, None, 64)  # [server] defaults
-    assert serve.prompt is None and serve.log_level == "warning"
+    assert serve.prompt is None and serve.log_level is None  # info for the daemon
     chat = parse("chat")
     assert (chat.temperature, chat.top_p, chat.max_tokens, chat.system) == (0.7, None, 256, None)
 

@@ -108,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--config", metavar="PATH", help="a TOML file (see config/yaied.toml)")
     common.add_argument(
-        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default=None,
+        choices=("debug", "info", "warning", "error"),
+        help="default: info for the daemon (a line per request), warning otherwise",
     )
     _add_setting_flags(common)
 
@@ -346,8 +349,10 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        daemon = args.command == "serve" and args.prompt is None
+        level = args.log_level or ("info" if daemon else "warning")
         logging.basicConfig(
-            level=args.log_level.upper(),
+            level=level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         return args.run(args)

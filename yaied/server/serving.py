@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from yaied.engine.async_engine import AsyncEngine
 from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.server.errors import APIError, from_value_error
-from yaied.server.metrics import ServerMetrics
+from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
 from yaied.server.responses import CompletionLogprobs, TokenText
 
@@ -178,6 +179,8 @@ async def run_jobs(
             async for event in stream:
                 timer.on_event(event)
                 queue.put_nowait((job, event))
+                if event.finished:
+                    _log_request(job.request_id, event, timer)
         except Exception as exc:  # e.g. a request id already in use: report, don't hang
             queue.put_nowait((job, exc))
         finally:
@@ -199,6 +202,23 @@ async def run_jobs(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _log_request(request_id: str, event: TokenEvent, timer: RequestTimer) -> None:
+    """The one log line per finished request."""
+    now = time.monotonic()
+    ttft = "-" if timer.first is None else f"{timer.first - timer.start:.3f}s"
+    log.info(
+        "request %s: %s, prompt %d tokens (%d cached), output %d, ttft %s, total %.3fs%s",
+        request_id,
+        event.finish_reason,
+        event.num_prompt_tokens,
+        event.num_cached_tokens,
+        event.num_output_tokens,
+        ttft,
+        now - timer.start,
+        f", error: {event.error}" if event.error else "",
+    )
 
 
 def total_usage(choices: list[ChoiceState]) -> tuple[int, int, int]:

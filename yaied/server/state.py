@@ -40,7 +40,20 @@ class ServerState:
             return
         engine.step_observer = self.metrics.iteration_tokens.observe
         self.engine = engine
-        log.info("engine ready: %s", self.model_name)
+        info = engine.info
+        log.info(
+            "yaied ready: model %s (%s), %s on %s, %d KV pages of %d tokens, context %d, "
+            "listening on http://%s:%d",
+            self.model_name,
+            engine.config.model.model,
+            info.dtype,
+            info.device,
+            info.num_pages,
+            info.page_size,
+            info.max_model_len,
+            self.config.host,
+            self.config.port,
+        )
 
     @property
     def ready(self) -> bool:
