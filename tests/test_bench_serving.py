@@ -47,7 +47,9 @@ def test_bench_serving_launch_random(tmp_path):
     assert record["num_requests"] == record["completed"] == 6 and record["failed"] == 0
     assert record["total_output_tokens"] == 36
     assert record["output_throughput"] > 0
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    # No tokenizer: no text, so the server sends only each request's final chunk and there is
+    # no inter-chunk gap to measure (itl is None); the other figures are all there.
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "median", "p99"):
             assert record[f"{stat}_{name}"] is not None and record[f"{stat}_{name}"] >= 0
     assert record["p99_e2e_ms"] >= record["mean_ttft_ms"] > 0

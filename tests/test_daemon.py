@@ -1,8 +1,9 @@
-"""`yaied serve` runs the HTTP daemon: it listens, loads the model, answers, and exits 0 when
-stopped by SIGINT or SIGTERM."""
+"""`yaied serve` runs the HTTP daemon: it listens, loads the model, tells systemd READY=1, answers,
+and on SIGINT or SIGTERM says STOPPING=1 and exits 0."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -19,13 +20,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, log_path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the daemon never became healthy"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
-def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, stop_signal):
+def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, stop_signal):
     port = free_port()
+    model = str(tiny_model_dirs["llama"])
     argv = [
         "serve",
         "--model",
-        str(tiny_model_dirs["llama"]),
+        model,
         "--port",
         str(port),
         "--kv-cache-gib",
@@ -36,29 +51,29 @@ def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, stop_signal
         "tiny",
     ]
     code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the daemon never became healthy"
-            time.sleep(0.2)
-        response = httpx.post(
-            f"{base}/v1/completions",
-            json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0},
-            timeout=30,
-        )
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 3
-    finally:
-        proc.send_signal(stop_signal)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    env = dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log, notify:
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log, env=env)
+        base = f"http://127.0.0.1:{port}"
         try:
-            assert proc.wait(timeout=30) == 0
+            wait_healthy(proc, base, log_path)
+            assert notify.recv(64) == b"READY=1"  # sent once the model had loaded
+            response = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0},
+                timeout=30,
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 3
         finally:
-            proc.kill()
+            proc.send_signal(stop_signal)
+            try:
+                assert proc.wait(timeout=30) == 0, log_path.read_text()
+            finally:
+                proc.kill()
+        assert notify.recv(64) == b"STOPPING=1"
+    assert "request cmpl-" in log_path.read_text()  # the per-request log line

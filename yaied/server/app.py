@@ -27,6 +27,7 @@ from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_tokenize
 from yaied.server.state import EngineLoader, ServerState
+from yaied.systemd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -178,10 +179,21 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
         import asyncio
 
         server = ServerState(config, served)
-        loading = asyncio.create_task(server.load(load_engine), name="yaied-load")
+        notifier = SystemdNotifier()
+
+        async def load_then_notify() -> None:
+            await server.load(load_engine)
+            if server.engine is not None:
+                notifier.notify("READY=1")  # systemd's Type=notify: started means loaded
+
+        loading = asyncio.create_task(load_then_notify(), name="yaied-load")
+        # Fed only while the engine loop lives: a dead loop gets the service restarted.
+        watchdog = asyncio.create_task(notifier.feed_watchdog(lambda: server.ready))
         try:
             yield {"server": server}
         finally:
+            notifier.notify("STOPPING=1")
+            watchdog.cancel()
             await loading  # a thread cannot be cancelled; the load finishes, then we shut down
             if server.engine is not None:
                 await server.engine.shutdown()
