@@ -3,6 +3,8 @@ and on SIGINT or SIGTERM says STOPPING=1 and exits 0."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
@@ -77,3 +79,45 @@ def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, s
                 proc.kill()
         assert notify.recv(64) == b"STOPPING=1"
     assert "request cmpl-" in log_path.read_text()  # the per-request log line
+
+
+def test_sigterm_drains_in_flight_requests_first(tiny_model_dirs, tmp_path):
+    port = free_port()
+    model = str(tiny_model_dirs["llama"])
+    argv = [
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "0.01",
+        "--threads",
+        "1",
+    ]
+    code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+    log_path = tmp_path / "daemon.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
+        try:
+            wait_healthy(proc, base, log_path)
+            body = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+                time.sleep(0.3)  # the request is running now
+                proc.send_signal(signal.SIGTERM)
+                statuses = set()
+                while not pending.done():
+                    with contextlib.suppress(httpx.TransportError):
+                        statuses.add(httpx.get(f"{base}/health", timeout=1).status_code)
+                    time.sleep(0.02)
+                response = pending.result()
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            assert choice["finish_reason"] == "length"  # finished, not cut off
+            assert response.json()["usage"]["completion_tokens"] == 1000
+            assert 503 in statuses  # draining: health says so while the request runs
+            assert proc.wait(timeout=30) == 0, log_path.read_text()
+        finally:
+            proc.kill()

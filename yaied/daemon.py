@@ -3,12 +3,20 @@
 ``run_server`` binds at once, so probes get a 503 from ``/health`` (not a refused connection)
 while the engine loads in a thread. If loading fails (unknown model, a pool too small for one
 context, ...) the server stops and the error propagates to the caller, so `yaied serve` exits
-non-zero with a one-line message and systemd can restart or report it. systemd notify, signals
-with draining, and the watchdog come later.
+non-zero with a one-line message and systemd can restart or report it.
+
+Shutdown (SIGTERM or SIGINT) drains first:
+
+    signal -> /health and new requests answer 503 -> in-flight requests finish
+           -> (drain timeout) the rest are aborted with a final event -> uvicorn stops -> exit 0
+
+A second signal skips what is left of the drain.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 
 import uvicorn
@@ -17,10 +25,40 @@ from yaied.config import EngineConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with the first exit signal turned into a drain of the engine."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self._draining or self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: stop now
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(sig)))
+
+    async def _drain(self, sig: int) -> None:
+        server = getattr(self.config.app.state, "server", None)  # set by the app's lifespan
+        if server is not None:
+            log.info("draining: up to %.0f s for in-flight requests", self.drain_timeout)
+            await server.drain(self.drain_timeout)
+        super().handle_exit(sig, None)
+
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     failure: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def load_engine():  # runs in a thread from the app's lifespan
         from yaied.engine.async_engine import AsyncEngine  # torch loads here, not at import
@@ -41,10 +79,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         log_level="info",
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
-    # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown), then re-raises the signal it
-    # caught under the handlers it found. No-op handlers here make that re-raise a no-op, so a
-    # stopped daemon returns normally and exits 0, as systemd expects.
+    server = DrainingServer(config, server_config.drain_timeout_seconds)
+    # uvicorn re-raises the signal it caught under the handlers it found once it has stopped.
+    # No-op handlers here make that harmless, so a stopped daemon exits 0, as systemd expects.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()

@@ -123,6 +123,15 @@ class AsyncEngine:
             if self._wake is not None:
                 self._wake.set()
 
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests whose stream has not ended yet."""
+        return len(self._streams)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
     def stats(self) -> dict[str, int | float]:
         return {
             "num_requests_running": len(self.scheduler.running),

@@ -186,6 +186,7 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
             if server.engine is not None:
                 notifier.notify("READY=1")  # systemd's Type=notify: started means loaded
 
+        app.state.server = server  # the daemon drains through it on SIGTERM
         loading = asyncio.create_task(load_then_notify(), name="yaied-load")
         # Fed only while the engine loop lives: a dead loop gets the service restarted.
         watchdog = asyncio.create_task(notifier.feed_watchdog(lambda: server.ready))

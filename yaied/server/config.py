@@ -25,6 +25,7 @@ class ServerConfig:
     max_queue_len: int = 1024  # waiting requests beyond this get 429; 0 = unlimited
     sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
     retry_after_seconds: int = 1  # the Retry-After of a 429
+    drain_timeout_seconds: float = 30.0  # on SIGTERM: how long in-flight requests may finish
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -37,6 +38,8 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_len < 0:
             raise ValueError(f"server.max_queue_len must be >= 0, got {self.max_queue_len}")
+        if not self.drain_timeout_seconds >= 0:
+            raise ValueError("server.drain_timeout_seconds must be >= 0")
         if not self.sse_ping_seconds > 0:
             raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
 

@@ -23,6 +23,7 @@ class ServerState:
     model_name: str
     engine: AsyncEngine | None = None
     load_error: BaseException | None = None
+    draining: bool = False  # set on SIGTERM: health and new requests get 503
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.dead is None
+        return self.engine is not None and self.engine.dead is None and not self.draining
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or a 503 saying why there is none."""
@@ -66,7 +67,26 @@ class ServerState:
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
         if self.engine.dead is not None:
             raise APIError(503, f"the engine has stopped: {self.engine.dead}", code="engine_dead")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining")
         return self.engine
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work, let in-flight requests finish for up to timeout seconds, then abort
+        the rest (each gets its final event, so every stream ends properly)."""
+        self.draining = True
+        engine = self.engine
+        if engine is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while engine.num_requests_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_requests_in_flight:
+            log.warning("drain timeout: aborting %d requests", engine.num_requests_in_flight)
+            engine.abort_all()
+            while engine.num_requests_in_flight and engine.dead is None:
+                await asyncio.sleep(0.01)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
