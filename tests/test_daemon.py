@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import orjson
 import pytest
 
 
@@ -81,7 +82,7 @@ def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, s
     assert "request cmpl-" in log_path.read_text()  # the per-request log line
 
 
-def test_sigterm_drains_in_flight_requests_first(tiny_model_dirs, tmp_path):
+def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
     port = free_port()
     model = str(tiny_model_dirs["llama"])
     argv = [
@@ -102,7 +103,14 @@ def test_sigterm_drains_in_flight_requests_first(tiny_model_dirs, tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
         try:
             wait_healthy(proc, base, log_path)
-            body = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+            body = {
+                "prompt": [1, 2, 3],
+                "max_tokens": 1000,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
                 time.sleep(0.3)  # the request is running now
@@ -114,9 +122,12 @@ def test_sigterm_drains_in_flight_requests_first(tiny_model_dirs, tmp_path):
                     time.sleep(0.02)
                 response = pending.result()
             assert response.status_code == 200, response.text
-            choice = response.json()["choices"][0]
-            assert choice["finish_reason"] == "length"  # finished, not cut off
-            assert response.json()["usage"]["completion_tokens"] == 1000
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [orjson.loads(e) for e in events[:-1]]
+            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+            assert reasons[-1] == "length"  # the open stream finished, not cut off
+            assert chunks[-1]["usage"]["completion_tokens"] == 1000
             assert 503 in statuses  # draining: health says so while the request runs
             assert proc.wait(timeout=30) == 0, log_path.read_text()
         finally:
