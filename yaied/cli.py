@@ -137,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="accept this Bearer key (repeatable; YAIED_SERVER_API_KEYS takes a comma list)",
     )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="accept the keys in this file too: one a line; blank lines and # comments skipped",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH_OR_TEXT",
+        help="a Jinja chat template used instead of the tokenizer's: a file, else the text itself",
+    )
     serve.set_defaults(run=_serve)
 
     chat = commands.add_parser(
@@ -150,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--top-p", type=float, default=None, help="default: the model's own")
     chat.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    chat.add_argument(
+        "--url",
+        metavar="URL",
+        help="chat with the daemon at URL (http://127.0.0.1:8000) instead of a local engine; "
+        "--model then names the served model (default: the first in /v1/models)",
+    )
+    chat.add_argument(
+        "--api-key",
+        default=os.environ.get("YAIED_API_KEY"),
+        metavar="KEY",
+        help="with --url: the Bearer key (default: $YAIED_API_KEY)",
+    )
     chat.set_defaults(run=_chat)
     return parser
 
@@ -255,6 +279,8 @@ def _serve_http(args: argparse.Namespace) -> int:
         "port": args.port,
         "served_model_name": args.served_model_name,
         "api_keys": tuple(args.api_key) if args.api_key else None,
+        "api_key_file": args.api_key_file,
+        "chat_template": args.chat_template,
     }
     server = load_server_config(
         args.config, overrides={k: v for k, v in flags.items() if v is not None}
@@ -294,43 +320,99 @@ def _read_line(interactive: bool) -> str | None:
         return None
 
 
+Respond = Callable[[list[dict[str, str]]], str | None]
+
+
+def _chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
+    """Read turns until /exit or EOF; ``respond`` answers one, or returns None to drop it."""
+    interactive = sys.stdin.isatty()
+    messages = list(opening)
+    while (line := _read_line(interactive)) is not None:
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            messages = list(opening)
+            if interactive:
+                print("(history cleared)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = respond(messages)
+        if reply is None:
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
 def _chat(args: argparse.Namespace) -> int:
-    config = load_cli_config(args)
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
     _check_sampling(sampling)
     opening = [{"role": "system", "content": args.system}] if args.system else []
+    if args.url is not None:
+        return _chat_remote(args, sampling, opening)
+    config = load_cli_config(args)
 
     def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
         tokenizer = engine.tokenizer
         if not _has_chat_template(tokenizer):
             raise UsageError(f"model {config.model.model!r} has no chat template; chat needs one")
-        interactive = sys.stdin.isatty()
-        messages = list(opening)
-        while (line := _read_line(interactive)) is not None:
-            command = line.strip()
-            if command in ("/exit", "/quit"):
-                break
-            if command == "/reset":
-                messages = list(opening)
-                if interactive:
-                    print("(history cleared)", file=sys.stderr)
-                continue
-            if not command:
-                continue
-            messages.append({"role": "user", "content": line})
+
+        def respond(messages: list[dict[str, str]]) -> str | None:
             prompt = _chat_prompt_ids(tokenizer, messages)
             try:
-                reply = runner.run(stream_reply(engine, prompt, sampling))
+                return runner.run(stream_reply(engine, prompt, sampling)).text
             except ValueError as exc:  # the conversation outgrew the context: let the user go on
-                messages.pop()
                 print(f"{PROG}: {exc}; /reset starts over", file=sys.stderr)
-                continue
-            messages.append({"role": "assistant", "content": reply.text})
-        return 0
+                return None
+
+        return _chat_loop(opening, respond)
 
     return _with_engine(config, session)
+
+
+def _chat_remote(
+    args: argparse.Namespace, sampling: dict[str, Any], opening: list[dict[str, str]]
+) -> int:
+    """`chat --url`: the same loop against a daemon. Ctrl-C during an answer ends that answer."""
+    from yaied.chat_client import ChatClient, ServerError, ServerUnreachable
+
+    client = ChatClient(args.url, args.api_key)
+    try:
+        model = vars(args).get(_SETTING_PREFIX + "model.model") or client.first_model()
+
+        def respond(messages: list[dict[str, str]]) -> str | None:
+            parts: list[str] = []
+            deltas = client.stream_chat({"model": model, "messages": messages, **sampling})
+            try:
+                with contextlib.closing(deltas):  # closing the response aborts the request
+                    for text in deltas:
+                        parts.append(text)
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+            except KeyboardInterrupt:
+                print(file=sys.stdout)
+                print(f"{PROG}: (answer interrupted)", file=sys.stderr)
+                return None
+            except ServerError as exc:
+                if parts:
+                    print(file=sys.stdout)
+                print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+                return None
+            print(file=sys.stdout)
+            return "".join(parts)
+
+        return _chat_loop(opening, respond)
+    except ServerUnreachable as exc:
+        raise GenerationError(str(exc)) from None
+    except ServerError as exc:  # before the first turn: /v1/models failed
+        raise GenerationError(str(exc)) from None
+    finally:
+        client.close()
 
 
 # -- entry point ----------------------------------------------------------------------------

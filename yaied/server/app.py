@@ -26,6 +26,7 @@ from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_tokenize
+from yaied.server.serving import chat_prompt_text
 from yaied.server.state import EngineLoader, ServerState
 from yaied.systemd_notify import SystemdNotifier
 
@@ -122,9 +123,7 @@ async def tokenize(request: Request) -> Response:
         raise APIError(400, "this model has no tokenizer")
     prompts, messages = parse_tokenize(body)
     if messages:
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template", param="messages")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = chat_prompt_text(tokenizer, messages, server.config.chat_template, "messages")
         tokens = tokenizer.encode(text, add_special_tokens=False)
     else:
         tokens = tokenizer.encode(prompts[0], add_special_tokens=True)

@@ -26,9 +26,14 @@ class ServerConfig:
     sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
     retry_after_seconds: int = 1  # the Retry-After of a 429
     drain_timeout_seconds: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    api_key_file: str = ""  # more keys, one a line (blank lines and # comments skipped)
+    chat_template: str = ""  # a Jinja chat template (file or text) over the tokenizer's own
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        # Both files are read once, here; a replace() rereads them and changes nothing.
+        keys = tuple(self.api_keys) + read_api_key_file(self.api_key_file)
+        object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
+        object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
         if not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("server.api_keys must be non-empty strings")
         if not 0 <= self.port <= 65535:
@@ -42,6 +47,30 @@ class ServerConfig:
             raise ValueError("server.drain_timeout_seconds must be >= 0")
         if not self.sse_ping_seconds > 0:
             raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
+
+
+def read_api_key_file(path: str) -> tuple[str, ...]:
+    """The keys in ``path``, one a line; "" reads nothing. ValueError names an unreadable file."""
+    if not path:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"server.api_key_file {path!r}: {reason}") from None
+    lines = (line.strip() for line in text.splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
+def read_chat_template(value: str) -> str:
+    """The template text: the file's contents when ``value`` names a file, else ``value``."""
+    if not value or not os.path.isfile(value):
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"server.chat_template {value!r}: {reason}") from None
 
 
 def load_server_config(

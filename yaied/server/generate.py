@@ -51,7 +51,7 @@ async def _generate(request: Request, kind: str) -> Response:
     body = await read_json(request)
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     server.check_model(parsed.model)
-    jobs = build_jobs(engine, parsed, request_id)
+    jobs = build_jobs(engine, parsed, request_id, server.config.chat_template)
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user

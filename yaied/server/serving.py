@@ -86,14 +86,38 @@ class ChoiceState:
         return prefix + text, lps
 
 
-def build_jobs(engine: AsyncEngine, parsed: ParsedRequest, base_id: str) -> list[Job]:
+def chat_prompt_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: str = "",
+    param: str | None = None,
+) -> str:
+    """The messages through ``chat_template`` (server.chat_template), else the tokenizer's own."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param=param)
+    from jinja2 import TemplateError  # transformers renders templates with jinja2
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template or None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except TemplateError as exc:  # a template's raise_exception, say for roles out of order
+        raise APIError(400, f"chat template: {exc}", param="messages") from None
+
+
+def build_jobs(
+    engine: AsyncEngine, parsed: ParsedRequest, base_id: str, chat_template: str = ""
+) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
     aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
     if parsed.kind == "chat":
         aliases["logprobs"] = "top_logprobs"
     try:
-        prompts = _tokenized_prompts(engine, parsed)
+        prompts = _tokenized_prompts(engine, parsed, chat_template)
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
             params, drop = _params_for(engine, parsed, len(ids))
@@ -109,14 +133,12 @@ def build_jobs(engine: AsyncEngine, parsed: ParsedRequest, base_id: str) -> list
     return jobs
 
 
-def _tokenized_prompts(engine: AsyncEngine, parsed: ParsedRequest) -> list[tuple[list[int], str]]:
+def _tokenized_prompts(
+    engine: AsyncEngine, parsed: ParsedRequest, chat_template: str
+) -> list[tuple[list[int], str]]:
     tokenizer = engine.tokenizer
     if parsed.kind == "chat":
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        text = tokenizer.apply_chat_template(
-            parsed.messages, tokenize=False, add_generation_prompt=True
-        )
+        text = chat_prompt_text(tokenizer, parsed.messages, chat_template)
         # The template wrote the special tokens already; adding them again doubles a BOS.
         return [(tokenizer.encode(text, add_special_tokens=False), text)]
     out = []

@@ -1,0 +1,87 @@
+"""`server.api_key_file` and `server.chat_template`: what they read, and the template at work."""
+
+from __future__ import annotations
+
+import httpx
+import jinja2
+import pytest
+
+from tests.server.conftest import (
+    MODEL,
+    default_model_available,
+    engine_loader,
+    start_server,
+    stop_server,
+)
+from yaied.server.config import ServerConfig, load_server_config
+from yaied.server.errors import APIError
+from yaied.server.serving import chat_prompt_text
+
+TEMPLATE = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+
+
+def test_api_key_file_merges_with_api_keys(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# the ops team\nk2\n\n  k3  \n# k4\nk1\n")
+    config = load_server_config(env={}, overrides={"api_keys": ["k1"], "api_key_file": str(path)})
+    assert config.api_keys == ("k1", "k2", "k3")  # in order, once each
+    env = {"YAIED_SERVER_API_KEY_FILE": str(path)}
+    assert load_server_config(env=env).api_keys == ("k2", "k3", "k1")
+
+
+def test_an_unreadable_api_key_file_is_a_value_error_naming_it(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match="server.api_key_file .*nope"):
+        ServerConfig(api_key_file=missing)
+    with pytest.raises(ValueError, match="server.api_key_file"):
+        ServerConfig(api_key_file=str(tmp_path))  # a directory
+
+
+def test_chat_template_is_a_file_or_the_text(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert ServerConfig(chat_template=str(path)).chat_template == TEMPLATE
+    assert ServerConfig(chat_template=TEMPLATE).chat_template == TEMPLATE
+    assert ServerConfig().chat_template == ""
+
+
+class StubTokenizer:
+    def __init__(self, chat_template: str | None) -> None:
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages, chat_template=None, **kwargs):
+        template = jinja2.Environment().from_string(chat_template or self.chat_template)
+        return template.render(messages=messages)
+
+
+def test_the_override_replaces_the_tokenizers_template():
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_prompt_text(StubTokenizer("own:{{ messages[0].content }}"), messages) == "own:hi"
+    assert chat_prompt_text(StubTokenizer("own"), messages, TEMPLATE) == "<<hi>>"
+    assert chat_prompt_text(StubTokenizer(None), messages, TEMPLATE) == "<<hi>>"
+    with pytest.raises(APIError) as info:
+        chat_prompt_text(StubTokenizer(None), messages)  # no template at all: still a 400
+    assert info.value.status == 400
+    with pytest.raises(APIError) as info:  # a template's own error is the client's 400
+        chat_prompt_text(StubTokenizer(None), messages, "{{ raise_me( }}")
+    assert info.value.status == 400 and info.value.param == "messages"
+
+
+@pytest.mark.skipif(not default_model_available(), reason="needs the default model package")
+def test_a_served_chat_template_shapes_the_prompt(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    server = start_server(ServerConfig(chat_template=str(path)), engine_loader(threads=1), MODEL)
+    try:
+        messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]
+        r = httpx.post(server.url + "/tokenize", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["tokens"]
+        r = httpx.post(server.url + "/detokenize", json={"tokens": tokens})
+        assert r.json()["prompt"] == "<<hi>><<there>>"
+        body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+        r = httpx.post(server.v1 + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tokens)
+    finally:
+        stop_server(server)

@@ -1,0 +1,169 @@
+"""`yaied chat --url`: the terminal chat against a running daemon, and what it does on failures."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.test_daemon import free_port, wait_healthy
+from yaied import chat_client, cli
+
+
+def run_chat(capsys, monkeypatch, lines: list[str], *argv: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    code = cli.main(["chat", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.slow
+def test_chat_with_a_running_daemon(tmp_path, capsys, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# chat clients\nsecret\n")
+    port = free_port()
+    argv = ["serve", "--port", str(port), "--threads", "1", "--api-key-file", str(keys)]
+    code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
+        try:
+            wait_healthy(proc, base, log_path)
+            monkeypatch.setenv("YAIED_API_KEY", "secret")
+            chat = ["--url", base, "--max-tokens", "8", "--temperature", "0"]
+            code, out, err = run_chat(
+                capsys, monkeypatch, ["Hello!", "What is 2+2?", "/exit"], *chat
+            )
+            assert code == 0, err
+            assert err == ""
+            replies = [line for line in out.splitlines() if line.strip()]
+            assert len(replies) >= 2, out
+            # Two chat requests; the second carried the first turn too, so its prompt is longer.
+            prompts = re.findall(
+                r"request chatcmpl-\w+: .*?prompt (\d+) tokens", log_path.read_text()
+            )
+            assert len(prompts) == 2 and int(prompts[1]) > int(prompts[0]) + 8
+
+            # A wrong key: /v1/models refuses, one line, exit 1.
+            code, out, err = run_chat(capsys, monkeypatch, ["Hi"], *chat, "--api-key", "wrong")
+            assert code == 1 and out == ""
+            assert err == "yaied: error: missing or invalid API key\n"
+            # With --model the chat starts; the refused turn is one line and the chat goes on.
+            lines = ["Hi", "/exit"]
+            code, out, err = run_chat(
+                capsys, monkeypatch, lines, *chat, "--api-key", "x", "--model", "m"
+            )
+            assert code == 0 and out == ""
+            assert err == "yaied: error: missing or invalid API key\n"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            finally:
+                proc.kill()
+
+
+def test_a_refused_connection_is_one_line_and_exit_1(capsys, monkeypatch):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, out, err = run_chat(capsys, monkeypatch, ["Hi"], "--url", url)
+    assert code == 1 and out == ""
+    assert err.startswith(f"yaied: error: cannot connect to {url}") and err.count("\n") == 1
+
+
+class FakeClient:
+    """ChatClient's surface, scripted: each turn yields its chunks, then raises what it lists."""
+
+    turns: list[list[object]] = []
+    bodies: list[dict] = []
+    closed: list[bool] = []
+
+    def __init__(self, url: str, api_key: str | None) -> None:
+        pass
+
+    def first_model(self) -> str:
+        return "served"
+
+    def stream_chat(self, body):
+        FakeClient.bodies.append({**body, "messages": list(body["messages"])})
+        script = FakeClient.turns.pop(0)
+        try:
+            for item in script:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            FakeClient.closed.append(True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_errors_and_ctrl_c_drop_the_turn_and_keep_the_chat(capsys, monkeypatch):
+    FakeClient.turns = [
+        ["Hel", "lo"],
+        ["par", KeyboardInterrupt()],  # Ctrl-C while the answer streams
+        [chat_client.ServerError("generation failed: boom")],  # an error chunk
+        ["Fine."],
+    ]
+    FakeClient.bodies, FakeClient.closed = [], []
+    monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
+    lines = ["one", "two", "three", "four"]
+    code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x", "--system", "S")
+    assert code == 0, err
+    assert out == "Hello\npar\nFine.\n"
+    assert err == "yaied: (answer interrupted)\nyaied: error: generation failed: boom\n"
+    assert len(FakeClient.closed) == 4  # the interrupted stream was closed too
+    assert FakeClient.bodies[0]["model"] == "served"
+    last = FakeClient.bodies[-1]["messages"]
+    assert [m["content"] for m in last] == ["S", "one", "Hello", "four"]  # failed turns dropped
+
+
+def test_the_client_reads_openai_errors_and_error_chunks():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            error = {"error": {"message": "missing or invalid API key", "code": 401}}
+            return httpx.Response(401, json=error)
+        stream = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n: ping\n\n'
+        stream += b'data: {"error":{"message":"generation failed: x"}}\n\n'
+        return httpx.Response(200, content=stream)
+
+    client = chat_client.ChatClient("http://test/v1/")
+    assert client.root == "http://test"
+    client.http = httpx.Client(base_url=client.root, transport=httpx.MockTransport(handler))
+    with pytest.raises(chat_client.ServerError, match="^missing or invalid API key$"):
+        client.first_model()
+    got = []
+    with pytest.raises(chat_client.ServerError, match="generation failed: x"):
+        for text in client.stream_chat({"messages": []}):
+            got.append(text)
+    assert got == ["a"]
+
+
+# -- the serve flags for the daemon's key file and chat template ----------------------------
+
+
+def test_serve_key_file_and_chat_template_flags(tmp_path, monkeypatch, tiny_model_dirs):
+    import yaied.daemon
+
+    seen = []
+    monkeypatch.setattr(yaied.daemon, "run_server", lambda engine, server: seen.append(server))
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n")
+    model = ["--model", str(tiny_model_dirs["llama"])]
+    argv = ["serve", *model, "--api-key", "k1", "--api-key-file", str(keys)]
+    assert cli.main([*argv, "--chat-template", "{{ messages }}"]) == 0
+    assert seen[0].api_keys == ("k1", "k2") and seen[0].chat_template == "{{ messages }}"
+
+
+def test_serve_with_a_missing_key_file_is_one_line_and_exit_2(tmp_path, capsys, tiny_model_dirs):
+    missing = tmp_path / "no-keys"
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--api-key-file", str(missing)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("yaied: error: server.api_key_file") and str(missing) in err
+    assert err.count("\n") == 1
