@@ -197,6 +197,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first admitted to run (queue time = this - arrival)
     # The EOS ids of the model, fixed at admission; empty when ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
 
@@ -245,6 +246,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first admission, once admitted
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
     # On the first event, when asked for: one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -193,3 +193,8 @@ async def test_min_tokens_holds_off_stop_token_ids(engine):
     )
     out = [t for e in events for t in e.token_ids]
     assert len(out) >= 3 and stop_at not in out[:3]
+
+
+async def test_events_carry_the_queue_time(engine):
+    events = await collect(engine, [1, 2, 3], max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert all(e.queue_time is not None and 0 <= e.queue_time < 5 for e in events)

@@ -285,6 +285,9 @@ class AsyncEngine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=len(request.output_token_ids),
                 num_cached_tokens=request.num_cached_tokens,
+                queue_time=None
+                if request.scheduled_time is None
+                else request.scheduled_time - request.arrival_time,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
             )

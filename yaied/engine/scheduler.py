@@ -123,6 +123,7 @@ class Scheduler:
                 self._unmatch(request)
                 break  # first come, first served: no overtaking when pages are short
             self.kv.count_prefix_hit(request)
+            request.scheduled_time = request.scheduled_time or time.monotonic()
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -113,13 +113,8 @@ class ServerMetrics:
 
 @dataclass(slots=True)
 class RequestTimer:
-    """One request's timings, observed as its events pass through the server.
-
-    Queue time is approximate: the server never sees when the scheduler admits a request, so it
-    takes the time to first token minus the gap between the two events that followed it
-    (about one step: the prefill's length if the prompt fit one step). Exact would need an admission
-    timestamp from the engine.
-    """
+    """One request's timings, observed as its events pass through the server. Queue time is the
+    engine's own: from the request's arrival to its first admission by the scheduler."""
 
     metrics: ServerMetrics
     start: float = field(default_factory=time.monotonic)
@@ -133,11 +128,10 @@ class RequestTimer:
             if self.first is None:
                 self.first = now
                 self.metrics.ttft.observe(now - self.start)
+                if event.queue_time is not None:
+                    self.metrics.queue_time.observe(event.queue_time)
             elif self.last is not None:
                 self.metrics.itl.observe(now - self.last)
-                if self.last == self.first:  # the second token: one step after the first
-                    step = now - self.last
-                    self.metrics.queue_time.observe(max(0.0, self.first - self.start - step))
             self.last = now
         if event.finished:
             self.finish(event.finish_reason.value, event.num_prompt_tokens, event.num_output_tokens)
