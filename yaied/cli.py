@@ -1,9 +1,6 @@
 """`yaied serve | chat`: argument parsing and wiring; the engine does the work.
 
-Every config setting gets a flag generated from the dataclasses in ``yaied.config``
-(``--page-size``, ``--enable-prefix-caching/--no-enable-prefix-caching``), so a new setting is a
-new flag with no edit here. Only the flags a user gave become overrides: an unset flag must not
-mask the TOML file or a ``YAIED_*`` variable.
+Config flags and the errors users see live in ``yaied.cli_args``.
 
 Errors a user can fix (a bad flag, config value or model) print one line and exit 2; Ctrl-C exits
 130 without a traceback.
@@ -14,18 +11,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import time
-import tomllib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
+from typing import TYPE_CHECKING, Any
 
-from yaied.config import SECTIONS, EngineConfig, load_config
+from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for callers)
+    GenerationError,
+    Parser,
+    UsageError,
+    add_setting_flags,
+    config_overrides,
+    load_cli_config,
+    port_number,
+    setting_flags,
+)
+from yaied.config import EngineConfig
 from yaied.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,78 +38,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROG = "yaied"
-# A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
-_SETTING_PREFIX = "cfg:"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool killed by the signal reports
 
 
-class UsageError(Exception):
-    """Something the user can fix (a flag, a config value, the model): one line, exit code 2."""
-
-
-class GenerationError(Exception):
-    """The engine failed while generating: one line, exit code 1."""
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse prints the usage and exits; we want one line and an exit code from main().
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-@dataclass(frozen=True, slots=True)
-class SettingFlag:
-    setting: str  # "cache.page_size"
-    flag: str  # "--page-size"
-    kind: type  # the dataclass field's type: int, float, str or bool
-    default: Any
-    help: str  # the field's metadata["help"], where config.py gives one
-
-
-def setting_flags() -> list[SettingFlag]:
-    """One flag per config setting; a key shared by two sections gets its section as a prefix."""
-    counts = Counter(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
-    flags = []
-    for section, cls in SECTIONS.items():
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            stem = f.name if counts[f.name] == 1 else f"{section}_{f.name}"
-            flag = "--" + stem.replace("_", "-")
-            setting = f"{section}.{f.name}"
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            help_text = f.metadata.get("help", "")
-            flags.append(SettingFlag(setting, flag, hints[f.name], default, help_text))
-    return flags
-
-
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    groups = {s: parser.add_argument_group(f"[{s}] settings") for s in SECTIONS}
-    for spec in setting_flags():
-        section = spec.setting.split(".", 1)[0]
-        common = dict(dest=_SETTING_PREFIX + spec.setting, default=argparse.SUPPRESS)
-        help_text = f"{spec.help} [{spec.setting}, default {spec.default!r}]".lstrip()
-        if spec.kind is bool:
-            action = argparse.BooleanOptionalAction
-            groups[section].add_argument(spec.flag, action=action, help=help_text, **common)
-        else:
-            metavar = spec.kind.__name__.upper()
-            groups[section].add_argument(
-                spec.flag, type=spec.kind, metavar=metavar, help=help_text, **common
-            )
-
-
-def _port(text: str) -> int:
-    port = int(text) if text.strip().isdigit() else 0
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}")
-    return port
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--config", metavar="PATH", help="a TOML file (see config/yaied.toml)")
     common.add_argument(
         "--log-level",
@@ -113,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="default: info for the daemon (a line per request), warning otherwise",
     )
-    _add_setting_flags(common)
+    add_setting_flags(common)
 
-    parser = _Parser(prog=PROG, description="yaied: an LLM serving engine.")
+    parser = Parser(prog=PROG, description="yaied: an LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat}")
     serve = commands.add_parser(
         "serve",
@@ -128,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     serve.add_argument("--max-tokens", type=int, default=64, metavar="N", help="with --prompt")
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=_port, default=None, help="listen port (default 8000)")
+    serve.add_argument("--port", type=port_number, default=None, help="listen port (default 8000)")
     serve.add_argument("--served-model-name", default=None, help="the name in /v1/models")
     serve.add_argument(
         "--api-key",
@@ -176,26 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.set_defaults(run=_chat)
     return parser
-
-
-def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings the user gave as flags, as ``load_config`` overrides."""
-    return {
-        key.removeprefix(_SETTING_PREFIX): value
-        for key, value in vars(args).items()
-        if key.startswith(_SETTING_PREFIX)
-    }
-
-
-def load_cli_config(args: argparse.Namespace) -> EngineConfig:
-    try:
-        return load_config(args.config, overrides=config_overrides(args))
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{args.config}: {exc}") from exc
-    except OSError as exc:
-        raise UsageError(f"cannot read {exc.filename or args.config}: {exc.strerror}") from exc
-    except TypeError as exc:  # a TOML value of the wrong type fails a comparison in validation
-        raise UsageError(f"bad config value: {exc}") from exc
 
 
 # -- running the engine ---------------------------------------------------------------------
@@ -383,7 +303,7 @@ def _chat_remote(
 
     client = ChatClient(args.url, args.api_key)
     try:
-        model = vars(args).get(_SETTING_PREFIX + "model.model") or client.first_model()
+        model = config_overrides(args).get("model.model") or client.first_model()
 
         def respond(messages: list[dict[str, str]]) -> str | None:
             parts: list[str] = []

@@ -1,0 +1,103 @@
+"""Command-line settings: one flag per config setting, and the errors the CLI reports.
+
+Every config setting gets a flag generated from the dataclasses in ``yaied.config``
+(``--page-size``, ``--enable-prefix-caching/--no-enable-prefix-caching``), so a new setting is a
+new flag with no edit here. Only the flags a user gave become overrides: an unset flag must not
+mask the TOML file or a ``YAIED_*`` variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, NoReturn, get_type_hints
+
+from yaied.config import SECTIONS, EngineConfig, load_config
+
+# A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
+_SETTING_PREFIX = "cfg:"
+
+
+class UsageError(Exception):
+    """Something the user can fix (a flag, a config value, the model): one line, exit code 2."""
+
+
+class GenerationError(Exception):
+    """The engine failed while generating: one line, exit code 1."""
+
+
+class Parser(argparse.ArgumentParser):
+    # argparse prints the usage and exits; we want one line and an exit code from main().
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingFlag:
+    setting: str  # "cache.page_size"
+    flag: str  # "--page-size"
+    kind: type  # the dataclass field's type: int, float, str or bool
+    default: Any
+    help: str  # the field's metadata["help"], where config.py gives one
+
+
+def setting_flags() -> list[SettingFlag]:
+    """One flag per config setting; a key shared by two sections gets its section as a prefix."""
+    counts = Counter(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+    flags = []
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            stem = f.name if counts[f.name] == 1 else f"{section}_{f.name}"
+            flag = "--" + stem.replace("_", "-")
+            setting = f"{section}.{f.name}"
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            help_text = f.metadata.get("help", "")
+            flags.append(SettingFlag(setting, flag, hints[f.name], default, help_text))
+    return flags
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    groups = {s: parser.add_argument_group(f"[{s}] settings") for s in SECTIONS}
+    for spec in setting_flags():
+        section = spec.setting.split(".", 1)[0]
+        common = dict(dest=_SETTING_PREFIX + spec.setting, default=argparse.SUPPRESS)
+        help_text = f"{spec.help} [{spec.setting}, default {spec.default!r}]".lstrip()
+        if spec.kind is bool:
+            action = argparse.BooleanOptionalAction
+            groups[section].add_argument(spec.flag, action=action, help=help_text, **common)
+        else:
+            metavar = spec.kind.__name__.upper()
+            groups[section].add_argument(
+                spec.flag, type=spec.kind, metavar=metavar, help=help_text, **common
+            )
+
+
+def port_number(text: str) -> int:
+    port = int(text) if text.strip().isdigit() else 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}")
+    return port
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the user gave as flags, as ``load_config`` overrides."""
+    return {
+        key.removeprefix(_SETTING_PREFIX): value
+        for key, value in vars(args).items()
+        if key.startswith(_SETTING_PREFIX)
+    }
+
+
+def load_cli_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return load_config(args.config, overrides=config_overrides(args))
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{args.config}: {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename or args.config}: {exc.strerror}") from exc
+    except TypeError as exc:  # a TOML value of the wrong type fails a comparison in validation
+        raise UsageError(f"bad config value: {exc}") from exc
