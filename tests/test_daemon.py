@@ -36,24 +36,27 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
-def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, stop_signal):
-    port = free_port()
-    model = str(tiny_model_dirs["llama"])
+def serve_command(model, port: int, *extra: str) -> str:
+    """Python code that runs `yaied serve` on a tiny model, for `python -c`."""
     argv = [
         "serve",
         "--model",
-        model,
+        str(model),
         "--port",
         str(port),
         "--kv-cache-gib",
         "0.01",
         "--threads",
         "1",
-        "--served-model-name",
-        "tiny",
+        *extra,
     ]
-    code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+    return f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, stop_signal):
+    port = free_port()
+    code = serve_command(tiny_model_dirs["llama"], port, "--served-model-name", "tiny")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
     notify.settimeout(30)
@@ -84,19 +87,7 @@ def test_yaied_serve_answers_and_exits_0_on_signals(tiny_model_dirs, tmp_path, s
 
 def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
     port = free_port()
-    model = str(tiny_model_dirs["llama"])
-    argv = [
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--kv-cache-gib",
-        "0.01",
-        "--threads",
-        "1",
-    ]
-    code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+    code = serve_command(tiny_model_dirs["llama"], port)
     log_path = tmp_path / "daemon.log"
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
