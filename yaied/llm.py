@@ -74,22 +74,24 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt rejects the whole call.
         inputs = self.engine.inputs
         resolved = [inputs.sampling_params(p, dict(sampling)) for p in params_list]
-        for prompt, p in zip(prompts, resolved, strict=True):
-            inputs.prompt_token_ids(prompt, p)
-        return self._loop.run_until_complete(self._generate_all(prompts, resolved))
+        # Tokenized once here; the engine gets the ids, so nothing is tokenized twice.
+        prompt_ids = [
+            inputs.prompt_token_ids(prompt, p) for prompt, p in zip(prompts, resolved, strict=True)
+        ]
+        return self._loop.run_until_complete(self._generate_all(prompt_ids, resolved))
 
     async def _generate_all(
-        self, prompts: list, params: list[SamplingParams]
+        self, prompts: list[list[int]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
         pairs = zip(prompts, params, strict=True)
         return list(await asyncio.gather(*(self._collect(p, sp) for p, sp in pairs)))
 
-    async def _collect(self, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
+    async def _collect(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list = []
         prompt_logprobs = None
-        async for event in self.engine.generate(prompt, params):
+        async for event in self.engine.generate(prompt_ids, params):
             token_ids += event.token_ids
             text.append(event.text)
             logprobs += event.logprobs or []
@@ -97,7 +99,7 @@ class LLM:
             last = event
         return RequestOutput(
             request_id=last.request_id,
-            prompt_token_ids=self.engine.inputs.prompt_token_ids(prompt, params),
+            prompt_token_ids=prompt_ids,
             token_ids=token_ids,
             text="".join(text),
             finish_reason=last.finish_reason,
