@@ -46,26 +46,23 @@ class EngineStatsCollector:
         # Cached pages nobody holds are evictable on demand, so they count as free.
         usage = 1.0 - stats["num_free_pages"] / stats["num_pages"] if stats["num_pages"] else 0.0
         gauges = {
-            "num_requests_running": ("Requests running (holding KV pages).", "running"),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", "waiting"),
+            "num_requests_running": "Requests running (holding KV pages).",
+            "num_requests_waiting": "Requests waiting to be scheduled.",
+            "kv_cache_usage_perc": "KV cache pages held by requests (0-1).",
         }
-        for key, (doc, _) in gauges.items():
-            gauge = GaugeMetricFamily(f"yaied:{key}", doc, labels=names)
-            gauge.add_metric(self._labels, stats[key])
+        values = {**stats, "kv_cache_usage_perc": usage}
+        for name, doc in gauges.items():
+            gauge = GaugeMetricFamily(f"yaied:{name}", doc, labels=names)
+            gauge.add_metric(self._labels, values[name])
             yield gauge
-        gauge = GaugeMetricFamily(
-            "yaied:kv_cache_usage_perc", "KV cache pages held by requests (0-1).", labels=names
-        )
-        gauge.add_metric(self._labels, usage)
-        yield gauge
-        counters = {
-            "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up."),
-            "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache."),
-            "num_preemptions": ("num_preemptions", "Requests preempted."),
+        counters = {  # engine stats keys; prometheus adds the _total suffix
+            "prefix_cache_queries": "Prompt tokens looked up.",
+            "prefix_cache_hits": "Prompt tokens found in the cache.",
+            "num_preemptions": "Requests preempted.",
         }
-        for name, (key, doc) in counters.items():
+        for name, doc in counters.items():
             counter = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
-            counter.add_metric(self._labels, stats[key])
+            counter.add_metric(self._labels, stats[name])
             yield counter
 
 
