@@ -89,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH_OR_TEXT",
         help="a Jinja chat template used instead of the tokenizer's: a file, else the text itself",
     )
+    serve.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N local engine processes behind the router: one per GPU, or CPU processes "
+        "sharing the cores (default 1: one engine in the daemon's process) [router.engines]",
+    )
+    serve.add_argument(
+        "--router-policy",
+        default=None,
+        choices=("autellix", "round_robin", "least_loaded"),
+        help="how calls are spread over engines [router.policy, default autellix]",
+    )
     serve.set_defaults(run=_serve)
 
     chat = commands.add_parser(
@@ -189,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
+    from yaied.router.config import load_router_config
     from yaied.server.config import load_server_config
     from yaied.worker.model_files import check_model_reference
 
@@ -205,7 +220,11 @@ def _serve_http(args: argparse.Namespace) -> int:
     server = load_server_config(
         args.config, overrides={k: v for k, v in flags.items() if v is not None}
     )
-    run_server(config, server)
+    router_flags = {"engines": args.engines, "policy": args.router_policy}
+    router, engines = load_router_config(
+        args.config, overrides={k: v for k, v in router_flags.items() if v is not None}
+    )
+    run_server(config, server, router, engines)
     return 0
 
 

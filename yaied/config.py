@@ -86,7 +86,7 @@ class EngineConfig:
 
 
 # Sections of config/yaied.toml that other components (the daemon, the router) read.
-OTHER_SECTIONS = ("server", "router")
+OTHER_SECTIONS = ("server", "router", "engines")
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

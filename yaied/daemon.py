@@ -1,4 +1,4 @@
-"""The daemon: one engine behind the HTTP server, listening before the model has loaded.
+"""The daemon: the engines behind the HTTP server, listening before the model has loaded.
 
 ``run_server`` binds at once, so probes get a 503 from ``/health`` (not a refused connection)
 while the engine loads in a thread. If loading fails (unknown model, a pool too small for one
@@ -22,6 +22,7 @@ import signal
 import uvicorn
 
 from yaied.config import EngineConfig
+from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 
@@ -56,22 +57,34 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_server(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    router_config: RouterConfig | None = None,
+    engines: tuple[EngineEntry, ...] = (),
+) -> None:
+    """Serve until a signal. One engine runs in this process unless `[[engines]]` entries or
+    ``router.engines > 1`` ask for engine processes or remote daemons behind the router."""
     failure: list[BaseException] = []
     server: DrainingServer | None = None
+    router_config = router_config or RouterConfig()
 
     def load_engine():  # runs in a thread from the app's lifespan
         from yaied.engine.async_engine import AsyncEngine  # torch loads here, not at import
+        from yaied.router.manager import EngineManager, build_manager
 
-        try:
-            return AsyncEngine(engine_config, show_progress=False)
-        except BaseException as exc:
-            failure.append(exc)
-            if server is not None:
-                server.should_exit = True  # nothing to serve: stop listening
-            raise
+        if engines or router_config.engines > 1:
+            return build_manager(engine_config, router_config, engines)
+        return EngineManager.single(AsyncEngine(engine_config, show_progress=False), router_config)
 
-    app = build_app(server_config, load_engine, engine_config.model.model)
+    def load_failed(exc: BaseException) -> None:
+        failure.append(exc)
+        if server is not None:
+            server.should_exit = True  # nothing to serve: stop listening
+
+    app = build_app(
+        server_config, load_engine, engine_config.model.model, on_load_failure=load_failed
+    )
     config = uvicorn.Config(
         app,
         host=server_config.host,

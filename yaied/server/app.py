@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from yaied.server import generate
+from yaied.server import generate, router_routes
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.openapi import openapi_schema
@@ -99,8 +99,8 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> Response:
     server: ServerState = request.state.server
     card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "yaied"}
-    if server.engine is not None:
-        card["max_model_len"] = server.engine.info.max_model_len
+    if server.manager is not None:
+        card["max_model_len"] = server.manager.info.max_model_len
     return json_response({"object": "list", "data": [card]})
 
 
@@ -170,7 +170,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _with_request_id(request, json_response(error_body(500, f"internal error: {exc}"), 500))
 
 
-def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) -> Starlette:
+def build_app(
+    config: ServerConfig,
+    load_engine: EngineLoader,
+    model_name: str,
+    *,
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> Starlette:
     served = config.served_model_name or model_name
 
     @contextlib.asynccontextmanager
@@ -182,8 +188,10 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
 
         async def load_then_notify() -> None:
             await server.load(load_engine)
-            if server.engine is not None:
-                notifier.notify("READY=1")  # systemd's Type=notify: started means loaded
+            if server.manager is not None:
+                notifier.notify("READY=1")
+            elif on_load_failure is not None and server.load_error is not None:
+                on_load_failure(server.load_error)  # systemd's Type=notify: started means loaded
 
         app.state.server = server  # the daemon drains through it on SIGTERM
         loading = asyncio.create_task(load_then_notify(), name="yaied-load")
@@ -195,8 +203,8 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
             notifier.notify("STOPPING=1")
             watchdog.cancel()
             await loading  # a thread cannot be cancelled; the load finishes, then we shut down
-            if server.engine is not None:
-                await server.engine.shutdown()
+            if server.manager is not None:
+                await server.manager.stop()
 
     routes = [
         Route("/v1/completions", generate.completions, methods=["POST"]),
@@ -207,6 +215,7 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *router_routes.routes(),
     ]
     app = Starlette(
         routes=routes,

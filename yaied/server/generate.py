@@ -158,7 +158,8 @@ async def _sse(
 def _choice_chunk(parsed: ParsedRequest, choice: ChoiceState, event: Any) -> dict[str, Any] | None:
     text, lps = choice.update(event)
     finish = choice.finish_reason if event.finished else None
-    if not text and not lps and finish is None:
+    token_ids = [] if choice.job.drop_generated else event.token_ids
+    if not text and not lps and finish is None and not (parsed.return_token_ids and token_ids):
         return None  # the detokenizer held text back: nothing to say yet
     index = choice.job.index
     if parsed.kind == "chat":
@@ -167,4 +168,7 @@ def _choice_chunk(parsed: ParsedRequest, choice: ChoiceState, event: Any) -> dic
         return R.chat_delta_choice(index, delta, logprobs, finish)
     logprobs = None if choice.completion_logprobs is None else choice.completion_logprobs.take()
     stop_reason = choice.stop_reason if finish else None
-    return R.completion_choice(index, text, logprobs, finish, stop_reason)
+    item = R.completion_choice(index, text, logprobs, finish, stop_reason)
+    if parsed.return_token_ids:  # vLLM's extension; the router's remote engines read it
+        item["token_ids"] = token_ids
+    return item

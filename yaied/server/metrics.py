@@ -17,7 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from yaied.request import TokenEvent
 
-StatsFn = Callable[[], dict[str, int | float] | None]  # None while no engine is loaded
+# Engine id -> that engine's stats() (the engines that report them); None while none is loaded.
+StatsFn = Callable[[], dict[str, dict[str, int | float]] | None]
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -32,38 +33,46 @@ _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 
 
 class EngineStatsCollector:
-    """Gauges and engine counters from one ``stats()`` call per scrape."""
+    """Gauges and engine counters from one ``stats()`` call per engine per scrape."""
 
-    def __init__(self, stats: StatsFn, label_values: list[str]) -> None:
+    def __init__(self, stats: StatsFn, model_name: str) -> None:
         self._stats = stats
-        self._labels = label_values
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
+        per_engine = self._stats()
+        if not per_engine:
             return
         names = ["model_name", "engine"]
-        # Cached pages nobody holds are evictable on demand, so they count as free.
-        usage = 1.0 - stats["num_free_pages"] / stats["num_pages"] if stats["num_pages"] else 0.0
         gauges = {
             "num_requests_running": "Requests running (holding KV pages).",
             "num_requests_waiting": "Requests waiting to be scheduled.",
             "kv_cache_usage_perc": "KV cache pages held by requests (0-1).",
         }
-        values = {**stats, "kv_cache_usage_perc": usage}
-        for name, doc in gauges.items():
-            gauge = GaugeMetricFamily(f"yaied:{name}", doc, labels=names)
-            gauge.add_metric(self._labels, values[name])
-            yield gauge
         counters = {  # engine stats keys; prometheus adds the _total suffix
             "prefix_cache_queries": "Prompt tokens looked up.",
             "prefix_cache_hits": "Prompt tokens found in the cache.",
             "num_preemptions": "Requests preempted.",
         }
+        families: dict[str, Metric] = {}
+        for name, doc in gauges.items():
+            families[name] = GaugeMetricFamily(f"yaied:{name}", doc, labels=names)
         for name, doc in counters.items():
-            counter = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
-            counter.add_metric(self._labels, stats[name])
-            yield counter
+            families[name] = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
+        for engine_id, stats in per_engine.items():
+            values = {**stats, "kv_cache_usage_perc": _kv_usage(stats)}
+            for name, family in families.items():
+                if name in values:
+                    family.add_metric([self._model_name, engine_id], values[name])
+        yield from families.values()
+
+
+def _kv_usage(stats: dict[str, int | float]) -> float:
+    """Pages held by requests; cached pages nobody holds are evictable on demand, so free. A
+    remote engine reports the ratio itself."""
+    if "num_pages" not in stats:
+        return float(stats.get("kv_cache_usage_perc", 0.0))
+    return 1.0 - stats["num_free_pages"] / stats["num_pages"] if stats["num_pages"] else 0.0
 
 
 class ServerMetrics:
@@ -77,8 +86,7 @@ class ServerMetrics:
             return Counter(f"yaied:{name}", doc, [*names, *extra], registry=reg)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            hist = Histogram(f"yaied:{name}", doc, names, registry=reg, buckets=buckets)
-            return hist.labels(**self.labels)
+            return Histogram(f"yaied:{name}", doc, names, registry=reg, buckets=buckets)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -97,9 +105,17 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens per engine step.", _ITERATION_BUCKETS
         )
-        self.registry.register(EngineStatsCollector(stats, list(self.labels.values())))
-        for metric in (self.prompt_tokens, self.generation_tokens):
+        self.registry.register(EngineStatsCollector(stats, model_name))
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.iteration_tokens):  # fmt: skip
             metric.labels(**self.labels)  # present (at 0) before the first request
+
+    def engine_labels(self, engine_id: str) -> dict[str, str]:
+        return {**self.labels, "engine": engine_id}
+
+    def observe_step(self, engine_id: str, num_tokens: int) -> None:
+        """One engine step's size (the engine task calls it: cheap, never raises)."""
+        self.iteration_tokens.labels(**self.engine_labels(engine_id)).observe(num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -114,6 +130,7 @@ class RequestTimer:
     engine's own: from the request's arrival to its first admission by the scheduler."""
 
     metrics: ServerMetrics
+    engine: str = "0"  # the engine serving the request (set by the caller once routed)
     start: float = field(default_factory=time.monotonic)
     first: float | None = None
     last: float | None = None
@@ -121,14 +138,15 @@ class RequestTimer:
 
     def on_event(self, event: TokenEvent) -> None:
         now = time.monotonic()
+        m, labels = self.metrics, self.metrics.engine_labels(self.engine)
         if event.token_ids:
             if self.first is None:
                 self.first = now
-                self.metrics.ttft.observe(now - self.start)
+                m.ttft.labels(**labels).observe(now - self.start)
                 if event.queue_time is not None:
-                    self.metrics.queue_time.observe(event.queue_time)
+                    m.queue_time.labels(**labels).observe(event.queue_time)
             elif self.last is not None:
-                self.metrics.itl.observe(now - self.last)
+                m.itl.labels(**labels).observe(now - self.last)
             self.last = now
         if event.finished:
             self.finish(event.finish_reason.value, event.num_prompt_tokens, event.num_output_tokens)
@@ -137,8 +155,8 @@ class RequestTimer:
         if self.finished:
             return
         self.finished = True
-        m, labels = self.metrics, self.metrics.labels
-        m.e2e.observe(time.monotonic() - self.start)
+        m, labels = self.metrics, self.metrics.engine_labels(self.engine)
+        m.e2e.labels(**labels).observe(time.monotonic() - self.start)
         m.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
         m.generation_tokens.labels(**labels).inc(num_output_tokens)
         m.request_success.labels(**labels, finished_reason=reason).inc()

@@ -46,7 +46,9 @@ _COMMON_FIELDS = {
     "user",
     "priority",
 }
-COMPLETION_FIELDS = frozenset({*_COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix"})
+COMPLETION_FIELDS = frozenset(
+    {*_COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix", "return_token_ids"}
+)
 CHAT_FIELDS = frozenset(
     {
         *_COMMON_FIELDS,
@@ -82,6 +84,7 @@ class ParsedRequest:
     logprobs: int | None = None  # top-N per sampled token; None: no logprobs
     priority: int = 0
     user: str | None = None
+    return_token_ids: bool = False  # completions: each choice carries its sampled token ids
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -150,6 +153,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     parsed.max_tokens = _get(body, "max_tokens", (int,), 16)
     parsed.echo = _get(body, "echo", (bool,), False)
     parsed.logprobs = _get(body, "logprobs", (int,))
+    parsed.return_token_ids = _get(body, "return_token_ids", (bool,), False)
     return parsed
 
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from yaied.engine.async_engine import AsyncEngine
 from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.router.manager import EngineManager, NoEngineAvailable
 from yaied.server.errors import APIError, from_value_error
 from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
@@ -109,7 +109,7 @@ def chat_prompt_text(
 
 
 def build_jobs(
-    engine: AsyncEngine, parsed: ParsedRequest, base_id: str, chat_template: str = ""
+    engine: EngineManager, parsed: ParsedRequest, base_id: str, chat_template: str = ""
 ) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
     aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
@@ -134,7 +134,7 @@ def build_jobs(
 
 
 def _tokenized_prompts(
-    engine: AsyncEngine, parsed: ParsedRequest, chat_template: str
+    engine: EngineManager, parsed: ParsedRequest, chat_template: str
 ) -> list[tuple[list[int], str]]:
     tokenizer = engine.tokenizer
     if parsed.kind == "chat":
@@ -154,7 +154,7 @@ def _tokenized_prompts(
 
 
 def _params_for(
-    engine: AsyncEngine, parsed: ParsedRequest, num_prompt_tokens: int
+    engine: EngineManager, parsed: ParsedRequest, num_prompt_tokens: int
 ) -> tuple[SamplingParams, bool]:
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat's default: whatever the context has left
@@ -178,7 +178,7 @@ def _params_for(
 
 
 async def run_jobs(
-    engine: AsyncEngine,
+    engine: EngineManager,
     jobs: list[Job],
     metrics: ServerMetrics,
     *,
@@ -190,15 +190,18 @@ async def run_jobs(
 
     async def pump(job: Job) -> None:
         timer = metrics.timer()
-        stream = engine.generate(
-            job.prompt_ids,
-            job.params,
-            request_id=job.request_id,
-            session_id=session_id,
-            priority=priority,
-        )
+        stream = None
         try:
+            handle = await engine.submit_request(
+                session_id=session_id,
+                prompt=job.prompt_ids,
+                sampling_params=job.params,
+                priority=priority,
+                request_id=job.request_id,
+            )
+            stream = handle.stream()
             async for event in stream:
+                timer.engine = handle.engine_id  # routed (or retried) there
                 timer.on_event(event)
                 queue.put_nowait((job, event))
                 if event.finished:
@@ -206,7 +209,8 @@ async def run_jobs(
         except Exception as exc:  # e.g. a request id already in use: report, don't hang
             queue.put_nowait((job, exc))
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()  # cancels the call unless it finished
             timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
 
     tasks = [asyncio.create_task(pump(job), name=f"yaied-{job.request_id}") for job in jobs]
@@ -217,6 +221,8 @@ async def run_jobs(
             if isinstance(item, BaseException):
                 if isinstance(item, ValueError):
                     raise from_value_error(item)
+                if isinstance(item, NoEngineAvailable):
+                    raise APIError(503, str(item), code="engine_not_ready")
                 raise item
             remaining -= item.finished
             yield job, item

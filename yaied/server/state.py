@@ -8,20 +8,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from yaied.engine.async_engine import AsyncEngine
+from yaied.router.manager import EngineManager
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
 from yaied.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-EngineLoader = Callable[[], AsyncEngine]  # blocking: run in a thread while the server listens
+# Blocking: run in a thread while the server listens. An engine is served alone (engine id "0");
+# a manager is started on the event loop, then routes across its engines.
+EngineLoader = Callable[[], AsyncEngine | EngineManager]
 
 
 @dataclass(slots=True)
 class ServerState:
     config: ServerConfig
     model_name: str
-    engine: AsyncEngine | None = None
+    manager: EngineManager | None = None
     load_error: BaseException | None = None
     draining: bool = False  # set on SIGTERM: health and new requests get 503
     metrics: ServerMetrics = field(init=False)
@@ -29,28 +32,34 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name, self._stats)
 
-    def _stats(self) -> dict[str, int | float] | None:
-        return None if self.engine is None else self.engine.stats()
+    def _stats(self) -> dict[str, dict[str, int | float]] | None:
+        return None if self.manager is None else self.manager.engine_stats()
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        """The in-process engine when the daemon runs one (tests reach the worker through it)."""
+        handle = None if self.manager is None else self.manager.handles.get("0")
+        return getattr(handle, "engine", None)
 
     async def load(self, loader: EngineLoader) -> None:
         try:
-            engine = await asyncio.to_thread(loader)
+            loaded = await asyncio.to_thread(loader)
+            single = not isinstance(loaded, EngineManager)
+            manager = EngineManager.single(loaded) if single else loaded
+            manager.step_observer = self.metrics.observe_step
+            await manager.start()
         except Exception as exc:
             log.exception("loading the engine failed")
             self.load_error = exc
             return
-        engine.step_observer = self.metrics.iteration_tokens.observe
-        self.engine = engine
-        info = engine.info
+        self.manager = manager
+        info, config = manager.info, manager.engine_config
         log.info(
-            "yaied ready: model %s (%s), %s on %s, %d KV pages of %d tokens, context %d, "
-            "listening on http://%s:%d",
+            "yaied ready: model %s (%s), %d engine(s) [%s], context %d, listening on http://%s:%d",
             self.model_name,
-            engine.config.model.model,
-            info.dtype,
-            info.device,
-            info.num_pages,
-            info.page_size,
+            config.model.model if config is not None else "?",
+            len(manager.handles),
+            ", ".join(f"{i}: {h.kind}" for i, h in manager.handles.items()),
             info.max_model_len,
             self.config.host,
             self.config.port,
@@ -58,34 +67,36 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.dead is None and not self.draining
+        return self.manager is not None and self.manager.dead is None and not self.draining
 
-    def ready_engine(self) -> AsyncEngine:
-        """The engine, or a 503 saying why there is none."""
-        if self.engine is None:
+    def ready_engine(self) -> EngineManager:
+        """The engine manager, or a 503 saying why it cannot serve."""
+        if self.manager is None:
             reason = "failed to load" if self.load_error is not None else "is still loading"
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
-        if self.engine.dead is not None:
-            raise APIError(503, f"the engine has stopped: {self.engine.dead}", code="engine_dead")
+        dead = self.manager.dead
+        if dead is not None:
+            raise APIError(503, f"the engine has stopped: {dead}", code="engine_dead")
         if self.draining:
             raise APIError(503, "the server is shutting down", code="draining")
-        return self.engine
+        return self.manager
 
     async def drain(self, timeout: float) -> None:
         """Refuse new work, let in-flight requests finish for up to timeout seconds, then abort
         the rest (each gets its final event, so every stream ends properly)."""
         self.draining = True
-        engine = self.engine
-        if engine is None:
+        manager = self.manager
+        if manager is None:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while engine.num_requests_in_flight and loop.time() < deadline:
+        while manager.num_requests_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if engine.num_requests_in_flight:
-            log.warning("drain timeout: aborting %d requests", engine.num_requests_in_flight)
-            engine.abort_all()
-            while engine.num_requests_in_flight and engine.dead is None:
+        if manager.num_requests_in_flight:
+            log.warning("drain timeout: aborting %d requests", manager.num_requests_in_flight)
+            manager.abort_all()
+            deadline = loop.time() + 10
+            while manager.num_requests_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
 
     def check_model(self, model: str | None) -> None:
@@ -97,7 +108,7 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_queue(self, engine: AsyncEngine) -> None:
+    def check_queue(self, engine: EngineManager) -> None:
         limit = self.config.max_queue_len
         if limit and engine.stats()["num_requests_waiting"] >= limit:
             raise APIError(

@@ -97,3 +97,9 @@ def _max_model_len(hf_config, configured: int) -> int:
     if configured and configured > native:
         raise ValueError(f"max_model_len {configured} exceeds the model's context length {native}")
     return configured or native
+
+
+def resolve_model_config(config: ModelConfig) -> tuple[Path | None, object]:
+    """The model's folder and Hugging Face config, without building the model: what a router
+    needs to tokenize and validate requests for engines that run elsewhere."""
+    return _resolve_config(config, show_progress=False)

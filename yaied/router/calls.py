@@ -1,0 +1,112 @@
+"""One call as the manager holds it, and the handle its caller gets back.
+
+The manager's pump task moves the engine's events into ``_Call.queue``; the caller reads them
+through ``RequestHandle``, as a stream or as one collected result. Closing the stream before its
+final event cancels the call: the one cancellation path, as in AsyncEngine.generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from yaied.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
+
+
+@dataclass(slots=True)
+class Call:
+    request_id: str
+    session_id: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    engine_id: str = ""
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+    retried: bool = False
+    streamed: bool = False  # an event with tokens reached the caller: no retry elsewhere
+    num_output_tokens: int = 0
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Its weight in an engine's outstanding tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def final_event(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
+        """A last event made by the router (the engine could not send one)."""
+        return TokenEvent(
+            self.request_id,
+            [],
+            "",
+            reason,
+            error=error,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_output_tokens=self.num_output_tokens,
+        )
+
+
+class RequestHandle:
+    """What ``EngineManager.submit_request`` returns: iterate it, or await ``result()``."""
+
+    def __init__(self, call: Call, cancel: Callable[[str], object]) -> None:
+        self._call = call
+        self._cancel = cancel
+        self._consumed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._call.request_id
+
+    @property
+    def session_id(self) -> str | None:
+        return self._call.session_id
+
+    @property
+    def engine_id(self) -> str:
+        """The engine running the call now (it changes if the call is retried elsewhere)."""
+        return self._call.engine_id
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self.stream()
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """The call's events, the last with a finish reason. Closing early cancels the call."""
+        if self._consumed:
+            raise RuntimeError(f"the stream of request {self.request_id!r} was already read")
+        self._consumed = True
+        finished = False
+        try:
+            while not finished:
+                event = await self._call.queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self._cancel(self.request_id)
+
+    async def result(self) -> RequestOutput:
+        """Every event collected into one output."""
+        token_ids: list[int] = []
+        text: list[str] = []
+        last: TokenEvent | None = None
+        async for event in self.stream():
+            token_ids.extend(event.token_ids)
+            text.append(event.text)
+            last = event
+        assert last is not None and last.finish_reason is not None
+        return RequestOutput(
+            self.request_id,
+            list(self._call.prompt_ids),
+            token_ids,
+            "".join(text),
+            last.finish_reason,
+            last.stop_reason,
+            last.num_cached_tokens,
+            last.error,
+        )
+
+    async def cancel(self) -> None:
+        self._cancel(self.request_id)

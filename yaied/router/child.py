@@ -1,0 +1,192 @@
+"""The engine process's side of router/local_process.py: an AsyncEngine serving three pipes.
+
+This module must not import torch at the top: the child sets ``CUDA_VISIBLE_DEVICES`` and the
+thread count first, then imports the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from yaied.config import EngineConfig
+from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.router.handle import ModelInfo
+
+if TYPE_CHECKING:
+    from yaied.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+_STOP = object()
+STATS_INTERVAL = 0.2  # seconds between the child's stats reports
+_MAX_EARLY_ABORTS = 4096  # aborts that overtook their submission, remembered until it comes
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    engine_id: str
+    engine_config: EngineConfig
+    visible_device: str | None  # CUDA_VISIBLE_DEVICES for the child, None: inherit
+    threads: int
+
+
+class Sender:
+    """Writes to a pipe from its own thread, so the caller never blocks on a full pipe."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while (message := self._queue.get()) is not _STOP:
+                self._conn.send(message)
+        except OSError:
+            pass  # the other side is gone; its reader learns that from end-of-file
+        finally:
+            self._conn.close()
+
+
+def child_main(
+    spec: ChildSpec, submit_conn: Connection, abort_conn: Connection, event_conn: Connection
+) -> None:
+    if spec.visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_device
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; the router decides
+    logging.basicConfig(level=logging.WARNING, format=f"engine {spec.engine_id}: %(message)s")
+    sender = Sender(event_conn, "yaied-child-events")
+    try:
+        from yaied.engine.async_engine import AsyncEngine  # torch and CUDA start here
+
+        engine = AsyncEngine(spec.engine_config, show_progress=False)
+    except BaseException as exc:
+        sender.put(("failed", f"{type(exc).__name__}: {exc}"))
+        sender.close()
+        sender.join(10)
+        return
+    sender.put(("ready", ModelInfo(engine.info.max_model_len, engine.info.vocab_size)))
+    asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
+    sender.close()
+    sender.join(10)
+
+
+class ChildServer:
+    def __init__(self, engine: AsyncEngine, sender: Sender) -> None:
+        self.engine = engine
+        self.sender = sender
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._aborting: set[str] = set()
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._steps: list[int] = []
+        self._done: asyncio.Event | None = None
+
+    async def serve(self, submit_conn: Connection, abort_conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        self._done = asyncio.Event()
+        self.engine.step_observer = self._steps.append
+        for conn, handler in ((submit_conn, self._on_submit), (abort_conn, self._on_abort)):
+            args = (conn, loop, handler, self._done.set)
+            threading.Thread(target=_read, args=args, daemon=True).start()
+        reporter = loop.create_task(self._report_stats())
+        await self._done.wait()
+        reporter.cancel()
+        self.engine.abort_all()
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        await self.engine.shutdown()
+
+    def _on_submit(self, message: tuple[Any, ...] | None) -> None:
+        if message is None:
+            self._done.set()
+            return
+        _, request_id, prompt_ids, params, session_id, priority = message
+        if request_id in self._early_aborts:
+            del self._early_aborts[request_id]
+            self.sender.put(("event", _final(request_id, FinishReason.ABORT, None)))
+            return
+        self._pumps[request_id] = asyncio.get_running_loop().create_task(
+            self._pump(request_id, prompt_ids, params, session_id, priority)
+        )
+
+    def _on_abort(self, request_id: str | None) -> None:
+        if request_id is None:
+            return
+        if request_id in self._pumps:
+            self._aborting.add(request_id)  # in case its pump has not reached the engine yet
+            self.engine.abort(request_id)
+            return
+        self._early_aborts[request_id] = None  # it overtook its submission on the other pipe
+        while len(self._early_aborts) > _MAX_EARLY_ABORTS:
+            self._early_aborts.popitem(last=False)
+
+    async def _pump(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None,
+        priority: int,
+    ) -> None:
+        try:
+            if request_id in self._aborting:
+                self.sender.put(("event", _final(request_id, FinishReason.ABORT, None)))
+                return
+            stream = self.engine.generate(
+                prompt_ids, params, request_id=request_id, session_id=session_id, priority=priority
+            )
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    self.sender.put(("event", event))
+        except Exception as exc:  # bad input or a dead loop: the call fails, the process goes on
+            self.sender.put(("event", _final(request_id, FinishReason.ERROR, str(exc))))
+        finally:
+            self._pumps.pop(request_id, None)
+            self._aborting.discard(request_id)
+
+    async def _report_stats(self) -> None:
+        while True:
+            steps, self._steps = self._steps, []
+            self.engine.step_observer = self._steps.append
+            self.sender.put(("stats", self.engine.stats(), steps))
+            await asyncio.sleep(STATS_INTERVAL)
+
+
+def _read(
+    conn: Connection,
+    loop: asyncio.AbstractEventLoop,
+    handler: Callable[[Any], None],
+    on_eof: Callable[[], None],
+) -> None:
+    """A reader thread: each message to ``handler`` on the loop; end-of-file (the router died
+    or closed the pipe) stops the engine."""
+    try:
+        while True:
+            loop.call_soon_threadsafe(handler, conn.recv())
+    except (EOFError, OSError):
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(on_eof)
+
+
+def _final(request_id: str, reason: FinishReason, error: str | None) -> TokenEvent:
+    return TokenEvent(request_id, [], "", reason, error=error)

@@ -1,0 +1,151 @@
+"""The `[router]` section and the `[[engines]]` entries of config/yaied.toml.
+
+yaied/config.py owns the engine's sections and skips these, as it does `[server]`. Precedence is
+the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit overrides (`--engines`, ...).
+
+Engines: with no `[[engines]]` entry and ``router.engines = 1`` the daemon runs one engine in its
+own process, as it always did. ``router.engines = N > 1`` starts N local engine processes (one per
+GPU where there are N, else N CPU processes sharing the cores). `[[engines]]` entries list the
+engines explicitly: ``kind = "local"`` with a ``device``, or ``kind = "remote"`` with the ``url``
+of another yaied daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from yaied.router.policy import POLICIES, RoutingThresholds
+
+ENGINE_KINDS = ("local", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = "autellix"  # autellix | round_robin | least_loaded
+    engines: int = 1  # local engines when no [[engines]] is given; 1 = in the daemon's process
+    long_call_threshold: int = 2048  # prompt tokens; longer calls follow their session's pin
+    imbalance_abs_threshold: int = 64  # pins yield when max - min outstanding requests exceeds this
+    imbalance_rel_threshold: float = 1.5  # ... and max exceeds this times min
+    health_check_interval_seconds: float = 5.0  # probes of remote engines (and of down ones)
+    failure_threshold: int = 3  # consecutive failures that mark a remote engine down
+    success_threshold: int = 2  # consecutive successful probes that bring it back
+    restart_backoff_seconds: float = 1.0  # first delay before restarting a dead engine; doubles
+    max_restart_backoff_seconds: float = 30.0  # the longest delay between restarts
+    lifecycle_ttl_seconds: float = 600.0  # how long finished calls stay queryable
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"router.policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
+            )
+        for name in ("engines", "failure_threshold", "success_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"router.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("long_call_threshold", "imbalance_abs_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"router.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.imbalance_rel_threshold >= 1.0:
+            raise ValueError("router.imbalance_rel_threshold must be >= 1")
+        for name in (
+            "health_check_interval_seconds",
+            "restart_backoff_seconds",
+            "max_restart_backoff_seconds",
+            "lifecycle_ttl_seconds",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def thresholds(self) -> RoutingThresholds:
+        return RoutingThresholds(
+            self.long_call_threshold, self.imbalance_abs_threshold, self.imbalance_rel_threshold
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    """One `[[engines]]` table."""
+
+    kind: str = "local"  # local (a process on this machine) | remote (another yaied daemon)
+    device: str = "auto"  # local: auto | cpu | cuda | cuda:N
+    threads: int = 0  # local on CPU: torch threads; 0 = the cores divided among local engines
+    url: str = ""  # remote: the daemon's base URL, say http://10.0.0.2:8000
+    api_key: str = ""  # remote: its Bearer key, if it asks for one
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engines.kind must be local or remote, got {self.kind!r}")
+        if self.kind == "remote" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"a remote engine needs url = http(s)://host:port, got {self.url!r}")
+        if self.threads < 0:
+            raise ValueError(f"engines.threads must be >= 0, got {self.threads}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"engines.device must be auto, cpu, cuda or cuda:N: {self.device!r}")
+
+
+def load_router_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[RouterConfig, tuple[EngineEntry, ...]]:
+    """`[router]` (then ``YAIED_ROUTER_*``, then ``overrides``) and the `[[engines]]` list."""
+    values: dict[str, Any] = {}
+    entries: list[Any] = []
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        values.update(data.get("router", {}))
+        entries = data.get("engines", [])
+    env = os.environ if env is None else env
+    for f in dataclasses.fields(RouterConfig):
+        raw = env.get(f"YAIED_ROUTER_{f.name}".upper())
+        if raw is not None:
+            values[f.name] = _parse(f.name, raw)
+    values.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(RouterConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) router.{', router.'.join(unknown)}")
+    for key, value in values.items():
+        values[key] = _checked(key, value)
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("engines must be an array of tables: [[engines]]")
+    return RouterConfig(**values), tuple(_entry(e) for e in entries)
+
+
+def _entry(table: dict[str, Any]) -> EngineEntry:
+    known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry)}
+    for key, value in table.items():
+        if key not in known:
+            raise ValueError(f"unknown setting engines.{key}; known: {', '.join(known)}")
+        if not isinstance(value, known[key]) or isinstance(value, bool):
+            raise ValueError(f"engines.{key} must be a {known[key].__name__}, got {value!r}")
+    return EngineEntry(**table)
+
+
+def _kind(key: str) -> type:
+    return type(RouterConfig.__dataclass_fields__[key].default)
+
+
+def _parse(key: str, raw: str) -> Any:
+    try:
+        return _kind(key)(raw)
+    except ValueError:
+        name = f"YAIED_ROUTER_{key}".upper()
+        raise ValueError(f"{name}={raw!r} is not a valid {_kind(key).__name__}") from None
+
+
+def _checked(key: str, value: Any) -> Any:
+    kind = _kind(key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"router.{key} must be a {kind.__name__}, got {value!r}")

@@ -1,0 +1,166 @@
+"""The engine-handle interface, and the handle of an engine running in the router's own process.
+
+A handle is all the manager knows of an engine, wherever it runs:
+
+    generate(prompt ids, params, ids) -> async stream of TokenEvents (closing it aborts)
+    abort(request id)    stats() -> the engine's counters    health    start() / stop()
+
+Three kinds implement it: ``InProcessHandle`` (here: an AsyncEngine on the router's event loop,
+the single-engine daemon), ``LocalProcessHandle`` (router/local_process.py: an engine process per
+device) and ``RemoteHandle`` (router/remote.py: another yaied daemon over HTTP).
+
+A stream that cannot go on because the ENGINE is gone (process died, daemon unreachable) raises
+``EngineUnavailable``; the manager then retries a call that streamed nothing, or fails it. A
+failure of the request itself arrives as a final event with ``FinishReason.ERROR``, as from a
+single engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from yaied.request import SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from yaied.engine.async_engine import AsyncEngine
+
+Stats = dict[str, int | float]
+StepObserver = Callable[[str, int], None]  # (engine id, tokens in one step)
+
+
+class Health(enum.StrEnum):
+    STARTING = "starting"  # spawning or loading; not routed to yet
+    UP = "up"
+    DOWN = "down"  # died or unreachable; restarted or probed until it is back
+    STOPPED = "stopped"
+
+
+class EngineUnavailable(Exception):
+    """The engine itself cannot serve (its process died, its daemon does not answer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the router's front end needs to validate a request: the engine's limits."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineHandle(abc.ABC):
+    kind: str = ""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.health = Health.STARTING
+        self.info: ModelInfo | None = None  # known once started
+        # Told when the engine lost its KV cache (died, restarted, marked down): pins must go.
+        self.on_lost: Callable[[str], None] | None = None
+        self.step_observer: StepObserver | None = None
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bring the engine up; raises when it cannot (a model that does not load, say)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Abort what runs (each stream gets its final event) and release the engine."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        session_id: str | None,
+        priority: int,
+    ) -> AsyncIterator[TokenEvent]:
+        """The call's events; the last one has a finish reason. Closing the iterator early
+        aborts the call. Raises EngineUnavailable when the engine is lost."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort a call: its stream ends with a final ``abort`` event. Unknown ids are a no-op."""
+
+    @abc.abstractmethod
+    def stats(self) -> Stats | None:
+        """The engine's own counters (AsyncEngine.stats keys), or None when unknown."""
+
+    def supports(self, params: SamplingParams) -> bool:
+        """Whether this engine can run a call with these parameters."""
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        """Where the engine is, for /v1/engines."""
+        return {}
+
+    def _lost(self) -> None:
+        if self.on_lost is not None:
+            self.on_lost(self.engine_id)
+
+
+class InProcessHandle(EngineHandle):
+    """An AsyncEngine on the router's own event loop: the single-engine daemon."""
+
+    kind = "inprocess"
+
+    def __init__(self, engine_id: str, engine: AsyncEngine) -> None:
+        super().__init__(engine_id)
+        self.engine = engine
+        self.info = ModelInfo(engine.info.max_model_len, engine.info.vocab_size)
+        engine.step_observer = self._observe_step
+
+    def _observe_step(self, num_tokens: int) -> None:
+        if self.step_observer is not None:
+            self.step_observer(self.engine_id, num_tokens)
+
+    @property
+    def health(self) -> Health:
+        if self.engine.dead is not None and self._health is Health.UP:
+            return Health.DOWN  # the engine loop crashed; there is nothing to restart in-process
+        return self._health
+
+    @health.setter
+    def health(self, value: Health) -> None:
+        self._health = value
+
+    async def start(self) -> None:
+        self.health = Health.UP
+
+    async def stop(self) -> None:
+        self.health = Health.STOPPED
+        await self.engine.shutdown()
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        session_id: str | None,
+        priority: int,
+    ) -> AsyncIterator[TokenEvent]:
+        if self.engine.dead is not None:
+            raise EngineUnavailable(f"engine {self.engine_id} has stopped: {self.engine.dead}")
+        stream = self.engine.generate(
+            prompt_ids, params, request_id=request_id, session_id=session_id, priority=priority
+        )
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()  # aborts the request unless it finished
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> Stats | None:
+        return self.engine.stats()
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": self.engine.info.device}

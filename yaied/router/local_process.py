@@ -1,0 +1,265 @@
+"""A local engine PROCESS: one AsyncEngine per device, spawned, behind three pipes.
+
+    router process                                   engine process (spawned)
+    submit sender thread --submit pipe--> reader thread -> loop: engine.generate -> pump task
+    abort sender thread  --abort pipe---> reader thread -> loop: engine.abort        |
+    reader thread <---------------------------event pipe-------- sender thread <-----+ events,
+      -> loop: the call's queue                                                        stats
+
+Aborts travel on their own pipe, so a cancel never waits behind queued submissions. Both sides
+write through a thread, so neither event loop blocks on a full pipe. The router closes its copies
+of the child's pipe ends, so the child's death reaches the reader thread at once as end-of-file:
+every stream then raises EngineUnavailable, pins are cleared (``on_lost``), and the engine is
+restarted after a backoff that doubles while restarts keep failing.
+
+``CUDA_VISIBLE_DEVICES`` is set first thing in the child, before torch can initialise CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from yaied.config import DeviceConfig, EngineConfig
+from yaied.request import SamplingParams, TokenEvent
+from yaied.router.child import ChildSpec, Sender, child_main
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import EngineHandle, EngineUnavailable, Health, Stats
+
+log = logging.getLogger(__name__)
+_STABLE_SECONDS = 60.0  # a process that lived this long resets the restart backoff
+
+
+class LocalProcessHandle(EngineHandle):
+    kind = "local"
+
+    def __init__(
+        self,
+        engine_id: str,
+        entry: EngineEntry,
+        engine_config: EngineConfig,
+        router_config: RouterConfig,
+        num_local_engines: int = 1,
+    ) -> None:
+        super().__init__(engine_id)
+        self.entry = entry
+        self.engine_config = engine_config
+        self.router_config = router_config
+        self.num_local_engines = num_local_engines  # the manager updates it before start()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.num_restarts = 0
+        self._streams: dict[str, asyncio.Queue[TokenEvent | EngineUnavailable]] = {}
+        self._submit: Sender | None = None
+        self._aborts: Sender | None = None
+        self._stats: Stats | None = None
+        self._incarnation = 0  # messages from an older process are ignored
+        self._ready: asyncio.Future[None] | None = None
+        self._started_at = 0.0
+        self._failures = 0  # restarts in a row that failed or died young
+        self._stopping = False
+        self._restart_task: asyncio.Task | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    # -- process management -----------------------------------------------------------------
+
+    def child_spec(self) -> ChildSpec:
+        """The engine config for the child, and the CUDA device it may see."""
+        from yaied.router.manager import default_threads
+
+        device, visible = self.entry.device, None
+        if device == "auto":
+            device = self.engine_config.device.device
+        if device.startswith("cuda:"):
+            index = int(device.split(":", 1)[1])
+            parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = [d.strip() for d in parent.split(",")] if parent else None
+            visible = ids[index] if ids and index < len(ids) else str(index)
+            device = "cuda:0"  # the only device the child sees
+        threads = self.entry.threads or self.engine_config.device.threads
+        threads = threads or default_threads(self.num_local_engines)
+        config = dataclasses.replace(
+            self.engine_config, device=DeviceConfig(device=device, threads=threads)
+        )
+        return ChildSpec(self.engine_id, config, visible, threads)
+
+    async def start(self) -> None:
+        self._stopping = False
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._incarnation += 1
+        self.health = Health.STARTING
+        ctx = multiprocessing.get_context("spawn")
+        submit_r, submit_w = ctx.Pipe(duplex=False)
+        abort_r, abort_w = ctx.Pipe(duplex=False)
+        event_r, event_w = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=child_main,
+            args=(self.child_spec(), submit_r, abort_r, event_w),
+            name=f"yaied-engine-{self.engine_id}",
+            daemon=True,
+        )
+        await asyncio.to_thread(process.start)
+        for end in (submit_r, abort_r, event_w):
+            end.close()  # only the child holds these now: its death closes the event pipe
+        self.process = process
+        self._submit = Sender(submit_w, f"yaied-submit-{self.engine_id}")
+        self._aborts = Sender(abort_w, f"yaied-abort-{self.engine_id}")
+        self._ready = loop.create_future()
+        incarnation = self._incarnation
+        threading.Thread(
+            target=self._read_events,
+            args=(event_r, loop, incarnation),
+            name=f"yaied-events-{self.engine_id}",
+            daemon=True,
+        ).start()
+        await self._ready  # raises when the child failed to load
+        self._started_at = time.monotonic()
+        self.health = Health.UP
+        log.info("engine %s: process %d up", self.engine_id, process.pid)
+
+    def _read_events(self, conn: Connection, loop: asyncio.AbstractEventLoop, gen: int) -> None:
+        """The reader thread: every message into the loop; end-of-file means the child died."""
+        try:
+            while True:
+                message = conn.recv()
+                loop.call_soon_threadsafe(self._on_message, gen, message)
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+            with contextlib.suppress(RuntimeError):  # the loop closed first: nobody to tell
+                loop.call_soon_threadsafe(self._on_exit, gen)
+
+    def _on_message(self, gen: int, message: tuple[Any, ...]) -> None:
+        if gen != self._incarnation:
+            return
+        kind = message[0]
+        if kind == "event":
+            event: TokenEvent = message[1]
+            queue = self._streams.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+                if event.finished:
+                    del self._streams[event.request_id]
+        elif kind == "stats":
+            self._stats = message[1]
+            if self.step_observer is not None:
+                for num_tokens in message[2]:
+                    self.step_observer(self.engine_id, num_tokens)
+        elif kind == "ready":
+            self.info = message[1]
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == "failed" and self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"engine {self.engine_id}: {message[1]}"))
+
+    def _on_exit(self, gen: int) -> None:
+        if gen != self._incarnation:
+            return
+        self._incarnation += 1  # whatever the old process still had in flight is void
+        code = None if self.process is None else self.process.exitcode
+        reason = f"engine {self.engine_id} process exited (code {code})"
+        was_up = self.health is Health.UP
+        self.health = Health.STOPPED if self._stopping else Health.DOWN
+        for sender in (self._submit, self._aborts):
+            if sender is not None:
+                sender.close()
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(EngineUnavailable(reason))
+        self._stats = None
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"{reason} while loading"))
+        if self._stopping:
+            return
+        log.error("%s; %d calls lost", reason, len(streams))
+        if was_up:
+            self._lost()
+            lived = time.monotonic() - self._started_at
+            self._failures = 0 if lived >= _STABLE_SECONDS else self._failures + 1
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        """Respawn until a process comes up, waiting longer after each failure."""
+        config = self.router_config
+        while not self._stopping:
+            delay = config.restart_backoff_seconds * 2 ** max(self._failures - 1, 0)
+            delay = min(delay, config.max_restart_backoff_seconds)
+            log.info("engine %s: restarting in %.1f s", self.engine_id, delay)
+            await asyncio.sleep(delay)
+            try:
+                await self._spawn()
+                self.num_restarts += 1
+                return
+            except Exception as exc:
+                log.error("engine %s: restart failed: %s", self.engine_id, exc)
+                self.health = Health.DOWN
+                self._failures += 1
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        if self._submit is not None:
+            self._submit.put(None)  # the child aborts what runs, sends the final events, exits
+        process = self.process
+        if process is not None:
+            await asyncio.to_thread(process.join, 10)
+            if process.is_alive():
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+        self.health = Health.STOPPED
+
+    # -- calls ------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        session_id: str | None,
+        priority: int,
+    ) -> AsyncIterator[TokenEvent]:
+        if self.health is not Health.UP or self._submit is None:
+            raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
+        queue: asyncio.Queue[TokenEvent | EngineUnavailable] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._submit.put(("submit", request_id, prompt_ids, params, session_id, priority))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineUnavailable):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished and self._streams.pop(request_id, None) is not None:
+                self._aborts.put(request_id)  # the caller left: the child frees its pages
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._streams and self._aborts is not None:
+            self._aborts.put(request_id)
+
+    def stats(self) -> Stats | None:
+        return self._stats
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": self.entry.device, "pid": self.pid, "restarts": self.num_restarts}

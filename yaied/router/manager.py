@@ -1,0 +1,444 @@
+"""EngineManager: one router in front of several engines (Autellix's resource manager).
+
+    submit_request --route (policy.py)--> engine handle --events--> pump task --> RequestHandle
+          |                                                             |
+      lifecycle PENDING            RUNNING on the first event, then COMPLETED | CANCELLED | FAILED
+
+The manager owns the router-side view: outstanding calls and tokens per engine (the load the
+policy reads), the session pins and hit rates (kv_coordinator.py), and each call's lifecycle. All
+of it is mutated on the event loop only, so it needs no locks.
+
+A call whose engine is lost before it streamed a token is retried once on another engine; one
+that had streamed ends FAILED with an error event. The single-engine daemon is this same code with
+one in-process engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.router.calls import Call, RequestHandle
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import (
+    EngineHandle,
+    EngineUnavailable,
+    Health,
+    InProcessHandle,
+    ModelInfo,
+    Stats,
+    StepObserver,
+)
+from yaied.router.kv_coordinator import KVCoordinator
+from yaied.router.lifecycle import CallState, LifecycleTracker
+from yaied.router.policy import EngineLoad, route
+
+if TYPE_CHECKING:
+    from yaied.config import EngineConfig
+    from yaied.engine.async_engine import AsyncEngine
+    from yaied.engine.validation import InputProcessor
+
+log = logging.getLogger(__name__)
+
+_STATE_OF = {
+    FinishReason.STOP: CallState.COMPLETED,
+    FinishReason.LENGTH: CallState.COMPLETED,
+    FinishReason.ABORT: CallState.CANCELLED,
+    FinishReason.ERROR: CallState.FAILED,
+}
+
+
+class NoEngineAvailable(RuntimeError):
+    """No healthy engine can take the call (all are down, restarting or unsuited)."""
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    engine_id: str
+    kind: str
+    health: str
+    num_requests: int
+    num_tokens: int
+    hit_rate: float
+    stats: Stats | None = None
+    where: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.engine_id,
+            "kind": self.kind,
+            "health": self.health,
+            "load": {"requests": self.num_requests, "tokens": self.num_tokens},
+            "hit_rate": round(self.hit_rate, 4),
+            "stats": self.stats,
+            **self.where,
+        }
+
+
+class EngineManager:
+    def __init__(
+        self, config: RouterConfig | None = None, *, engine_config: EngineConfig | None = None
+    ) -> None:
+        self.config = config or RouterConfig()
+        self.engine_config = engine_config  # what local engines run, and the front's model
+        self.handles: dict[str, EngineHandle] = {}
+        self.lifecycle = LifecycleTracker(ttl_seconds=self.config.lifecycle_ttl_seconds)
+        self.kv = KVCoordinator()
+        self.inputs: InputProcessor | None = None  # the front end: tokenize and validate
+        self.info: ModelInfo | None = None
+        self._calls: dict[str, Call] = {}
+        self._outstanding: dict[str, dict[str, int]] = {}  # engine -> request id -> tokens
+        self._turn = 0  # calls routed so far (round_robin's counter)
+        self._background: set[asyncio.Task] = set()
+        self._step_observer: StepObserver | None = None
+
+    @classmethod
+    def single(cls, engine: AsyncEngine, config: RouterConfig | None = None) -> EngineManager:
+        """The classic daemon: one engine on the router's own event loop, engine id "0"."""
+        manager = cls(config, engine_config=engine.config)
+        manager.add_engine(InProcessHandle("0", engine))
+        manager.inputs = engine.inputs
+        return manager
+
+    # -- engines ----------------------------------------------------------------------------
+
+    def add_engine(self, config: EngineEntry | EngineHandle) -> str:
+        """Add an engine (before ``start``); returns its id: "0", "1", ... in the order added."""
+        if isinstance(config, EngineHandle):
+            handle = config
+        else:
+            handle = self._build_handle(str(len(self.handles)), config)
+        if handle.engine_id in self.handles:
+            raise ValueError(f"engine id {handle.engine_id!r} is already in use")
+        handle.on_lost = self._engine_lost
+        handle.step_observer = self._step_observer
+        self.handles[handle.engine_id] = handle
+        self._outstanding[handle.engine_id] = {}
+        return handle.engine_id
+
+    def _build_handle(self, engine_id: str, entry: EngineEntry) -> EngineHandle:
+        if entry.kind == "remote":
+            from yaied.router.remote import RemoteHandle
+
+            return RemoteHandle(engine_id, entry, self.config)
+        from yaied.router.local_process import LocalProcessHandle
+
+        if self.engine_config is None:
+            raise ValueError("a local engine needs the manager's engine_config")
+        return LocalProcessHandle(engine_id, entry, self.engine_config, self.config)
+
+    @property
+    def step_observer(self) -> StepObserver | None:
+        return self._step_observer
+
+    @step_observer.setter
+    def step_observer(self, observer: StepObserver | None) -> None:
+        self._step_observer = observer
+        for handle in self.handles.values():
+            handle.step_observer = observer
+
+    async def start(self) -> None:
+        """Start every engine at once; the front end learns the model's limits from them."""
+        if not self.handles:
+            raise ValueError("the manager has no engines: add_engine first")
+        local = [h for h in self.handles.values() if h.kind == "local"]
+        for handle in local:  # they share the cores unless given threads of their own
+            handle.num_local_engines = len(local)  # type: ignore[attr-defined]
+        await asyncio.gather(*(handle.start() for handle in self.handles.values()))
+        infos = [h.info for h in self.handles.values() if h.info is not None]
+        if self.inputs is None:
+            self.inputs = await asyncio.to_thread(self._front_inputs, infos)
+        self.info = self.inputs.info
+
+    def _front_inputs(self, infos: list[ModelInfo]) -> InputProcessor:
+        from yaied.engine.validation import InputProcessor
+        from yaied.worker.loader import LoadedModel, resolve_model_config
+
+        assert self.engine_config is not None
+        folder, hf_config = resolve_model_config(self.engine_config.model)
+        vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
+        max_len = min((i.max_model_len for i in infos if i.max_model_len), default=0)
+        info = ModelInfo(
+            max_len or self.engine_config.model.max_model_len or hf_config.max_position_embeddings,
+            vocab or hf_config.vocab_size,
+        )
+        loaded = LoadedModel(None, hf_config, folder, None, info.max_model_len)  # type: ignore[arg-type]
+        return InputProcessor(loaded, info)  # type: ignore[arg-type]
+
+    async def stop(self) -> None:
+        self.abort_all()
+        calls = [c.task for c in self._calls.values() if c.task is not None]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=5)
+        await asyncio.gather(*(h.stop() for h in self.handles.values()), return_exceptions=True)
+        for task in self._background:
+            task.cancel()
+
+    def _engine_lost(self, engine_id: str) -> None:
+        cleared = self.kv.engine_lost(engine_id)
+        log.warning("engine %s lost its cache: %d session pins cleared", engine_id, cleared)
+
+    # -- calls ------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return None if self.inputs is None else self.inputs.tokenizer
+
+    async def submit_request(
+        self,
+        *,
+        session_id: str | None = None,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Validate, route and start one call. Bad input raises ValueError; no healthy engine
+        raises NoEngineAvailable. The call runs whether or not its stream is read."""
+        if self.inputs is None:
+            raise NoEngineAvailable("the engines have not started")
+        params = self.inputs.sampling_params(sampling_params, {})
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._calls:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        call = Call(request_id, session_id, prompt_ids, params, priority)
+        engine = self._route(call, exclude=set())
+        if engine is None:
+            raise NoEngineAvailable("no healthy engine can take the request")
+        self.lifecycle.add(request_id, session_id, len(prompt_ids))
+        self._calls[request_id] = call
+        call.task = asyncio.get_running_loop().create_task(
+            self._pump(call, engine), name=f"yaied-call-{request_id}"
+        )
+        return RequestHandle(call, self.cancel_nowait)
+
+    def _route(self, call: Call, exclude: set[str]) -> EngineHandle | None:
+        loads = [
+            EngineLoad(
+                engine_id,
+                len(self._outstanding[engine_id]),
+                sum(self._outstanding[engine_id].values()),
+                handle.health is Health.UP
+                and engine_id not in exclude
+                and handle.supports(call.params),
+            )
+            for engine_id, handle in self.handles.items()
+        ]
+        decision = route(
+            self.config.policy,
+            loads,
+            num_prompt_tokens=len(call.prompt_ids),
+            pinned=self.kv.pin_of(call.session_id),
+            thresholds=self.config.thresholds,
+            turn=self._turn,
+        )
+        self._turn += 1
+        if decision is None:
+            return None
+        if decision.pin is not None:
+            self.kv.set_pin(call.session_id, decision.pin)
+        call.engine_id = decision.engine_id
+        self._outstanding[decision.engine_id][call.request_id] = call.num_tokens
+        return self.handles[decision.engine_id]
+
+    async def _pump(self, call: Call, engine: EngineHandle) -> None:
+        try:
+            while True:
+                try:
+                    await self._run_on(call, engine)
+                    return
+                except EngineUnavailable as exc:
+                    self._outstanding[engine.engine_id].pop(call.request_id, None)
+                    retry = not (call.streamed or call.retried or call.cancelled)
+                    next_engine = self._route(call, {engine.engine_id}) if retry else None
+                    if next_engine is None:
+                        self._deliver(call, call.final_event(FinishReason.ERROR, str(exc)))
+                        return
+                    log.warning(
+                        "%s: %s; retrying on engine %s", call.request_id, exc, next_engine.engine_id
+                    )
+                    call.retried, engine = True, next_engine
+        except Exception as exc:  # a bug: the caller still gets its final event
+            log.exception("%s: the router failed", call.request_id)
+            self._deliver(call, call.final_event(FinishReason.ERROR, f"router failed: {exc}"))
+        finally:
+            if not call.finished:  # the pump was cancelled (stop)
+                self._deliver(call, call.final_event(FinishReason.ABORT))
+            self._outstanding[engine.engine_id].pop(call.request_id, None)
+
+    async def _run_on(self, call: Call, engine: EngineHandle) -> None:
+        if call.cancelled:  # cancelled before it reached an engine
+            self._deliver(call, call.final_event(FinishReason.ABORT))
+            return
+        stream = engine.generate(
+            call.prompt_ids,
+            call.params,
+            request_id=call.request_id,
+            session_id=call.session_id,
+            priority=call.priority,
+        )
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                self._deliver(call, event)
+                if event.finished:
+                    return
+        raise EngineUnavailable(f"engine {engine.engine_id} ended the stream without a reason")
+
+    def _deliver(self, call: Call, event: TokenEvent) -> None:
+        """Record an event in the lifecycle and the coordinator, then hand it to the caller."""
+        if call.finished:
+            return
+        record = self.lifecycle.get(call.request_id)
+        state = CallState.RUNNING if event.finish_reason is None else _STATE_OF[event.finish_reason]
+        if record.state is CallState.PENDING and state in (CallState.RUNNING, CallState.COMPLETED):
+            self.lifecycle.transition(call.request_id, CallState.RUNNING, engine_id=call.engine_id)
+        call.streamed |= bool(event.token_ids)
+        call.num_output_tokens = event.num_output_tokens or call.num_output_tokens
+        if event.finished:
+            call.finished = True
+            self.lifecycle.transition(
+                call.request_id,
+                state,
+                engine_id=call.engine_id,
+                num_output_tokens=call.num_output_tokens,
+                error=event.error,
+            )
+            if state is CallState.COMPLETED:
+                self.kv.record(
+                    call.session_id,
+                    call.engine_id,
+                    event.num_prompt_tokens or len(call.prompt_ids),
+                    event.num_cached_tokens,
+                    call.num_output_tokens,
+                )
+            del self._calls[call.request_id]
+        call.queue.put_nowait(event)
+
+    async def cancel_request(self, request_id: str) -> bool:
+        """Cancel one call: its stream ends with ``abort`` once the engine has let it go (within
+        one step) and freed its pages. False when no such call is running."""
+        call = self._calls.get(request_id)
+        if call is None:
+            return False
+        call.cancelled = True
+        if call.engine_id:
+            await self.handles[call.engine_id].abort(request_id)
+        return True
+
+    def cancel_nowait(self, request_id: str) -> None:
+        """cancel_request from code that cannot await (a stream's finally)."""
+        if request_id in self._calls:
+            task = asyncio.get_running_loop().create_task(self.cancel_request(request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def cancel_session(self, session_id: str) -> int:
+        """Cancel every running call of a session; returns how many."""
+        ids = [c.request_id for c in self._calls.values() if c.session_id == session_id]
+        results = await asyncio.gather(*(self.cancel_request(i) for i in ids))
+        return sum(results)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._calls):
+            self.cancel_nowait(request_id)
+
+    # -- status -----------------------------------------------------------------------------
+
+    def get_engine_status(self, engine_id: str) -> EngineStatus:
+        handle = self.handles.get(engine_id)
+        if handle is None:
+            raise ValueError(f"no engine {engine_id!r}; engines: {', '.join(self.handles)}")
+        outstanding = self._outstanding[engine_id]
+        return EngineStatus(
+            engine_id,
+            handle.kind,
+            handle.health.value,
+            len(outstanding),
+            sum(outstanding.values()),
+            self.kv.engine_hit_rate(engine_id),
+            handle.stats(),
+            handle.describe(),
+        )
+
+    def get_stats(self) -> dict[str, Any]:
+        live = self.lifecycle.live()
+        totals = self.kv.totals()
+        return {
+            "policy": self.config.policy,
+            "engines": [self.get_engine_status(i).as_json() for i in self.handles],
+            "num_requests_pending": sum(r.state is CallState.PENDING for r in live),
+            "num_requests_running": sum(r.state is CallState.RUNNING for r in live),
+            "num_sessions": self.kv.num_sessions,
+            "prompt_tokens": totals.num_prompt_tokens,
+            "cached_tokens": totals.num_cached_tokens,
+            "hit_rate": totals.hit_rate,
+        }
+
+    def engine_stats(self) -> dict[str, Stats]:
+        """Engine id -> its counters, for the engines that report them (the /metrics gauges)."""
+        out = {}
+        for engine_id, handle in self.handles.items():
+            stats = handle.stats()
+            if stats is not None:
+                out[engine_id] = stats
+        return out
+
+    def stats(self) -> Stats:
+        """Every engine's counters summed (what a single engine's stats() said)."""
+        total: Stats = {}
+        for stats in self.engine_stats().values():
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        total.setdefault("num_requests_waiting", 0)
+        return total
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._calls)
+
+    @property
+    def dead(self) -> str | None:
+        """Why no engine can serve now, or None while at least one is up."""
+        if any(h.health is Health.UP for h in self.handles.values()):
+            return None
+        states = ", ".join(f"{i}: {h.health.value}" for i, h in self.handles.items())
+        return f"no engine is up ({states})"
+
+
+def build_manager(
+    engine_config: EngineConfig, router_config: RouterConfig, entries: tuple[EngineEntry, ...]
+) -> EngineManager:
+    """The daemon's engines: the `[[engines]]` entries, else ``router.engines`` local ones (one
+    per GPU when there are that many GPUs, else CPU processes). Nothing starts here."""
+    manager = EngineManager(router_config, engine_config=engine_config)
+    if not entries:
+        entries = local_entries(router_config.engines, engine_config.device.device)
+    for entry in entries:
+        manager.add_engine(entry)
+    return manager
+
+
+def local_entries(count: int, device: str) -> tuple[EngineEntry, ...]:
+    if device in ("auto", "cuda"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus >= count:
+            return tuple(EngineEntry(device=f"cuda:{i}") for i in range(count))
+        if device == "cuda":
+            raise ValueError(f"router.engines = {count} asks for more GPUs than the {gpus} here")
+        device = "cpu"
+    return tuple(EngineEntry(device=device) for _ in range(count))
+
+
+def default_threads(num_local_engines: int) -> int:
+    """CPU threads per local engine: the cores this process may use, shared evenly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_local_engines))

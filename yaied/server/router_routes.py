@@ -1,0 +1,56 @@
+"""The router's HTTP surface: cancel a request or a whole session, list the engines.
+
+    POST /v1/requests/{id}/cancel   the X-Request-Id of a running request (every choice of it)
+    POST /v1/sessions/{id}/cancel   every running request of an X-Session-Id (or `user`)
+    GET  /v1/engines                id, kind, health, load and prefix-cache hit rate per engine
+
+A cancelled request's stream ends with finish_reason "abort" once its engine has let it go, which
+frees its KV pages within one engine step.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from yaied.server.errors import APIError, json_response
+from yaied.server.state import ServerState
+
+
+async def cancel_request(request: Request) -> Response:
+    server: ServerState = request.state.server
+    manager = server.ready_engine()
+    request_id = request.path_params["request_id"]
+    cancelled = int(await manager.cancel_request(request_id))
+    if not cancelled:  # a request with n > 1 runs one call per choice: id-0, id-1, ...
+        while await manager.cancel_request(f"{request_id}-{cancelled}"):
+            cancelled += 1
+    if not cancelled:
+        raise APIError(404, f"no running request {request_id!r}", code="request_not_found")
+    return json_response({"id": request_id, "object": "request.cancel", "cancelled": cancelled})
+
+
+async def cancel_session(request: Request) -> Response:
+    server: ServerState = request.state.server
+    manager = server.ready_engine()
+    session_id = request.path_params["session_id"]
+    cancelled = await manager.cancel_session(session_id)
+    return json_response({"id": session_id, "object": "session.cancel", "cancelled": cancelled})
+
+
+async def engines(request: Request) -> Response:
+    server: ServerState = request.state.server
+    if server.manager is None:
+        raise APIError(503, "the engines are still loading", code="engine_not_ready")
+    manager = server.manager
+    data = [manager.get_engine_status(engine_id).as_json() for engine_id in manager.handles]
+    return json_response({"object": "list", "policy": manager.config.policy, "data": data})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/requests/{request_id}/cancel", cancel_request, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/cancel", cancel_session, methods=["POST"]),
+        Route("/v1/engines", engines, methods=["GET"]),
+    ]
