@@ -1,0 +1,116 @@
+"""The remote handle's pieces: the circuit breaker, the request body, the SSE reader; and the
+router's config section."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from yaied.request import FinishReason, SamplingParams
+from yaied.router.config import EngineEntry, RouterConfig, load_router_config
+from yaied.router.remote import CircuitBreaker, _sse_events, request_body
+from yaied.router.remote_metrics import stats_from_metrics
+
+
+def test_breaker_goes_down_after_three_failures_and_up_after_two_successes():
+    breaker = CircuitBreaker(3, 2)
+    assert [breaker.record(False) for _ in range(3)] == [None, None, False]
+    assert not breaker.up
+    assert breaker.record(True) is None and breaker.record(False) is None  # not two in a row
+    assert breaker.record(True) is None and breaker.record(True) is True and breaker.up
+    assert breaker.record(False) is None and breaker.record(True) is None  # a success resets
+
+
+def test_request_body_carries_every_sampling_parameter():
+    params = SamplingParams(max_tokens=5, temperature=0.5, stop=["x"], logit_bias={3: 1.0}, seed=7)
+    body = request_body([1, 2], params, priority=2)
+    assert body["prompt"] == [1, 2] and body["stream"] and body["return_token_ids"]
+    assert body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["temperature"], body["seed"]) == (5, 0.5, 7)
+    assert body["stop"] == ["x"] and body["logit_bias"] == {"3": 1.0} and body["priority"] == 2
+
+
+def sse(*chunks: dict | str) -> httpx.Response:
+    lines = [f"data: {c if isinstance(c, str) else orjson.dumps(c).decode()}\n\n" for c in chunks]
+    return httpx.Response(200, content="".join(lines).encode())
+
+
+def choice(text: str, ids: list[int], finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}
+
+
+async def collect(response: httpx.Response) -> list:
+    return [event async for event in _sse_events(response, "r", 4)]
+
+
+async def test_sse_events_hold_the_final_event_for_the_cached_tokens():
+    usage = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 3}, "choices": []}
+    response = sse(
+        choice("a", [5]), choice("b", [6], "length"), {**usage, "usage": usage}, "[DONE]"
+    )
+    events = await collect(response)
+    assert [e.token_ids for e in events] == [[5], [6]]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert (events[-1].num_cached_tokens, events[-1].num_output_tokens) == (3, 2)
+
+
+async def test_sse_error_chunks_and_truncated_streams():
+    events = await collect(sse(choice("a", [5]), {"error": {"message": "boom"}}))
+    assert events[-1].finish_reason is FinishReason.ERROR and events[-1].error == "boom"
+    from yaied.router.handle import EngineUnavailable
+
+    with pytest.raises(EngineUnavailable):
+        await collect(sse(choice("a", [5])))
+
+
+def test_remote_metrics_become_engine_stats():
+    text = (
+        'yaied:num_requests_running{model_name="m",engine="0"} 2\n'
+        'yaied:num_requests_running{model_name="m",engine="1"} 1\n'
+        'yaied:kv_cache_usage_perc{model_name="m",engine="0"} 0.5\n'
+        'yaied:kv_cache_usage_perc{model_name="m",engine="1"} 0.25\n'
+    )
+    stats = stats_from_metrics(text)
+    assert stats["num_requests_running"] == 3 and stats["kv_cache_usage_perc"] == 0.375
+
+
+def test_router_config_from_toml_env_and_overrides(tmp_path):
+    path = tmp_path / "yaied.toml"
+    path.write_text(
+        '[router]\npolicy = "round_robin"\nlong_call_threshold = 100\n'
+        '[[engines]]\nkind = "local"\ndevice = "cpu"\nthreads = 2\n'
+        '[[engines]]\nkind = "remote"\nurl = "http://10.0.0.2:8000"\n'
+    )
+    env = {"YAIED_ROUTER_LONG_CALL_THRESHOLD": "200"}
+    config, engines = load_router_config(path, env=env, overrides={"engines": 3})
+    assert (config.policy, config.long_call_threshold, config.engines) == ("round_robin", 200, 3)
+    assert engines == (
+        EngineEntry(kind="local", device="cpu", threads=2),
+        EngineEntry(kind="remote", url="http://10.0.0.2:8000"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[router]\npolicy = "random"\n', "router.policy must be one of"),
+        ("[router]\nfoo = 1\n", "unknown setting"),
+        ('[router]\nengines = "2"\n', "router.engines must be a int"),
+        ('[[engines]]\nkind = "remote"\n', "a remote engine needs url"),
+        ('[[engines]]\nkind = "gpu"\n', "engines.kind must be local or remote"),
+        ("[[engines]]\nport = 1\n", "unknown setting engines.port"),
+    ],
+)
+def test_router_config_errors(tmp_path, toml, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match=message):
+        load_router_config(path, env={})
+
+
+def test_shipped_toml_router_section_equals_the_defaults():
+    from tests.test_config import SHIPPED_TOML
+
+    config, engines = load_router_config(SHIPPED_TOML, env={})
+    assert config == RouterConfig() and engines == ()
