@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -90,6 +91,10 @@ def child_main(
     asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
     sender.close()
     sender.join(10)
+    # Skip the interpreter's teardown: torch's thread pools abort ("terminate called ...") when
+    # destroyed under the reader threads still blocked on their pipes. Everything is sent.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ChildServer:

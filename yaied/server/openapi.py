@@ -39,6 +39,7 @@ _COMPLETION = {
     },
     "echo": {"type": "boolean"},
     "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "return_token_ids": {"type": "boolean"},
 }
 _MESSAGES = {
     "type": "array",
@@ -91,5 +92,8 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/health": _get("200 when the engine is loaded and running, else 503"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This schema"),
+            "/v1/requests/{request_id}/cancel": _post("Cancel a request (X-Request-Id)", {}, []),
+            "/v1/sessions/{session_id}/cancel": _post("Cancel a session's requests", {}, []),
+            "/v1/engines": _get("The engines behind the router: health, load, hit rate"),
         },
     }

@@ -1,0 +1,68 @@
+"""`yaied serve --engines N`: flags, errors, and a daemon with two engine processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.test_cli import assert_one_line_error, run_main
+from tests.test_daemon import free_port, serve_command
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--engines", "0"], r"router\.engines must be >= 1"),
+        (["--router-policy", "random"], "--router-policy: invalid choice"),
+    ],
+)
+def test_bad_router_flags(capsys, tiny_model_dirs, flags, pattern):
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), *flags]
+    assert_one_line_error(*run_main(capsys, *argv), pattern)
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path, timeout: float = 150) -> None:
+    """As tests/test_daemon.py's, with room for two engine processes to spawn and load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the daemon never became healthy"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
+    port = free_port()
+    code = serve_command(tiny_model_dirs["llama"], port, "--engines", "2")
+    log_path = tmp_path / "daemon.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
+        try:
+            wait_healthy(proc, base, log_path)
+            engines = httpx.get(f"{base}/v1/engines").json()["data"]
+            assert [(e["id"], e["kind"], e["health"]) for e in engines] == [
+                ("0", "local", "up"),
+                ("1", "local", "up"),
+            ]
+            body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "n": 2}
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 6
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                assert proc.wait(timeout=30) == 0, log_path.read_text()
+            finally:
+                proc.kill()
+    assert "2 engine(s) [0: local, 1: local]" in log_path.read_text()
