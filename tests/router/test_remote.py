@@ -114,3 +114,65 @@ def test_shipped_toml_router_section_equals_the_defaults():
 
     config, engines = load_router_config(SHIPPED_TOML, env={})
     assert config == RouterConfig() and engines == ()
+
+
+class MockDaemon:
+    """A yaied daemon as httpx sees it; ``up`` switches every answer between 200 and 503."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.probes = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if not self.up:
+            return httpx.Response(503)
+        if request.url.path == "/health":
+            self.probes += 1
+            return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 512}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='yaied:num_requests_waiting{engine="0"} 4\n')
+        usage = {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}
+        body = sse(choice("a", [5], "stop"), {"choices": [], "usage": usage}, "[DONE]")
+        return httpx.Response(200, content=body.content)
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    import asyncio
+
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.timeout(20)
+async def test_a_remote_engine_goes_down_is_probed_and_comes_back():
+    from yaied.router.handle import EngineUnavailable, Health
+    from yaied.router.remote import RemoteHandle
+
+    daemon = MockDaemon()
+    config = RouterConfig(health_check_interval_seconds=0.01)
+    entry = EngineEntry(kind="remote", url="http://remote:8000")
+    handle = RemoteHandle("2", entry, config, transport=httpx.MockTransport(daemon))
+    lost: list[str] = []
+    handle.on_lost = lost.append
+    await handle.start()
+    assert handle.health is Health.UP and handle.info.max_model_len == 512
+    assert handle.stats()["num_requests_waiting"] == 4
+    events = [e async for e in handle.generate([1, 2], SamplingParams(), request_id="r",
+                                                 session_id="s", priority=0)]  # fmt: skip
+    assert events[-1].finish_reason is FinishReason.STOP and events[-1].num_cached_tokens == 1
+    daemon.up = False
+    await wait_until(lambda: handle.health is Health.DOWN)
+    assert lost == ["2"] and handle.stats() is None
+    with pytest.raises(EngineUnavailable):
+        await anext(handle.generate([1], SamplingParams(), request_id="x", session_id=None,
+                                    priority=0))  # fmt: skip
+    daemon.up = True
+    probes = daemon.probes
+    await wait_until(lambda: handle.health is Health.UP)
+    assert daemon.probes >= probes + 2  # two good probes in a row before it is trusted again
+    await handle.stop()

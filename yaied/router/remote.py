@@ -62,8 +62,16 @@ class CircuitBreaker:
 class RemoteHandle(EngineHandle):
     kind = "remote"
 
-    def __init__(self, engine_id: str, entry: EngineEntry, router_config: RouterConfig) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        entry: EngineEntry,
+        router_config: RouterConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: a mock daemon
+    ) -> None:
         super().__init__(engine_id)
+        self._transport = transport
         self.url = entry.url.rstrip("/")
         self.api_key = entry.api_key
         self.interval = router_config.health_check_interval_seconds
@@ -80,7 +88,9 @@ class RemoteHandle(EngineHandle):
         (it may come up after the router)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(10.0, read=None)  # streams idle between tokens; SSE pings
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=timeout, transport=self._transport
+        )
         up = await self._probe()
         self.health = Health.UP if up else Health.DOWN
         self.breaker.up = up
