@@ -32,8 +32,9 @@ import numpy as np
 
 from yaied.config import load_config
 from yaied.request import SamplingParams
+from yaied.router.build import build_manager
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.manager import EngineManager, build_manager
+from yaied.router.manager import EngineManager
 
 POLICIES = ("autellix", "round_robin", "least_loaded")
 

@@ -71,7 +71,8 @@ def run_server(
 
     def load_engine():  # runs in a thread from the app's lifespan
         from yaied.engine.async_engine import AsyncEngine  # torch loads here, not at import
-        from yaied.router.manager import EngineManager, build_manager
+        from yaied.router.build import build_manager
+        from yaied.router.manager import EngineManager
 
         if engines or router_config.engines > 1:
             return build_manager(engine_config, router_config, engines)

@@ -15,8 +15,8 @@ import pytest
 
 from tests.server.conftest import LiveServer, engine_loader, start_server, stop_server
 from yaied.config import load_config
+from yaied.router.build import build_manager
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.manager import build_manager
 from yaied.server.config import ServerConfig
 
 pytestmark = pytest.mark.timeout(180)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from yaied.request import SamplingParams, TokenEvent
@@ -49,6 +49,29 @@ class ModelInfo:
 
     max_model_len: int
     vocab_size: int
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    engine_id: str
+    kind: str
+    health: str
+    num_requests: int
+    num_tokens: int
+    hit_rate: float
+    stats: Stats | None = None
+    where: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.engine_id,
+            "kind": self.kind,
+            "health": self.health,
+            "load": {"requests": self.num_requests, "tokens": self.num_tokens},
+            "hit_rate": round(self.hit_rate, 4),
+            "stats": self.stats,
+            **self.where,
+        }
 
 
 class EngineHandle(abc.ABC):

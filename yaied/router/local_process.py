@@ -76,7 +76,7 @@ class LocalProcessHandle(EngineHandle):
 
     def child_spec(self) -> ChildSpec:
         """The engine config for the child, and the CUDA device it may see."""
-        from yaied.router.manager import default_threads
+        from yaied.router.build import default_threads
 
         device, visible = self.entry.device, None
         if device == "auto":

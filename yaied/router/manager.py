@@ -18,16 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from yaied.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.calls import Call, RequestHandle
 from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.front import front_inputs
 from yaied.router.handle import (
     EngineHandle,
+    EngineStatus,
     EngineUnavailable,
     Health,
     InProcessHandle,
@@ -56,29 +56,6 @@ _STATE_OF = {
 
 class NoEngineAvailable(RuntimeError):
     """No healthy engine can take the call (all are down, restarting or unsuited)."""
-
-
-@dataclass(slots=True)
-class EngineStatus:
-    engine_id: str
-    kind: str
-    health: str
-    num_requests: int
-    num_tokens: int
-    hit_rate: float
-    stats: Stats | None = None
-    where: dict[str, Any] = field(default_factory=dict)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.engine_id,
-            "kind": self.kind,
-            "health": self.health,
-            "load": {"requests": self.num_requests, "tokens": self.num_tokens},
-            "hit_rate": round(self.hit_rate, 4),
-            "stats": self.stats,
-            **self.where,
-        }
 
 
 class EngineManager:
@@ -153,23 +130,9 @@ class EngineManager:
         await asyncio.gather(*(handle.start() for handle in self.handles.values()))
         infos = [h.info for h in self.handles.values() if h.info is not None]
         if self.inputs is None:
-            self.inputs = await asyncio.to_thread(self._front_inputs, infos)
+            assert self.engine_config is not None
+            self.inputs = await asyncio.to_thread(front_inputs, self.engine_config.model, infos)
         self.info = self.inputs.info
-
-    def _front_inputs(self, infos: list[ModelInfo]) -> InputProcessor:
-        from yaied.engine.validation import InputProcessor
-        from yaied.worker.loader import LoadedModel, resolve_model_config
-
-        assert self.engine_config is not None
-        folder, hf_config = resolve_model_config(self.engine_config.model)
-        vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
-        max_len = min((i.max_model_len for i in infos if i.max_model_len), default=0)
-        info = ModelInfo(
-            max_len or self.engine_config.model.max_model_len or hf_config.max_position_embeddings,
-            vocab or hf_config.vocab_size,
-        )
-        loaded = LoadedModel(None, hf_config, folder, None, info.max_model_len)  # type: ignore[arg-type]
-        return InputProcessor(loaded, info)  # type: ignore[arg-type]
 
     async def stop(self) -> None:
         self.abort_all()
@@ -410,35 +373,3 @@ class EngineManager:
             return None
         states = ", ".join(f"{i}: {h.health.value}" for i, h in self.handles.items())
         return f"no engine is up ({states})"
-
-
-def build_manager(
-    engine_config: EngineConfig, router_config: RouterConfig, entries: tuple[EngineEntry, ...]
-) -> EngineManager:
-    """The daemon's engines: the `[[engines]]` entries, else ``router.engines`` local ones (one
-    per GPU when there are that many GPUs, else CPU processes). Nothing starts here."""
-    manager = EngineManager(router_config, engine_config=engine_config)
-    if not entries:
-        entries = local_entries(router_config.engines, engine_config.device.device)
-    for entry in entries:
-        manager.add_engine(entry)
-    return manager
-
-
-def local_entries(count: int, device: str) -> tuple[EngineEntry, ...]:
-    if device in ("auto", "cuda"):
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus >= count:
-            return tuple(EngineEntry(device=f"cuda:{i}") for i in range(count))
-        if device == "cuda":
-            raise ValueError(f"router.engines = {count} asks for more GPUs than the {gpus} here")
-        device = "cpu"
-    return tuple(EngineEntry(device=device) for _ in range(count))
-
-
-def default_threads(num_local_engines: int) -> int:
-    """CPU threads per local engine: the cores this process may use, shared evenly."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_engines))

@@ -1,0 +1,41 @@
+"""Building the daemon's engine manager from its config: which engines, on which devices."""
+
+from __future__ import annotations
+
+import os
+
+from yaied.config import EngineConfig
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.manager import EngineManager
+
+
+def build_manager(
+    engine_config: EngineConfig, router_config: RouterConfig, entries: tuple[EngineEntry, ...]
+) -> EngineManager:
+    """The daemon's engines: the `[[engines]]` entries, else ``router.engines`` local ones (one
+    per GPU when there are that many GPUs, else CPU processes). Nothing starts here."""
+    manager = EngineManager(router_config, engine_config=engine_config)
+    if not entries:
+        entries = local_entries(router_config.engines, engine_config.device.device)
+    for entry in entries:
+        manager.add_engine(entry)
+    return manager
+
+
+def local_entries(count: int, device: str) -> tuple[EngineEntry, ...]:
+    if device in ("auto", "cuda"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus >= count:
+            return tuple(EngineEntry(device=f"cuda:{i}") for i in range(count))
+        if device == "cuda":
+            raise ValueError(f"router.engines = {count} asks for more GPUs than the {gpus} here")
+        device = "cpu"
+    return tuple(EngineEntry(device=device) for _ in range(count))
+
+
+def default_threads(num_local_engines: int) -> int:
+    """CPU threads per local engine: the cores this process may use, shared evenly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_local_engines))
