@@ -164,6 +164,14 @@ def test_cancel_request_and_cancel_session_end_streams_with_abort(cluster):
     engines = {manager_of(router).lifecycle.get(h["X-Request-Id"]).engine_id for h in headers}
     assert engines == {"0", "1", "2"}  # the session's calls were short: spread, then all cancelled
     assert httpx.post(url + "/v1/requests/nope/cancel").status_code == 404
+    pair = stream_chunks(
+        url,
+        {**body(1000), "n": 2},
+        {"X-Request-Id": "pair"},
+        lambda: cancel("/v1/requests/pair/cancel"),  # both choices: pair-0 and pair-1
+    )
+    reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in pair[:-1]}
+    assert reasons == {0: "abort", 1: "abort"}
     wait_for(lambda: all_pages_free(router, remote))
 
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from yaied.server.errors import APIError, json_response
+from yaied.server.protocol import MAX_N
 from yaied.server.state import ServerState
 
 
@@ -22,10 +23,9 @@ async def cancel_request(request: Request) -> Response:
     server: ServerState = request.state.server
     manager = server.ready_engine()
     request_id = request.path_params["request_id"]
-    cancelled = int(await manager.cancel_request(request_id))
-    if not cancelled:  # a request with n > 1 runs one call per choice: id-0, id-1, ...
-        while await manager.cancel_request(f"{request_id}-{cancelled}"):
-            cancelled += 1
+    # A request with n > 1 runs one call per choice, named id-0, id-1, ...
+    ids = [request_id, *(f"{request_id}-{i}" for i in range(MAX_N))]
+    cancelled = sum([await manager.cancel_request(i) for i in ids])
     if not cancelled:
         raise APIError(404, f"no running request {request_id!r}", code="request_not_found")
     return json_response({"id": request_id, "object": "request.cancel", "cancelled": cancelled})
