@@ -86,3 +86,17 @@ def test_padding_rows_write_and_change_nothing(triton_llm):
     finally:
         for p in pages:
             pool.free(p)
+
+
+def test_host_staging_uploads_sections_in_one_buffer():
+    from yaied.worker.gpu_inputs import HostStaging
+
+    staging = HostStaging(torch.device("cpu"))
+    with torch.inference_mode():
+        views = staging.upload([[1, 2, 3], [], [-1], list(range(5000))])
+        assert [v.tolist() for v in views[:3]] == [[1, 2, 3], [], [-1]]
+        assert views[3].tolist() == list(range(5000))  # grown past the first 4096 entries
+        assert all(v.dtype == torch.int32 for v in views)
+        assert views[3].data_ptr() == views[0].data_ptr() + 4 * 4  # one buffer, packed
+        again = staging.upload([[7]])
+        assert again[0].tolist() == [7] and again[0].data_ptr() == views[0].data_ptr()
