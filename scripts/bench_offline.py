@@ -1,6 +1,11 @@
 """Offline throughput of the engine on the DESIGN.md workloads, optionally against transformers.
 
     .venv/bin/python scripts/bench_offline.py --workload W-mixed [--compare-hf] [--runs 3]
+    .venv/bin/python scripts/bench_offline.py --workload W-nano \
+        --model config/models/qwen3-0.6b.json --load-format dummy --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --compare-hf
+    .venv/bin/python scripts/bench_offline.py --decode-step \
+        --model config/models/llama-3.2-1b.json --load-format dummy --max-model-len 4096
 
 Every prompt is submitted at once through ``yaied.LLM.generate`` (greedy, ignore_eos) and the
 wall time of that call is measured. One JSON line per run goes to stdout; logs go to stderr.
@@ -17,11 +22,17 @@ hits the prefix cache filled by an earlier one):
 ``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
 batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
 asked for are counted) and reports ``hf_output_tok_s`` and ``ratio`` = ours / hf.
+
+``--decode-step`` times one decode step at batch 1 instead (scripts/decode_step.py) and prints
+it next to the memory floor: weight bytes / the device's spec bandwidth (H100 3.35 TB/s, H200
+4.8 TB/s). ``--num-prompts`` and ``--max-output-len`` cut a workload down for smoke tests.
+Nothing here imports the server packages: a GPU box needs only torch, transformers and triton.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -29,7 +40,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import torch
 
 WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano")
@@ -130,7 +140,7 @@ def matmul_params(hf_config: Any) -> int:
 
 def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     overrides: dict[str, Any] = {"load_format": args.load_format, "threads": threads}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.no_prefix_cache:
@@ -247,7 +257,11 @@ def run_hf(model: Any, workload: Workload, device: torch.device) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True, choices=WORKLOADS)
+    parser.add_argument("--workload", choices=WORKLOADS)
+    parser.add_argument(
+        "--decode-step", action="store_true", help="time a batch-1 decode step instead"
+    )
+    parser.add_argument("--decode-steps", type=int, default=128, help="steps per timing")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32")
@@ -260,10 +274,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-gib", type=float)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--num-prompts", type=int, help="only the first N prompts (smoke tests)")
+    parser.add_argument("--max-output-len", type=int, help="cap each output (smoke tests)")
+    parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if (args.workload is None) == (not args.decode_step):
+        parser.error("give either --workload or --decode-step")
+    if args.decode_step and args.compare_hf:
+        parser.error("--compare-hf goes with a --workload")
     return args
+
+
+def trim_workload(workload: Workload, num_prompts: int | None, max_output: int | None) -> Workload:
+    """The first num_prompts prompts, outputs capped at max_output (None: unchanged)."""
+    prompts = workload.prompts[:num_prompts]
+    outputs = workload.output_lens[: len(prompts)]
+    if max_output is not None:
+        outputs = [min(n, max_output) for n in outputs]
+    return Workload(workload.name, prompts, outputs)
 
 
 def _log(message: str) -> None:
@@ -290,15 +321,24 @@ def main(argv: list[str] | None = None) -> None:
             _log("loading the transformers model")
             hf_model = load_hf_model(args, llm, dtype, device)
             hf_generate(hf_model, [list(range(1, 17))], 4, device)  # warm-up
-        _log("measuring the matmul peak")
-        peak = measure_matmul_peak_gflops(dtype, device)
         params = matmul_params(llm.hf_config)
+        if args.decode_step:
+            from decode_step import decode_step_record
+
+            _log(f"timing batch-1 decode steps ({args.decode_steps} per timing)")
+            record = decode_step_record(llm, args.model, params, dtype, device, args.decode_steps)
+            print(json.dumps(record), flush=True)
+            return
+        peak = 0.0
+        if not args.no_peak:
+            _log("measuring the matmul peak")
+            peak = measure_matmul_peak_gflops(dtype, device)
         for run in range(args.runs):
             workload = build_workload(args.workload, llm.vocab_size, seed=run)
+            workload = trim_workload(workload, args.num_prompts, args.max_output_len)
             _log(f"run {run}: {args.workload}, {len(workload.prompts)} requests")
             record = _run_once(args, llm, hf_model, workload, run, peak, params, device)
-            sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
-            sys.stdout.flush()
+            print(json.dumps(record), flush=True)
     finally:
         llm.close()
 
@@ -336,7 +376,7 @@ def _run_once(
         "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 2),
         "matmul_peak_gflops": round(peak, 1),
         "achieved_gflops": round(achieved, 1),
-        "roofline_share": round(achieved / peak, 4),
+        "roofline_share": round(achieved / peak, 4) if peak else None,
     }
     if deltas.get("prefix_cache_queries"):
         record["prefix_cache_hit_rate"] = round(

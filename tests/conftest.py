@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run in Triton's interpreter where CUDA is absent. Triton reads the variable when
+# a kernel module is imported (@triton.jit), so it is set here, before any test imports one;
+# nothing else on a CPU box uses Triton, so it is harmless for every other test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `cuda` need a CUDA device and compiled kernels."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    reason = "needs CUDA with TRITON_INTERPRET unset"
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
 
 # Shapes shared by every tiny config; each entry below says what makes its family different.
 _TINY_BASE = dict(

@@ -41,7 +41,7 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
     kv_cache_gib: float = 1.0  # KV pool size on CPU
-    gpu_memory_utilization: float = 0.9  # share of free GPU memory for weights + KV pool
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations, KV
     enable_prefix_caching: bool = True  # share KV pages of common prefixes between requests
 
     def __post_init__(self) -> None:
@@ -68,8 +68,11 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"  # auto (cuda when present) | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0 = every core
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (triton backend on CUDA)
 
     def __post_init__(self) -> None:
+        _one_of("device.attention_backend", self.attention_backend, ("auto", "triton", "torch"))
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(
                 f"device.device must be auto, cpu, cuda or cuda:N, got {self.device!r}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,12 +56,40 @@ class KernelDecodes:
     context_lens: torch.Tensor  # [count] int64
 
 
+class AttentionBackend(Protocol):
+    """A fused path that replaces both the K/V write and the attention of the torch path (the
+    Triton kernels on a GPU: yaied.worker.gpu_inputs.TritonAttention)."""
+
+    def store(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     decode_buckets: list[DecodeBucket]  # the torch path's decodes
     prefills: list[PrefillChunk]
     kernel_decodes: KernelDecodes | None = None  # set instead of buckets where a kernel runs
+    backend: AttentionBackend | None = None  # set instead of everything above on the GPU path
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Write the step's new K/V rows into the pools, by the backend when there is one."""
+    if meta.backend is not None:
+        meta.backend.store(k_cache, v_cache, k, v)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
 
 def write_kv(
@@ -95,6 +124,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
+    if meta.backend is not None:
+        return meta.backend.attend(q, k_cache, v_cache, scale)
     out = torch.empty_like(q)
     fused = meta.kernel_decodes
     if fused is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -14,6 +14,10 @@ from yaied.request import TokenLogprobs
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
+
+if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
+    from yaied.worker.cuda_graphs import DecodeGraphs
+    from yaied.worker.gpu_inputs import TritonInputBuilder
 
 # Decodes are split into at most this many buckets of at least MIN_DECODE_BUCKET sequences.
 MAX_DECODE_BUCKETS = 4
@@ -37,6 +41,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         seed: int = 0,
+        triton: TritonInputBuilder | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -44,7 +49,12 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.dtype = kv_caches[0][0].dtype
-        self.decode_kernel = self._load_decode_kernel(model) if device.type == "cpu" else None
+        # The Triton path (on a GPU; on CPU only in the interpreter, for tests) builds its own
+        # inputs and attends with the kernels in yaied/kernels; the torch path uses the rest.
+        self.triton = triton
+        self.graphs: DecodeGraphs | None = None  # set by the worker once captured
+        cpu_kernel = device.type == "cpu" and triton is None
+        self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -59,19 +69,43 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
         start = time.perf_counter()
-        prepared = self._prepare(batch.seqs)
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        hidden, sample_rows, first_row = self._forward(batch.seqs)
         sampling = [seq for seq in batch.seqs if seq.sample]
-        logits = self.model.compute_logits(hidden[prepared.sample_rows])  # raw, [sampled, vocab]
-        token_ids = sample(logits, self._sampling_tensors(sampling), self.generator)
+        logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
+        token_ids = self._sample(logits, sampling)
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
-        prompt = self._prompt_logprobs(batch.seqs, hidden, prepared.first_row)
+        prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
         return StepOutput(
             token_ids.tolist(),  # with no logprobs asked for, the step's one host sync
             model_time=time.perf_counter() - start,
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
         )
+
+    def _forward(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+        """(hidden states of every row, the rows to sample, request id -> first row)."""
+        if self.triton is None:
+            prepared = self._prepare(seqs)
+            hidden = self.model(
+                prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta
+            )
+            return hidden, prepared.sample_rows, prepared.first_row
+        num_decodes = sum(len(s.token_ids) == 1 for s in seqs)
+        size = self.graphs.padded_size(num_decodes, len(seqs)) if self.graphs else None
+        step = self.triton.build(seqs, pad_decodes_to=size or 0)
+        if size is not None:
+            hidden = self.graphs.run(step)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        return hidden, step.sample_rows, step.first_row
+
+    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        # Plain greedy rows need only an argmax: no per-row settings to build and copy over.
+        if all(s.params.greedy and not _needs_processing(s) for s in seqs):
+            return logits.argmax(dim=-1)
+        return sample(logits, self._sampling_tensors(seqs), self.generator)
 
     def _sampling_tensors(self, seqs: list[ScheduledSeq]) -> SamplingTensors:
         return SamplingTensors.build(
@@ -199,3 +233,8 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
+
+
+def _needs_processing(seq: ScheduledSeq) -> bool:
+    """Whether the sampler changes this row's logits before its argmax."""
+    return bool(seq.params.logit_bias or seq.params.has_penalties or seq.banned_token_ids)

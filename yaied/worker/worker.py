@@ -11,14 +11,24 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from yaied.config import EngineConfig
 from yaied.engine.scheduler import Batch, StepOutput
 from yaied.worker.cpu_linear import can_pack, pack_linears
+from yaied.worker.gpu_setup import (
+    GRAPH_RESERVE_BYTES,
+    kv_cache_bytes,
+    resolve_attention_backend,
+    warmup_seqs,
+)
 from yaied.worker.loader import LoadedModel, load_model
 from yaied.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from yaied.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,7 @@ class Worker:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
         self.config = config
         self.device = pick_device(config.device.device)
+        self.backend = resolve_attention_backend(config.device.attention_backend, self.device.type)
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
@@ -69,24 +80,10 @@ class Worker:
                 f"the KV pool holds {num_pages * page_size} tokens, less than one request's "
                 f"context of {max_len}: raise cache.kv_cache_gib or lower model.max_model_len"
             )
-        # Per layer: K and V pools [kv_heads, num_pages, page_size, head_dim] (see attention.py).
-        kv_shape = (shape.num_kv_heads, num_pages, page_size, shape.head_dim)
-        dtype, device = self.loaded.dtype, self.device
-        self.kv_caches = [
-            (
-                torch.zeros(kv_shape, dtype=dtype, device=device),
-                torch.zeros(kv_shape, dtype=dtype, device=device),
-            )
-            for _ in range(shape.num_layers)
-        ]
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_caches,
-            page_size,
-            shape.vocab_size,
-            self.device,
-            seed=config.model.seed,
-        )
+        self.kv_caches = self._allocate_kv(num_pages)
+        self.runner = self._runner(self.kv_caches)
+        if self._use_graphs():
+            self.runner.graphs = self._capture_graphs(max_len)
         self.info = WorkerInfo(
             num_pages=num_pages,
             page_size=page_size,
@@ -98,13 +95,93 @@ class Worker:
         # Test-only fault injection: a callable run before each step (see tests).
         self.fault_hook = None
 
+    def _allocate_kv(self, num_pages: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Per layer: K and V pools [kv_heads, num_pages, page_size, head_dim] (see attention.py).
+        shape = self.loaded.model.shape
+        kv_shape = (shape.num_kv_heads, num_pages, self.config.cache.page_size, shape.head_dim)
+        dtype, device = self.loaded.dtype, self.device
+        return [
+            (
+                torch.zeros(kv_shape, dtype=dtype, device=device),
+                torch.zeros(kv_shape, dtype=dtype, device=device),
+            )
+            for _ in range(shape.num_layers)
+        ]
+
+    def _runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunner:
+        shape = self.loaded.model.shape
+        triton = None
+        if self.backend == "triton":
+            from yaied.worker.gpu_inputs import TritonInputBuilder
+
+            triton = TritonInputBuilder(
+                self.config.cache.page_size, shape.num_kv_heads, self.device, self._num_sms()
+            )
+        return ModelRunner(
+            self.loaded.model,
+            kv_caches,
+            self.config.cache.page_size,
+            shape.vocab_size,
+            self.device,
+            seed=self.config.model.seed,
+            triton=triton,
+        )
+
+    def _num_sms(self) -> int:
+        if self.device.type != "cuda":
+            return 1
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def _use_graphs(self) -> bool:
+        cuda = self.device.type == "cuda"
+        return cuda and self.backend == "triton" and self.config.device.cuda_graphs
+
+    def _capture_graphs(self, max_len: int) -> DecodeGraphs:
+        from yaied.worker.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(
+            self.loaded.model,
+            self.kv_caches,
+            self.config.scheduler.max_num_seqs,
+            -(-max_len // self.config.cache.page_size),
+            max_len,
+            self._num_sms(),
+            self.device,
+        )
+        graphs.capture()
+        return graphs
+
     def _num_pages(self, page_bytes: int) -> int:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.cache.gpu_memory_utilization
-        else:
-            budget = self.config.cache.kv_cache_gib * 2**30
-        return max(int(budget // page_bytes), 1)
+            return max(self._profile_kv_bytes() // page_bytes, 1)
+        return max(int(self.config.cache.kv_cache_gib * 2**30 // page_bytes), 1)
+
+    def _profile_kv_bytes(self) -> int:
+        """Run the largest step once over a temporary pool; size the KV pool from the peak."""
+        sched = self.config.scheduler
+        seqs, pages = warmup_seqs(
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.config.cache.page_size
+        )
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        caches = self._allocate_kv(pages)
+        temporary = sum(k.nbytes + v.nbytes for k, v in caches)
+        self._runner(caches).execute(Batch(seqs, sum(len(s.token_ids) for s in seqs)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - temporary
+        del caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_cache_bytes(
+            total=total,
+            free=free,
+            torch_reserved=torch.cuda.memory_reserved(self.device),
+            torch_peak=peak,
+            utilization=self.config.cache.gpu_memory_utilization,
+            graph_reserve=GRAPH_RESERVE_BYTES if self._use_graphs() else 0,
+        )
+        log.info("warm-up peak %.2f GiB; KV pool %.2f GiB", peak / 2**30, budget / 2**30)
+        return budget
 
     def execute(self, batch: Batch) -> StepOutput:
         try:

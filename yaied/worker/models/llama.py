@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yaied.worker.attention import AttentionMetadata, paged_attention, write_kv
+from yaied.worker.attention import AttentionMetadata, paged_attention, store_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        store_kv(k_cache, v_cache, k, v, meta)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
