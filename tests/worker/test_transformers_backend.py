@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import assert_greedy_equal, hf_greedy, make_tiny_model
 from yaied import LLM, SamplingParams
+from yaied.engine.scheduler import ScheduledSeq
 from yaied.worker.models.transformers_backend import TransformersModel
 
 NEW_TOKENS = 16
@@ -93,6 +94,28 @@ HF_TINY_CONFIGS: dict[str, dict] = {
         attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0,
     ),
+    # logits multiplied by logit_scale after lm_head (invisible to greedy, not to logprobs)
+    "cohere": dict(
+        **_SHAPE,
+        **_HEADS,
+        model_type="cohere",
+        architectures=["CohereForCausalLM"],
+        logit_scale=0.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # embedding, residual and attention multipliers; logits divided by logits_scaling
+    "granite": dict(
+        **_SHAPE,
+        **_HEADS,
+        model_type="granite",
+        architectures=["GraniteForCausalLM"],
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=4.0,
+    ),
     # partial rotary, parallel attention and MLP residual
     "gpt_neox": dict(
         **_SHAPE,
@@ -151,6 +174,7 @@ def test_greedy_matches_transformers_with_prefix_hits(hf_dirs, kind, monkeypatch
         first = llm.generate(prompts, PARAMS)
         again = llm.generate(prompts[::-1], PARAMS)[::-1]  # now mostly prefix-cache hits
         alone = llm.generate([prompts[0]], PARAMS)[0]
+        check_prefill_logits(llm, reference, prompts[-1])
         stats = llm.stats()
     assert stats["num_free_pages"] == stats["num_pages"]
     assert all(out.num_cached_tokens > 0 for out in again[4:])
@@ -160,6 +184,25 @@ def test_greedy_matches_transformers_with_prefix_hits(hf_dirs, kind, monkeypatch
         assert out.finish_reason == "length"
         ref = hf_greedy(reference, prompt, NEW_TOKENS)
         assert_greedy_equal(reference, prompt, out.token_ids, ref)
+
+
+def check_prefill_logits(llm: LLM, reference, prompt: list[int]) -> None:
+    """Last-position logits of one prefill equal transformers' to fp32 rounding: scalings after
+    lm_head do not change greedy tokens, but they do change sampling and logprobs."""
+    runner = llm.engine.worker.runner
+    pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
+    try:
+        seq = ScheduledSeq("x", prompt, 0, pages, True, SamplingParams(temperature=0.0))
+        prepared = runner._prepare([seq])
+        with torch.inference_mode():
+            hidden = runner.model(
+                prepared.input_ids, prepared.positions, runner.kv_caches, prepared.meta
+            )
+            ours = runner.model.compute_logits(hidden[prepared.sample_rows])[0]
+            theirs = reference(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.engine.pool.free(pages)
 
 
 def test_the_sliding_window_changes_the_output(hf_dirs):
@@ -234,23 +277,46 @@ def test_class_without_attention_interface_is_refused(tmp_path):
 
 def test_batch_dependent_rope_is_refused_past_its_original_length(tmp_path):
     phi3 = dict(HF_TINY_CONFIGS["phi3"], partial_rotary_factor=1.0, max_position_embeddings=512)
-    phi3["rope_scaling"] = dict(
-        rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8
-    )
+    phi3["rope_scaling"] = dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8)
     phi3["original_max_position_embeddings"] = 128
     with pytest.raises(ValueError, match="longrope.*max_model_len <= 128"):
         _dummy(tmp_path, phi3, model_impl="transformers")
     _dummy(tmp_path, phi3, model_impl="transformers", max_model_len=128)  # never rescaled
 
 
-def test_remote_code_is_refused_while_off(tmp_path):
+_CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "yaied-custom-llama"
+"""
+_CUSTOM_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+"""
+
+
+def test_remote_code_is_refused_while_off_and_runs_when_trusted(tmp_path):
     values = _llama_config()
-    values.update(model_type="yaied-custom-llama")
+    values.update(model_type="yaied-custom-llama", architectures=["CustomForCausalLM"])
     values["auto_map"] = {
         "AutoConfig": "configuration_custom.CustomConfig",
         "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
     }
     (tmp_path / "config.json").write_text(json.dumps(values))
+    (tmp_path / "configuration_custom.py").write_text(_CUSTOM_CONFIG)
+    (tmp_path / "modeling_custom.py").write_text(_CUSTOM_MODEL)
+    settings = dict(load_format="dummy", kv_cache_gib=0.01, show_progress=False)
     for impl in ("native", "transformers", "auto"):
         with pytest.raises(ValueError, match=f"model {tmp_path}: .*trust_remote_code = true"):
-            LLM(str(tmp_path), model_impl=impl, show_progress=False)
+            LLM(str(tmp_path), model_impl=impl, **settings)
+    with pytest.raises(ValueError, match="trust_remote_code is not supported by native"):
+        LLM(str(tmp_path), model_impl="native", trust_remote_code=True, **settings)
+    with LLM(str(tmp_path), model_impl="auto", trust_remote_code=True, **settings) as llm:
+        assert type(llm.engine.worker.runner.model.hf_model).__name__ == "CustomForCausalLM"
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3

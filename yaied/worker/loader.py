@@ -67,7 +67,7 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
 
 
 def pick_impl(config: ModelConfig, hf_config) -> str:
-    """"native" or "transformers": auto prefers native wherever a native model runs the config."""
+    """ "native" or "transformers": auto prefers native wherever a native model runs the config."""
     if config.model_impl == "transformers":
         return "transformers"
     try:
@@ -78,7 +78,7 @@ def pick_impl(config: ModelConfig, hf_config) -> str:
         if config.model_impl == "auto":
             return "transformers"
         raise ValueError(
-            f"{exc} (model_impl = \"transformers\" or \"auto\" runs it through transformers' "
+            f'{exc} (model_impl = "transformers" or "auto" runs it through transformers\' '
             "own model class)"
         ) from None
     return "native"

@@ -126,7 +126,10 @@ class TransformersModel(nn.Module):
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext):
         # One batch row: the runner's packed tokens, each with its own sequence's position.
         return self.base(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, yaied_paged=ctx
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            yaied_paged=ctx,
         ).last_hidden_state[0]
 
     @torch.inference_mode()
