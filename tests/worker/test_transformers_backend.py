@@ -275,6 +275,18 @@ def test_class_without_attention_interface_is_refused(tmp_path):
         _dummy(tmp_path, bloom, model_impl="auto")
 
 
+def test_layers_that_bypass_the_attention_interface_are_refused():
+    """The load-time probe: a model whose layers attend some other way (here transformers' own
+    SDPA) never reaches the paged cache, so it is refused rather than served wrong."""
+    from transformers import AutoConfig
+
+    values = _llama_config()
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="model tiny: LlamaForCausalLM: 0 of 2 layers attend"):
+        TransformersModel(model, "tiny")
+
+
 def test_batch_dependent_rope_is_refused_past_its_original_length(tmp_path):
     phi3 = dict(HF_TINY_CONFIGS["phi3"], partial_rotary_factor=1.0, max_position_embeddings=512)
     phi3["rope_scaling"] = dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8)

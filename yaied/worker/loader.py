@@ -67,7 +67,8 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
 
 
 def pick_impl(config: ModelConfig, hf_config) -> str:
-    """ "native" or "transformers": auto prefers native wherever a native model runs the config."""
+    """Which implementation runs the config, "native" or "transformers". auto prefers native
+    wherever a native model runs the config, and trusted remote code always goes to transformers."""
     if config.model_impl == "transformers":
         return "transformers"
     try:

@@ -115,10 +115,13 @@ def check_rope(name: str, hf_config, max_model_len: int) -> None:
 class TransformersModel(nn.Module):
     """A transformers causal LM behind the native models' interface (see llama.py)."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, name: str) -> None:
         super().__init__()
+        self.name = name  # the model as the user named it, for errors
         self.hf_model = hf_model
         self.base = hf_model.base_model
+        if self.base is hf_model:  # no inner model to take hidden states from
+            raise ValueError(f"model {name}: {type(hf_model).__name__} has no base model")
         self.lm_head = hf_model.get_output_embeddings()
         self.config = hf_model.config.get_text_config()
         self.shape = self._probe_shape()
@@ -142,7 +145,7 @@ class TransformersModel(nn.Module):
         ctx = PagedContext(None, None, positions, 1)
         self._run(ids, positions, ctx)
         num_layers = self.config.num_hidden_layers
-        name = type(self.hf_model).__name__
+        name = f"model {self.name}: {type(self.hf_model).__name__}"
         if sorted(ctx.probed) != list(range(num_layers)):
             raise ValueError(
                 f"{name}: {len(ctx.probed)} of {num_layers} layers attend through transformers' "
@@ -150,7 +153,7 @@ class TransformersModel(nn.Module):
             )
         layouts = set(ctx.probed.values())
         if len(layouts) != 1:
-            raise ValueError(f"{name}: layers differ in head layout {sorted(layouts)}")
+            raise ValueError(f"{name}: layers differ in KV head layout {sorted(layouts)}")
         num_heads, num_kv_heads, head_dim = layouts.pop()
         return TransformersShape(
             vocab_size=self.lm_head.weight.shape[0],
@@ -220,4 +223,4 @@ def build_transformers_model(
             f"model {name}: {type(hf_model).__name__} does not support transformers' attention "
             "interface (_supports_attention_backend is off)"
         )
-    return TransformersModel(hf_model)
+    return TransformersModel(hf_model, name)
