@@ -223,4 +223,6 @@ def build_transformers_model(
             f"model {name}: {type(hf_model).__name__} does not support transformers' attention "
             "interface (_supports_attention_backend is off)"
         )
-    return TransformersModel(hf_model, name)
+    model = TransformersModel(hf_model, name)
+    log.info("model %s runs as transformers' %s on yaied's KV pages", name, type(hf_model).__name__)
+    return model
