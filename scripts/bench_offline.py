@@ -139,7 +139,11 @@ def matmul_params(hf_config: Any) -> int:
 
 
 def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"load_format": args.load_format, "threads": threads}
+    overrides: dict[str, Any] = {
+        "load_format": args.load_format,
+        "threads": threads,
+        "model_impl": args.model_impl,
+    }
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -267,6 +271,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32")
     )
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument(
+        "--model-impl",
+        default="native",
+        choices=("native", "transformers", "auto"),
+        help="the engine's model implementation (transformers: its own class on our KV cache)",
+    )
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--runs", type=int, default=1, help="timed runs; run k uses seed k")
@@ -364,6 +374,7 @@ def _run_once(
         "model": args.model,
         "dtype": args.dtype,
         "load_format": args.load_format,
+        "model_impl": args.model_impl,
         "device": str(device),
         "threads": torch.get_num_threads(),
         "seed": seed,

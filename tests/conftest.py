@@ -80,12 +80,14 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def make_tiny_model(kind: str, folder: Path, std: float = 0.3, seed: int = 0) -> Path:
-    """Save a random-weight model. A large init std makes logits spread out, so greedy choices
-    are rarely near-ties and a token mismatch means a real bug."""
+def make_tiny_model(
+    kind: str, folder: Path, std: float = 0.3, seed: int = 0, configs: dict | None = None
+) -> Path:
+    """Save a random-weight model (of ``configs``, by default TINY_CONFIGS). A large init std makes
+    logits spread out, so greedy choices are rarely near-ties and a mismatch means a real bug."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(TINY_CONFIGS[kind])
+    values = dict((configs or TINY_CONFIGS)[kind])
     config = AutoConfig.for_model(values.pop("model_type"), **values, initializer_range=std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""Builds a ready model from a ModelConfig: resolve files, build the native module, load weights."""
+"""Builds a ready model from a ModelConfig: resolve files, pick the implementation (native, or
+transformers' own class on the paged KV cache), build the module, load weights."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 
 from yaied.config import ModelConfig
 from yaied.worker import model_files
-from yaied.worker.models import build_model
+from yaied.worker.models import build_model, check_supported
+from yaied.worker.models.transformers_backend import build_transformers_model, check_remote_code
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +41,21 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
     started = time.perf_counter()
     dtype = resolve_dtype(config.dtype, device)
     folder, hf_config = _resolve_config(config, show_progress)
-    torch.manual_seed(config.seed)
-    model = build_model(hf_config, device)
-    if config.load_format == "dummy":
-        _init_dummy_weights(model, config.seed)
-    else:
-        model.load_weights(
-            model_files.iter_safetensors_weights(folder, show_progress=show_progress)
-        )
-    model = model.to(dtype)
-    model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
-    model.eval()
     max_len = _max_model_len(hf_config, config.max_model_len)
+    torch.manual_seed(config.seed)
+    if pick_impl(config, hf_config) == "transformers":
+        model = build_transformers_model(
+            config.model,
+            hf_config,
+            folder,
+            device=device,
+            dtype=dtype,
+            dummy=config.load_format == "dummy",
+            trust_remote_code=config.trust_remote_code,
+            max_model_len=max_len,
+        )
+    else:
+        model = _load_native(config, folder, hf_config, device, dtype, show_progress)
     log.info(
         "loaded %s (%s, %s) in %.1fs",
         config.model,
@@ -61,9 +66,46 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
     return LoadedModel(model, hf_config, folder, dtype, max_len)
 
 
+def pick_impl(config: ModelConfig, hf_config) -> str:
+    """Which implementation runs the config, "native" or "transformers". auto prefers native
+    wherever a native model runs the config, and trusted remote code always goes to transformers."""
+    if config.model_impl == "transformers":
+        return "transformers"
+    try:
+        if config.trust_remote_code:
+            raise ValueError("trust_remote_code is not supported by native models")
+        check_supported(hf_config)
+    except ValueError as exc:
+        if config.model_impl == "auto":
+            return "transformers"
+        raise ValueError(
+            f'{exc} (model_impl = "transformers" or "auto" runs it through transformers\' '
+            "own model class)"
+        ) from None
+    return "native"
+
+
+def _load_native(
+    config: ModelConfig,
+    folder: Path | None,
+    hf_config,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool,
+) -> nn.Module:
+    model = build_model(hf_config, device)
+    if config.load_format == "dummy":
+        _init_dummy_weights(model, config.seed)
+    else:
+        model.load_weights(
+            model_files.iter_safetensors_weights(folder, show_progress=show_progress)
+        )
+    model = model.to(dtype)
+    model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
+    return model.eval()
+
+
 def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | None, object]:
-    if config.trust_remote_code:
-        raise ValueError("trust_remote_code is not supported by native models")
     path = Path(config.model)
     if config.load_format == "dummy" and path.suffix == ".json" and path.is_file():
         from transformers import AutoConfig
@@ -75,7 +117,8 @@ def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | No
     folder = model_files.resolve_model_folder(
         config.model, cache_dir=cache_dir, show_progress=show_progress
     )
-    return folder, model_files.load_hf_config(folder)
+    check_remote_code(config.model, folder, config.trust_remote_code)
+    return folder, model_files.load_hf_config(folder, trust_remote_code=config.trust_remote_code)
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:

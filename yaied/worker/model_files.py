@@ -128,15 +128,18 @@ def check_model_reference(model: str, *, load_format: str = "auto") -> None:
     resolve_model_folder(model, show_progress=False)  # raises the full explanation
 
 
-def load_hf_config(folder: Path) -> PretrainedConfig:
-    """The folder's transformers config; ValueError if it has no config.json."""
+def load_hf_config(folder: Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The folder's transformers config; ValueError if it has no config.json. Code shipped with
+    the model runs only with trust_remote_code (the transformers path's opt-in)."""
     _offline()
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     from transformers import AutoConfig  # deferred: heavy, and must follow _offline()
 
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+    return AutoConfig.from_pretrained(
+        folder, trust_remote_code=trust_remote_code, local_files_only=True
+    )
 
 
 def _as_id_set(value: Any) -> set[int]:
