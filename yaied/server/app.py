@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -218,4 +219,13 @@ def build_app(config: ServerConfig, load_engine: EngineLoader, model_name: str) 
         },
     )
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys)
+    if config.cors_allow_origins:  # off by default: browsers on other sites get no access
+        # Outside auth, so preflights (which carry no key) are answered, and 401s carry CORS.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_allow_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Session-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     return app
