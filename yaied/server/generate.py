@@ -53,6 +53,7 @@ async def _generate(request: Request, kind: str) -> Response:
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     server.check_model(parsed.model)
     limits = RequestLimits.from_config(server.config)
+    limits.check_parsed(parsed, body)
     jobs = build_jobs(engine, parsed, request_id, server.config.chat_template, limits)
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)

@@ -8,6 +8,7 @@ after parsing and tokenizing and before anything is queued.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
@@ -24,21 +25,24 @@ class RequestLimits:
     def from_config(cls, config: ServerConfig) -> RequestLimits:
         return cls(config.max_prompt_tokens, config.max_tokens_limit, config.max_n)
 
-    def check_parsed(self, parsed: ParsedRequest) -> None:
-        """n and an explicit max_tokens; chat's default max_tokens is capped instead."""
+    def check_parsed(self, parsed: ParsedRequest, body: dict[str, Any]) -> None:
+        """n, and max_tokens: a 400 when the client asked for more, capped when it was our
+        default (completions' 16; chat's rest of the context is capped in default_max_tokens)."""
         if parsed.n > self.max_n:
+            message = f"n must be at most {self.max_n}, got {parsed.n}"
+            raise APIError(400, message, param="n", code="n_too_large")
+        if not self.max_tokens or parsed.max_tokens is None:
+            return
+        names = (
+            ("max_completion_tokens", "max_tokens") if parsed.kind == "chat" else ("max_tokens",)
+        )
+        param = next((name for name in names if body.get(name) is not None), None)
+        if param is None:
+            parsed.max_tokens = min(parsed.max_tokens, self.max_tokens)
+        elif parsed.max_tokens > self.max_tokens:
             raise APIError(
                 400,
-                f"n must be at most {self.max_n}, got {parsed.n}",
-                param="n",
-                code="n_too_large",
-            )
-        asked = parsed.max_tokens
-        if self.max_tokens and asked is not None and asked > self.max_tokens:
-            param = "max_completion_tokens" if parsed.kind == "chat" else "max_tokens"
-            raise APIError(
-                400,
-                f"{param} must be at most {self.max_tokens}, got {asked}",
+                f"{param} must be at most {self.max_tokens}, got {parsed.max_tokens}",
                 param=param,
                 code="max_tokens_too_large",
             )

@@ -118,7 +118,6 @@ def build_jobs(
 ) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
     limits = limits or RequestLimits()
-    limits.check_parsed(parsed)
     aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
     if parsed.kind == "chat":
