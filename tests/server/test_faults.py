@@ -8,6 +8,7 @@ every other request, the KV pages and /health as they should be.
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import time
@@ -236,3 +237,17 @@ def test_a_dead_engine_loop_turns_health_to_503_and_starves_the_watchdog(
     finally:
         stop_server(server)
         sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_client_leaving_mid_upload_is_not_a_server_error(tiny, caplog):
+    host, port = tiny.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": [1, 2'
+        )
+        time.sleep(0.2)
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert post(tiny.url, {**BODY, "prompt": [1, 2]}).status_code == 200
