@@ -122,7 +122,12 @@ async def run_load(
     specs = [make_spec(rng, i) for i in range(args.requests)]
     limit = asyncio.Semaphore(args.concurrency)
     timeout = httpx.Timeout(args.request_timeout, connect=30)
-    pool = httpx.Limits(max_connections=args.concurrency + args.burst_size + 8)
+    # No keep-alive: a request sent on a connection the server is just closing as idle fails
+    # with a transport error that says nothing about the daemon (clients retry those). With a
+    # fresh connection each, any transport error is the daemon's.
+    pool = httpx.Limits(
+        max_connections=args.concurrency + args.burst_size + 8, max_keepalive_connections=0
+    )
     rss: list[float] = []
     sampler = asyncio.create_task(_sample_rss(pid, rss))
     start = time.monotonic()
