@@ -70,7 +70,7 @@ def poison_kv_of(worker, prefix: str):
     def hook(batch) -> None:
         for seq in batch.seqs:
             if seq.request_id.startswith(prefix) and len(seq.token_ids) == 1:
-                pages = torch.tensor(seq.page_ids)
+                pages = torch.tensor(seq.page_ids, device=worker.kv_caches[0][0].device)
                 for k, v in worker.kv_caches:
                     k[:, pages] = float("nan")
                     v[:, pages] = float("nan")
@@ -174,7 +174,11 @@ def test_page_exhaustion_preempts_instead_of_failing(tiny_model_dirs):
     # bf16 K and V of 2 layers x 2 kv heads x 16 dims: 256 bytes a token; 24 pages of 16 tokens.
     pool_gib = 24 * 16 * 256 / 2**30
     loader = engine_loader(
-        model=str(tiny_model_dirs["llama"]), max_model_len=256, kv_cache_gib=pool_gib, threads=1
+        **{"device.device": "cpu", "model.dtype": "bfloat16"},  # the pool is sized in bytes
+        model=str(tiny_model_dirs["llama"]),
+        max_model_len=256,
+        kv_cache_gib=pool_gib,
+        threads=1,
     )
     server = start_server(ServerConfig(served_model_name="tiny"), loader, "ignored")
     try:
