@@ -13,8 +13,13 @@ above ``server.max_queue_len``.
 
 Afterwards it checks that every request that was not abandoned got a complete answer or a clear
 OpenAI error, none hung, the KV pages came back (``kv_cache_usage_perc`` 0, nothing in flight),
-the daemon's RSS grew by less than ``--max-rss-growth-mib``, and ``/health`` answers 200. One JSON
-summary goes to stdout; the exit code is 0 when every check passed.
+memory stayed bounded, and ``/health`` answers 200. One JSON summary goes to stdout; the exit code
+is 0 when every check passed.
+
+Memory: the daemon's RSS climbs over its first thousand or two requests (allocator arenas and
+buffers for new batch shapes; 0.4-0.65 GiB on the tiny model) and then levels off. So the check is
+on the second half of the run, where a leak keeps growing with every request served and warm-up
+does not: at most ``--max-rss-growth-mib`` there, and at most ``--max-rss-mib`` in all.
 """
 
 from __future__ import annotations
@@ -203,6 +208,7 @@ def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "rss_mib_before": round(rss_before, 1),
             "rss_mib_after": round(rss_after, 1),
             "rss_growth_mib": round(rss_after - rss_before, 1),
+            "rss_growth_last_half_mib": round(rss_after - rss[len(rss) // 2], 1),
             # Tenths of the run: growth that levels off is warm-up, a steady climb a leak.
             "rss_mib_by_tenth": [round(rss[len(rss) * i // 10], 1) for i in range(10)],
             "health_after": health,
@@ -238,8 +244,10 @@ def failures(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
             out.append(f"{kinds[kind]} {kind} request(s)")
     if summary["kv_usage_after"] != summary["kv_usage_before"] or summary["in_flight_after"]:
         out.append("KV pages or requests still held after the soak")
-    if summary["rss_growth_mib"] > args.max_rss_growth_mib:
-        out.append(f"RSS grew by {summary['rss_growth_mib']} MiB")
+    if summary["rss_growth_last_half_mib"] > args.max_rss_growth_mib:
+        out.append(f"RSS grew by {summary['rss_growth_last_half_mib']} MiB in the second half")
+    if summary["rss_mib_after"] > args.max_rss_mib:
+        out.append(f"RSS reached {summary['rss_mib_after']} MiB")
     if summary["health_after"] != 200:
         out.append(f"/health answered {summary['health_after']}")
     if summary["exit_code"] != 0:
@@ -260,7 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--request-timeout", type=float, default=180.0, help="a hang, past this")
-    parser.add_argument("--max-rss-growth-mib", type=float, default=256.0)
+    parser.add_argument("--max-rss-growth-mib", type=float, default=128.0, help="second half")
+    parser.add_argument("--max-rss-mib", type=float, default=2048.0, help="the daemon's, at last")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     full = {"requests": 3000, "concurrency": 40, "burst_every": 300}
