@@ -1,6 +1,7 @@
-"""Fuzzing: generated junk bodies against every POST endpoint never get a 5xx, and every error is
-an OpenAI error body. (A short run here; the soak and longer fuzzing belong to the reliability
-suite.)"""
+"""Fuzzing: generated junk against every route never gets a 5xx, and every error is an OpenAI error
+body. Junk JSON bodies on the POST endpoints; any method, query string, headers and raw bytes on
+every route; unicode, empty and enormous text prompts and chat messages through a real tokenizer
+and chat template. (Schema-driven cases are in test_schemathesis.py.)"""
 
 from __future__ import annotations
 
@@ -99,3 +100,119 @@ def test_engine_still_serves_after_fuzzing(tiny):
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
     response = httpx.post(tiny.v1 + "/completions", json=body, timeout=30)
     assert response.status_code == 200
+
+
+# -- every route, any method, junk query strings, headers and raw bodies ---------------------
+
+ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+    "/v1",
+    "/v1/models/tiny",
+    "/%00",
+]
+header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=200).map(
+    str.strip
+)
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "X-Request-Id": header_text,
+        "X-Session-Id": header_text,
+        "Authorization": header_text,
+        "Content-Type": st.sampled_from(["application/json", "text/plain", "", "x/y; q=1"]),
+        "Accept": header_text,
+    },
+)
+raw_bodies = st.one_of(
+    st.binary(max_size=200),
+    bodies.map(lambda b: json.dumps(b).encode()),
+    st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
+)
+
+
+def assert_openai_error(response: httpx.Response, method: str) -> None:
+    assert response.status_code < 500, (method, response.request.url, response.text)
+    if response.status_code >= 400 and method != "HEAD":
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        assert {"type", "param", "code"} <= set(error)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+    route=st.sampled_from(ROUTES),
+    params=st.dictionaries(st.text(max_size=10), st.text(max_size=30), max_size=3),
+    headers=headers,
+    body=raw_bodies,
+)
+def test_any_route_method_query_and_headers_never_get_a_5xx(
+    tiny, method, route, params, headers, body
+):
+    content = body if method in ("POST", "PUT", "PATCH") else None
+    if content is not None and b'"max_tokens"' in content:
+        return  # the bodies' own fuzz (above) keeps max_tokens short; skip long generations
+    response = httpx.request(
+        method,
+        tiny.url + route,
+        params=params,
+        headers=headers,
+        content=content,
+        timeout=30,
+    )
+    assert_openai_error(response, method)
+
+
+# -- text prompts and chat messages, through a real tokenizer and chat template ---------------
+
+prompts = st.one_of(
+    st.text(max_size=300),  # any unicode, lone surrogates included
+    st.just(""),
+    st.just("tokens " * 100_000),  # far past the context, well within the body limit
+    st.lists(st.text(max_size=20), max_size=3),
+    st.lists(st.integers(-5, 60_000), max_size=20),
+)
+messages = st.one_of(
+    junk,
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", "tool", "x", ""])},
+            optional={"content": st.one_of(st.text(max_size=200), junk)},
+        ),
+        max_size=4,
+    ),
+    st.just([{"role": "user", "content": "word " * 50_000}]),
+)
+
+
+@pytest.mark.timeout(240)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    endpoint=st.sampled_from(ENDPOINTS),
+    prompt=prompts,
+    messages=messages,
+    extra=st.dictionaries(st.sampled_from(["n", "stop", "logprobs", "echo", "seed"]), junk),
+)
+def test_text_prompts_and_messages_never_get_a_5xx(live, endpoint, prompt, messages, extra):
+    body = {**extra, "prompt": prompt, "messages": messages, "max_tokens": 3}
+    if isinstance(body.get("n"), int):
+        body["n"] = min(body["n"], 2)  # valid requests stay short
+    content = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    response = httpx.post(
+        live.url + endpoint,
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert_openai_error(response, "POST")

@@ -10,6 +10,7 @@ import pytest
 
 from tests.server.conftest import engine_loader, start_server, stop_server
 from yaied.server.config import ServerConfig
+from yaied.server.errors import APIError
 
 KEY = {"Authorization": "Bearer secret"}
 
@@ -54,3 +55,96 @@ def test_queue_full_is_429_with_retry_after(tiny):
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
         assert running.result().status_code == waiting.result().status_code == 200
+
+
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model_dirs):
+    config = ServerConfig(
+        served_model_name="tiny",
+        max_body_bytes=2048,
+        max_prompt_tokens=8,
+        max_tokens_limit=10,
+        max_n=2,
+        cors_allow_origins=(ORIGIN,),
+    )
+    loader = engine_loader(model=str(tiny_model_dirs["llama"]), max_model_len=0, threads=1)
+    server = start_server(config, loader, "ignored")
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"prompt": list(range(9))}, 400, "prompt", "prompt_too_long"),
+        ({"prompt": [[1], list(range(9))]}, 400, "prompt", "prompt_too_long"),
+        ({"prompt": [1], "max_tokens": 11}, 400, "max_tokens", "max_tokens_too_large"),
+        ({"prompt": [1], "n": 3}, 400, "n", "n_too_large"),
+        ({"prompt": [1] * 2000}, 413, None, "body_too_large"),
+    ],
+)
+def test_configured_limits_are_clear_openai_errors(limited, body, status, param, code):
+    r = httpx.post(limited.v1 + "/completions", json={"model": "tiny", **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code) and error["message"]
+
+
+def test_requests_within_the_limits_run(limited):
+    body = {"model": "tiny", "prompt": list(range(8)), "max_tokens": 10, "n": 2}
+    r = httpx.post(limited.v1 + "/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+    r = httpx.post(limited.v1 + "/completions", json={"prompt": [1], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10  # 16, capped
+
+
+def test_cors_only_for_configured_origins(limited, tiny):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(limited.v1 + "/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(limited.url + "/health", headers={"Origin": ORIGIN})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(limited.url + "/health", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    # Not configured (the default): no CORS headers, and a preflight is refused.
+    r = httpx.get(tiny.url + "/health", headers={"Origin": ORIGIN})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(tiny.v1 + "/completions", headers=preflight)
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_secure_defaults():
+    from yaied.config import ModelConfig
+
+    config = ServerConfig()
+    assert config.host == "127.0.0.1" and config.cors_allow_origins == ()
+    assert config.max_body_bytes > 0 and config.max_queue_len > 0 and config.max_n == 128
+    assert ModelConfig().trust_remote_code is False
+
+
+def test_limits_reject_bad_settings():
+    with pytest.raises(ValueError, match="server.max_prompt_tokens must be >= 0"):
+        ServerConfig(max_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="server.max_n must be >= 1"):
+        ServerConfig(max_n=0)
+    with pytest.raises(ValueError, match="cors_allow_origins"):
+        ServerConfig(cors_allow_origins=("",))
+
+
+def test_chat_default_max_tokens_is_capped():
+    from yaied.server.limits import RequestLimits
+    from yaied.server.protocol import parse_chat, parse_completion
+
+    limits = RequestLimits(max_tokens=10)
+    assert limits.default_max_tokens(500) == 10 and limits.default_max_tokens(4) == 4
+    assert RequestLimits().default_max_tokens(500) == 500
+    body = {"messages": [{"role": "user"}], "max_tokens": 5, "max_completion_tokens": 11}
+    with pytest.raises(APIError) as caught:
+        limits.check_parsed(parse_chat(body), body)
+    assert caught.value.param == "max_completion_tokens"
+    completion = parse_completion({"prompt": "x"})  # the default of 16 is capped, not refused
+    limits.check_parsed(completion, {"prompt": "x"})
+    assert completion.max_tokens == 10

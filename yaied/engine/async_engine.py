@@ -23,7 +23,7 @@ from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import EngineConfig
 from yaied.engine.detokenizer import IncrementalDetokenizer
-from yaied.engine.scheduler import Batch, Scheduler, StepOutput
+from yaied.engine.scheduler import NONFINITE_TOKEN, Batch, Scheduler, StepOutput
 from yaied.engine.validation import InputProcessor
 from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.worker.worker import Worker, WorkerInfo
@@ -204,6 +204,7 @@ class AsyncEngine:
             for seq in batch.seqs:
                 self._finish_stream(seq.request_id, FinishReason.ERROR, error=output.error)
             return
+        self._fail_nonfinite(batch, output)
         logprobs = self._logprobs_by_request(batch, output)
         for request_id, scored in output.prompt_logprobs.items():
             stream = self._streams.get(request_id)
@@ -240,6 +241,17 @@ class AsyncEngine:
                 logprobs=None if token_logprobs is None else [token_logprobs],
                 prompt_logprobs=prompt_logprobs,
             )
+
+    def _fail_nonfinite(self, batch: Batch, output: StepOutput) -> None:
+        """Fail the requests whose logits were not finite; scheduler.update then skips them."""
+        if NONFINITE_TOKEN not in output.sampled_token_ids:
+            return
+        sampled = (seq for seq in batch.seqs if seq.sample)
+        for seq, token in zip(sampled, output.sampled_token_ids, strict=True):
+            if token == NONFINITE_TOKEN:
+                log.error("request %s: non-finite logits (NaN or inf)", seq.request_id)
+                error = "the model produced non-finite logits (NaN or inf)"
+                self._finish_stream(seq.request_id, FinishReason.ERROR, error=error)
 
     @staticmethod
     def _logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:

@@ -57,10 +57,15 @@ class Batch:
         return sum(seq.sample for seq in self.seqs)
 
 
+# A sampled id that says "this row's logits were not finite" (see StepOutput).
+NONFINITE_TOKEN = -1
+
+
 @dataclass(slots=True)
 class StepOutput:
     """The worker's answer: one sampled token per sampling sequence, in batch order."""
 
+    # NONFINITE_TOKEN where the row's logits held NaN or +inf: the engine fails that request.
     sampled_token_ids: list[int]
     error: str | None = None
     model_time: float = 0.0

@@ -16,7 +16,8 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,11 +46,14 @@ async def read_json(request: Request) -> dict[str, Any]:
     if declared is not None and declared.isdecimal() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():  # also bounds chunked bodies with no length
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # also bounds chunked bodies with no length
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client gave up mid-upload: not a server error (499, as nginx)
+        raise APIError(499, "the client disconnected while sending the body") from None
     try:
         body = orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as exc:
@@ -227,4 +231,13 @@ def build_app(
         },
     )
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys)
+    if config.cors_allow_origins:  # off by default: browsers on other sites get no access
+        # Outside auth, so preflights (which carry no key) are answered, and 401s carry CORS.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_allow_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Session-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     return app

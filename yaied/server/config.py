@@ -28,6 +28,10 @@ class ServerConfig:
     drain_timeout_seconds: float = 30.0  # on SIGTERM: how long in-flight requests may finish
     api_key_file: str = ""  # more keys, one a line (blank lines and # comments skipped)
     chat_template: str = ""  # a Jinja chat template (file or text) over the tokenizer's own
+    max_prompt_tokens: int = 0  # longer prompts get 400; 0 = the model's context length
+    max_tokens_limit: int = 0  # max_tokens above this get 400 (chat's default is capped); 0 = none
+    max_n: int = 128  # choices per prompt (`n`) above this get 400
+    cors_allow_origins: tuple[str, ...] = ()  # cross-site origins ("*" = any); empty = no CORS
 
     def __post_init__(self) -> None:
         # Both files are read once, here; a replace() rereads them and changes nothing.
@@ -38,11 +42,14 @@ class ServerConfig:
             raise ValueError("server.api_keys must be non-empty strings")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_bytes", "retry_after_seconds"):
+        for name in ("max_body_bytes", "retry_after_seconds", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue_len < 0:
-            raise ValueError(f"server.max_queue_len must be >= 0, got {self.max_queue_len}")
+        for name in ("max_queue_len", "max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
+        if not all(isinstance(o, str) and o for o in self.cors_allow_origins):
+            raise ValueError("server.cors_allow_origins must be non-empty strings")
         if not self.drain_timeout_seconds >= 0:
             raise ValueError("server.drain_timeout_seconds must be >= 0")
         if not self.sse_ping_seconds > 0:
@@ -106,7 +113,7 @@ def _kind(key: str) -> type:
 
 def _parse_env(key: str, raw: str) -> Any:
     kind = _kind(key)
-    if kind is tuple:  # api keys: comma-separated, so one variable can hold several
+    if kind is tuple:  # api keys, origins: comma-separated, so one variable can hold several
         return tuple(k.strip() for k in raw.split(",") if k.strip())
     try:
         return kind(raw)

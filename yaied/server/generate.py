@@ -24,6 +24,7 @@ from starlette.responses import Response
 from yaied.request import FinishReason
 from yaied.server import responses as R
 from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
 from yaied.server.serving import ChoiceState, Job, build_jobs, new_choices, run_jobs, total_usage
 from yaied.server.state import ServerState
@@ -51,7 +52,9 @@ async def _generate(request: Request, kind: str) -> Response:
     body = await read_json(request)
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     server.check_model(parsed.model)
-    jobs = build_jobs(engine, parsed, request_id, server.config.chat_template)
+    limits = RequestLimits.from_config(server.config)
+    limits.check_parsed(parsed, body)
+    jobs = build_jobs(engine, parsed, request_id, server.config.chat_template, limits)
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user

@@ -1,4 +1,8 @@
-"""A hand-written OpenAPI schema: the endpoints and the request fields we accept."""
+"""A hand-written OpenAPI schema: the endpoints and the request fields we accept.
+
+OpenAPI 3.0 takes JSON Schema draft 4's bounds: ``exclusiveMinimum`` is a boolean beside
+``minimum`` (a number there is a 3.1-ism that 3.0 validators reject).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ _SAMPLING = {
     "model": {"type": "string"},
     "max_tokens": {"type": "integer", "minimum": 0},
     "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
     "top_k": {"type": "integer"},
     "min_p": {"type": "number"},
     "n": {"type": "integer", "minimum": 1},
@@ -18,7 +22,7 @@ _SAMPLING = {
     "seed": {"type": "integer"},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
     "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
     "min_tokens": {"type": "integer", "minimum": 0},
     "ignore_eos": {"type": "boolean"},

@@ -18,6 +18,7 @@ from typing import Any
 from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.router.manager import EngineManager, NoEngineAvailable
 from yaied.server.errors import APIError, from_value_error
+from yaied.server.limits import RequestLimits
 from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
 from yaied.server.responses import CompletionLogprobs, TokenText
@@ -109,9 +110,14 @@ def chat_prompt_text(
 
 
 def build_jobs(
-    engine: EngineManager, parsed: ParsedRequest, base_id: str, chat_template: str = ""
+    engine: EngineManager,
+    parsed: ParsedRequest,
+    base_id: str,
+    chat_template: str = "",
+    limits: RequestLimits | None = None,
 ) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
+    limits = limits or RequestLimits()
     aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
     if parsed.kind == "chat":
@@ -120,7 +126,8 @@ def build_jobs(
         prompts = _tokenized_prompts(engine, parsed, chat_template)
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
-            params, drop = _params_for(engine, parsed, len(ids))
+            limits.check_prompt(len(ids), aliases["prompt"])
+            params, drop = _params_for(engine, parsed, len(ids), limits)
             engine.inputs.prompt_token_ids(ids, params)  # the context-length check
             for _ in range(parsed.n):
                 index = len(jobs)
@@ -154,11 +161,11 @@ def _tokenized_prompts(
 
 
 def _params_for(
-    engine: EngineManager, parsed: ParsedRequest, num_prompt_tokens: int
+    engine: EngineManager, parsed: ParsedRequest, num_prompt_tokens: int, limits: RequestLimits
 ) -> tuple[SamplingParams, bool]:
     max_tokens = parsed.max_tokens
-    if max_tokens is None:  # chat's default: whatever the context has left
-        max_tokens = engine.info.max_model_len - num_prompt_tokens
+    if max_tokens is None:  # chat's default: whatever the context has left, under the cap
+        max_tokens = limits.default_max_tokens(engine.info.max_model_len - num_prompt_tokens)
         if max_tokens < 1:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from yaied.engine.scheduler import Batch, ScheduledSeq, StepOutput
+from yaied.engine.scheduler import NONFINITE_TOKEN, Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.request import TokenLogprobs
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
@@ -74,6 +74,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
         token_ids = self._sample(logits, sampling)
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
+        # NaN or +inf logits (an overflow, bad weights, corrupt KV) would sample garbage. amax
+        # propagates NaN, so one reduction per step finds such rows, and the mark rides the
+        # step's one host copy; -inf alone is a legitimate mask and passes.
+        finite = torch.isfinite(logits.amax(dim=-1))
+        token_ids = torch.where(finite, token_ids, NONFINITE_TOKEN)
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
         return StepOutput(
             token_ids.tolist(),  # with no logprobs asked for, the step's one host sync

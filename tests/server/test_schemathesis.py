@@ -1,0 +1,53 @@
+"""Schemathesis against our /openapi.json: valid and invalid requests generated from the schema,
+sent to a live loopback server on a tiny model. No 5xx, and every error an OpenAI error body.
+
+The schema is built from the same function the server serves it with (checked below), so the
+test cases exist at collection time while the server starts in a fixture.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.server.conftest import engine_loader, start_server, stop_server
+from yaied.server.app import VERSION
+from yaied.server.config import ServerConfig
+from yaied.server.openapi import openapi_schema
+
+schemathesis = pytest.importorskip("schemathesis")
+
+SCHEMA = schemathesis.openapi.from_dict(openapi_schema(VERSION))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dirs):
+    # Tight limits keep generated "valid" requests (n up to anything, max_tokens up to the
+    # context) short, and exercise the limit errors themselves.
+    config = ServerConfig(served_model_name="tiny", max_tokens_limit=8, max_n=4)
+    loader = engine_loader(model=str(tiny_model_dirs["llama"]), max_model_len=0, threads=1)
+    server = start_server(config, loader, "ignored")
+    yield server
+    stop_server(server)
+
+
+def test_served_schema_is_the_one_tested(tiny):
+    assert httpx.get(tiny.url + "/openapi.json").json() == openapi_schema(VERSION)
+
+
+@pytest.mark.timeout(120)
+@SCHEMA.parametrize()
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
+def test_generated_requests_never_get_a_5xx(case, tiny):
+    response = case.call(base_url=tiny.url, timeout=30)
+    assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        assert {"type", "param", "code"} <= set(error)
