@@ -295,6 +295,17 @@ class EngineManager:
             await self.handles[call.engine_id].abort(request_id)
         return True
 
+    def calls_of(self, request_id: str) -> list[str]:
+        """The running calls an HTTP request id names: itself, or its choices ``id-0``, ``id-1``...
+        (a request with n > 1 runs one call per choice)."""
+        prefix = f"{request_id}-"
+        return [
+            call_id
+            for call_id in self._calls
+            if call_id == request_id
+            or (call_id.startswith(prefix) and call_id[len(prefix) :].isdigit())
+        ]
+
     def cancel_nowait(self, request_id: str) -> None:
         """cancel_request from code that cannot await (a stream's finally)."""
         if request_id in self._calls:

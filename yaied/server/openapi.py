@@ -77,6 +77,18 @@ def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": media}}}}
 
 
+def _cancel(summary: str, param: str) -> dict[str, Any]:
+    """A cancel route: no body, the id in the path."""
+    parameter = {"name": param, "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": [parameter],
+            "responses": {"200": {"description": "JSON: the id and how many calls were cancelled"}},
+        }
+    }
+
+
 def openapi_schema(version: str) -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
@@ -96,8 +108,12 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/health": _get("200 when the engine is loaded and running, else 503"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This schema"),
-            "/v1/requests/{request_id}/cancel": _post("Cancel a request (X-Request-Id)", {}, []),
-            "/v1/sessions/{session_id}/cancel": _post("Cancel a session's requests", {}, []),
+            "/v1/requests/{request_id}/cancel": _cancel(
+                "Cancel a request (its X-Request-Id)", "request_id"
+            ),
+            "/v1/sessions/{session_id}/cancel": _cancel(
+                "Cancel every request of a session (its X-Session-Id)", "session_id"
+            ),
             "/v1/engines": _get("The engines behind the router: health, load, hit rate"),
         },
     }

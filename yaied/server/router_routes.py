@@ -15,7 +15,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from yaied.server.errors import APIError, json_response
-from yaied.server.protocol import MAX_N
 from yaied.server.state import ServerState
 
 
@@ -23,9 +22,7 @@ async def cancel_request(request: Request) -> Response:
     server: ServerState = request.state.server
     manager = server.ready_engine()
     request_id = request.path_params["request_id"]
-    # A request with n > 1 runs one call per choice, named id-0, id-1, ...
-    ids = [request_id, *(f"{request_id}-{i}" for i in range(MAX_N))]
-    cancelled = sum([await manager.cancel_request(i) for i in ids])
+    cancelled = sum([await manager.cancel_request(i) for i in manager.calls_of(request_id)])
     if not cancelled:
         raise APIError(404, f"no running request {request_id!r}", code="request_not_found")
     return json_response({"id": request_id, "object": "request.cancel", "cancelled": cancelled})
