@@ -73,8 +73,10 @@ def make_workload(
     seed: int = 0,
     lengths: str = "lognormal",
     extend_context: bool = True,
+    token_scale: float = 1.0,
 ) -> list[ProgramSpec]:
-    """``num_programs`` programs of the named workload, arriving at ``rate`` programs/second."""
+    """``num_programs`` programs of the named workload, arriving at ``rate`` programs/second;
+    ``token_scale`` shrinks every call's token counts (a small model on a CPU)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if lengths not in LENGTHS:
@@ -87,18 +89,19 @@ def make_workload(
     for i in range(num_programs):
         now += rng.expovariate(rate)
         kind = rng.choice(sorted(SHAPES)) if name == "mix" else name
-        stages = _stages(SHAPES[kind], lengths, rng)
+        stages = _stages(SHAPES[kind], lengths, token_scale, rng)
         programs.append(ProgramSpec(f"{kind}-{i}", kind, now, stages, extend_context))
     return programs
 
 
 def _stages(
-    shape: ProgramShape, lengths: str, rng: random.Random
+    shape: ProgramShape, lengths: str, scale: float, rng: random.Random
 ) -> tuple[tuple[CallSpec, ...], ...]:
     count = _num_stages(shape.mean_stages, lengths, rng)
+    prompt, output = shape.prompt_len * scale, shape.output_len * scale
     return tuple(
         tuple(
-            CallSpec(_around(shape.prompt_len, rng), _around(shape.output_len, rng))
+            CallSpec(_around(prompt, rng), _around(output, rng))
             for _ in range(rng.randint(*shape.width))
         )
         for _ in range(count)
@@ -116,5 +119,5 @@ def _num_stages(mean: float, lengths: str, rng: random.Random) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
 
 
-def _around(mean: int, rng: random.Random) -> int:
+def _around(mean: float, rng: random.Random) -> int:
     return max(1, round(mean * rng.uniform(0.5, 1.5)))
