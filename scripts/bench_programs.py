@@ -8,7 +8,7 @@ the same programs; one line per policy gives the program-level token latency (re
 output tokens, seconds):
 
     PYTHONPATH=. python scripts/bench_programs.py                       # default model, CPU
-    PYTHONPATH=. python scripts/bench_programs.py --programs 24 --rate 1.0 --policies fcfs plas
+    PYTHONPATH=. python scripts/bench_programs.py --programs 16 --rate 1.0 --policies fcfs plas
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ async def collect(engine: AsyncEngine, prompt: list[int], max_tokens: int, sessi
 
 
 async def run_policy(args: argparse.Namespace, policy: str, programs: list[ProgramSpec]) -> str:
-    overrides = {"policy": policy, "base_quantum_s": args.base_quantum}
+    overrides = {
+        "policy": policy,
+        "base_quantum_s": args.base_quantum,
+        "max_num_seqs": args.max_num_seqs,
+    }
     if args.model:
         overrides["model"] = args.model
     engine = AsyncEngine(load_config(args.config, overrides=overrides), show_progress=False)
@@ -75,11 +79,13 @@ async def run_policy(args: argparse.Namespace, policy: str, programs: list[Progr
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS, default="mix")
-    parser.add_argument("--programs", type=int, default=16)
-    parser.add_argument("--rate", type=float, default=1.0, help="programs per second")
-    parser.add_argument("--token-scale", type=float, default=0.125)
+    parser.add_argument("--programs", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=0.5, help="programs per second")
+    parser.add_argument("--token-scale", type=float, default=0.0625)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["fcfs", "plas"])
     parser.add_argument("--base-quantum", type=float, default=0.5, help="seconds (mlfq/plas)")
+    # Few seats, so that calls queue on a CPU: the policies only differ when something waits.
+    parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--model", default="", help="default: the config's model")
     parser.add_argument("--config", default=None, help="a yaied.toml")
     parser.add_argument("--seed", type=int, default=0)

@@ -16,12 +16,18 @@ import time
 
 from yaied.config import SchedulerConfig
 from yaied.engine.policy import POLICIES
-from yaied.engine.sim_workloads import WORKLOADS, make_workload
+from yaied.engine.sim_workloads import LENGTHS, WORKLOADS, make_workload
 from yaied.engine.simulator import CostModel, EngineShape, Simulator, latency_stats
 
-# Rates in programs/second per workload: light, loaded, saturated for the default engine below.
-DEFAULT_RATES = {"chat": (0.6, 1.0, 1.3), "react": (0.4, 0.7, 0.9), "mcts": (0.3, 0.5, 0.6)}
-DEFAULT_RATES["mix"] = (0.4, 0.6, 0.8)
+# Rates in programs/second per workload, from light to overloaded for the default engine below
+# (its capacity is about 0.6 programs/s of the mix; the long tail of program lengths keeps a
+# backlog long after arrivals stop at the higher rates).
+DEFAULT_RATES = {
+    "chat": (0.5, 0.75, 1.0),
+    "react": (0.4, 0.7, 1.0),
+    "mcts": (0.4, 0.7, 1.0),
+    "mix": (0.6, 0.8, 1.0),
+}
 
 
 def main() -> None:
@@ -29,7 +35,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--rates", nargs="+", type=float, help="programs/s (default: per workload)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    parser.add_argument("--programs", type=int, default=200, help="programs per run")
+    parser.add_argument("--programs", type=int, default=300, help="programs per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-pages", type=int, default=EngineShape().num_pages)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -37,9 +43,13 @@ def main() -> None:
     parser.add_argument("--overhead", type=float, default=CostModel().overhead_s, help="s per step")
     parser.add_argument("--per-token", type=float, default=CostModel().per_token_s, help="s/token")
     parser.add_argument("--no-extend", action="store_true", help="calls do not share context")
+    parser.add_argument("--lengths", choices=LENGTHS, default="lognormal", help="program lengths")
+    parser.add_argument("--base-quantum", type=float, default=0.5, help="seconds (mlfq/plas)")
     args = parser.parse_args()
     base = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        base_quantum_s=args.base_quantum,
     )
     engine = EngineShape(num_pages=args.num_pages)
     cost = CostModel(args.overhead, args.per_token)
@@ -56,6 +66,7 @@ def main() -> None:
                 num_programs=args.programs,
                 rate=rate,
                 seed=args.seed,
+                lengths=args.lengths,
                 extend_context=not args.no_extend,
             )
             for policy in args.policies:

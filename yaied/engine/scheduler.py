@@ -223,6 +223,10 @@ class Scheduler:
                     for r in candidates
                     if ranks[r.request_id] > mine and self.policy.preemptible(r)
                 ]
+                # Preempt nobody unless preempting all of them could make room.
+                need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
+                if need > self.kv.num_free_pages + sum(len(r.page_ids) for r in candidates):
+                    return False
             victim = max(candidates, key=lambda r: ranks[r.request_id], default=None)
             if victim is None:
                 return False

@@ -38,8 +38,10 @@ class ProgramSpec:
     arrival: float  # seconds
     stages: tuple[tuple[CallSpec, ...], ...]
     # Each stage's prompts extend the previous stage's first call (prompt + output), so later
-    # calls hit the prefix cache when their context is still there.
+    # calls hit the prefix cache when their context is still there. A context longer than
+    # max_context starts over (the agent summarises its history into a fresh prompt).
     extend_context: bool = True
+    max_context: int = 8192
 
     @property
     def num_calls(self) -> int:

@@ -200,7 +200,8 @@ class Simulator:
             return []
         spec = program.spec
         if spec.extend_context and program.first_call is not None:
-            program.context = program.first_call.all_token_ids
+            context = program.first_call.all_token_ids
+            program.context = context if len(context) <= spec.max_context else []
         program.stage += 1
         if program.stage < len(spec.stages):
             self._submit_stage(program, self.now)
