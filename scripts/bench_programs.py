@@ -79,9 +79,9 @@ async def run_policy(args: argparse.Namespace, policy: str, programs: list[Progr
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS, default="mix")
-    parser.add_argument("--programs", type=int, default=8)
+    parser.add_argument("--programs", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.5, help="programs per second")
-    parser.add_argument("--token-scale", type=float, default=0.0625)
+    parser.add_argument("--token-scale", type=float, default=0.05)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["fcfs", "plas"])
     parser.add_argument("--base-quantum", type=float, default=0.5, help="seconds (mlfq/plas)")
     # Few seats, so that calls queue on a CPU: the policies only differ when something waits.

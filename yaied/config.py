@@ -59,7 +59,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority | mlfq | plas (see yaied/engine/policy.py)
     # mlfq and plas: queues over attained service (seconds of model-execution time).
     num_queues: int = 8  # K queues; the last has no quantum
-    base_quantum_s: float = 0.05  # the top queue's quantum
+    base_quantum_s: float = 0.5  # the top queue's quantum
     quantum_growth: float = 2.0  # each queue's quantum is this times the one above
     starvation_beta: float = 4.0  # promote to the top when waited / ran >= this (inf: never)
     session_idle_expiry_s: float = 600.0  # forget a session idle this long

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from yaied.config import SchedulerConfig
@@ -126,3 +132,22 @@ def test_anti_starvation_promotes_a_starving_call():
     # With beta = 2 it runs once it has waited twice the 5 units its program ran: ~t=15.
     assert 14 <= promoted - 5 <= 20
     assert last_short == 70  # 70 units of work on one seat that never idled
+
+
+@pytest.mark.timeout(60)
+def test_the_script_prints_one_line_per_policy():
+    root = Path(__file__).resolve().parents[2]
+    args = ["--workloads", "react", "--rates", "2", "--programs", "4", "--policies", "fcfs", "plas"]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "sim_scheduler.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=True,
+    )
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("#")]
+    assert [line.split()[:3] for line in lines] == [
+        ["react", "rate=2", "fcfs"],
+        ["react", "rate=2", "plas"],
+    ]
+    assert all(re.search(r"mean=\S+ p95=\S+ p99=\S+", line) for line in lines)
