@@ -56,12 +56,24 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
-    policy: str = "fcfs"  # fcfs (priority, mlfq and plas come with the session scheduler)
+    policy: str = "fcfs"  # fcfs | priority | mlfq | plas (see yaied/engine/policy.py)
+    # mlfq and plas: queues over attained service (seconds of model-execution time).
+    num_queues: int = 8  # K queues; the last has no quantum
+    base_quantum_s: float = 0.5  # the top queue's quantum
+    quantum_growth: float = 2.0  # each queue's quantum is this times the one above
+    starvation_beta: float = 4.0  # promote to the top when waited / ran >= this (inf: never)
+    session_idle_expiry_s: float = 600.0  # forget a session idle this long
 
     def __post_init__(self) -> None:
         _at_least("scheduler.max_num_seqs", self.max_num_seqs, 1)
         _at_least("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _one_of("scheduler.policy", self.policy, ("fcfs",))
+        _one_of("scheduler.policy", self.policy, ("fcfs", "priority", "mlfq", "plas"))
+        _at_least("scheduler.num_queues", self.num_queues, 1)
+        for name in ("base_quantum_s", "starvation_beta", "session_idle_expiry_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"scheduler.{name} must be > 0, got {getattr(self, name)}")
+        if not self.quantum_growth >= 1:
+            raise ValueError(f"scheduler.quantum_growth must be >= 1, got {self.quantum_growth}")
 
 
 @dataclass(frozen=True, slots=True)

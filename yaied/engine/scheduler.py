@@ -5,22 +5,27 @@ total tokens (prompt + output). A decode is a request one token behind; a prefil
 many tokens behind, cut to the step's token budget. When a step reaches a request's last token,
 the worker samples the next one.
 
-Each step: decodes of running requests first (latency), then the unfinished prefills of running
-requests, then waiting requests in arrival order while the token budget, the running-request limit
-and free pages allow (cached pages nobody uses count as free; they are evicted on demand). A
-waiting request first takes the longest cached prefix of its tokens and prefills only the rest. A
-running request that cannot get a page preempts the newest running request (recompute: its pages go
-to the prefix cache, and it re-queues at the front with its output kept).
+Each step walks the running and waiting requests in the queue policy's order (``policy.py``; under
+the default fcfs: decodes of running requests first, then their unfinished prefills, then waiting
+requests in arrival order) while the token budget, the running-request limit and free pages allow
+(cached pages nobody uses count as free; they are evicted on demand). A waiting request first takes
+the longest cached prefix of its tokens and prefills only the rest; one that cannot get its pages
+stops admission (no overtaking), unless the policy lets it preempt running requests of a worse
+rank. A running request that cannot get a page preempts the worst-ranked (then newest) running
+request not yet in the step (recompute: its pages go to the prefix cache, and it re-queues at the
+front with its output kept).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.config import SchedulerConfig
+from yaied.engine.policy import QueuePolicy, Rank, make_policy
 from yaied.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 
@@ -78,11 +83,20 @@ class StepOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.pool = kv.pool
         self.max_model_len = max_model_len
+        self.clock = clock  # a simulator passes its own
+        self.policy: QueuePolicy = make_policy(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -93,6 +107,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.policy.on_add(request, self.clock())
 
     @property
     def has_work(self) -> bool:
@@ -102,42 +117,72 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
-        # Decodes first, then unfinished prefills; each may preempt newer running requests.
-        behind_by_one = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        behind_more = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        ranks = self._ranks()
         scheduled: set[str] = set()
-        for request in behind_by_one + behind_more:
+        admitting = True
+        for request, was_running in self._walk(ranks):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this pass
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, n, scheduled):
-                continue  # the request preempted itself
+            if was_running:
+                if request.status is not RequestStatus.RUNNING:
+                    continue  # preempted earlier in this pass
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._reserve_pages(request, n, scheduled, ranks):
+                    continue  # the request preempted itself
+            else:
+                n = self._admit(request, budget, scheduled, ranks) if admitting else 0
+                if n == 0:
+                    admitting = False  # no overtaking in rank order when seats or pages are short
+                    continue
             (decodes if n == 1 else prefills).append(self._slice(request, n))
             scheduled.add(request.request_id)
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if request.params.prompt_logprobs is None:
-                # Prefill only what the prefix cache lacks. (Prompt logprobs need every prompt
-                # position computed, so those requests skip the cache lookup.)
-                self.kv.match_prefix(request)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.reserve(request, n):
-                self._unmatch(request)
-                break  # first come, first served: no overtaking when pages are short
-            self.kv.count_prefix_hit(request)
-            request.scheduled_time = request.scheduled_time or time.monotonic()
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            (decodes if n == 1 else prefills).append(self._slice(request, n))
             budget -= n
         seqs = decodes + prefills
         if not seqs:
             return None
         return Batch(seqs, self.config.max_num_batched_tokens - budget)
+
+    def _ranks(self) -> dict[str, Rank]:
+        now = self.clock()
+        rank = self.policy.rank
+        return {rid: rank(r, now) for rid, r in self.requests.items()}
+
+    def _walk(self, ranks: dict[str, Rank]) -> list[tuple[Request, bool]]:
+        """Every request in serving order: by rank, then running decodes, running prefills and
+        waiting requests; queue order within each (Python's sort is stable)."""
+
+        def phase(request: Request) -> int:
+            return 0 if request.num_tokens - request.num_computed_tokens == 1 else 1
+
+        order = sorted(self.running, key=phase) + list(self.waiting)
+        if self.policy.reorders:
+            order.sort(key=lambda r: ranks[r.request_id])
+        return [(r, r.status is RequestStatus.RUNNING) for r in order]
+
+    def _admit(
+        self, request: Request, budget: int, scheduled: set[str], ranks: dict[str, Rank]
+    ) -> int:
+        """Move a waiting request to running with pages for its first chunk; returns the chunk's
+        size, 0 when there is no seat or no pages for it."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return 0
+        if request.params.prompt_logprobs is None:
+            # Prefill only what the prefix cache lacks. (Prompt logprobs need every prompt
+            # position computed, so those requests skip the cache lookup.)
+            self.kv.match_prefix(request)
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._reserve_pages(request, n, scheduled, ranks):
+            self._unmatch(request)
+            return 0
+        self.kv.count_prefix_hit(request)
+        now = self.clock()
+        if request.scheduled_time is None:
+            request.scheduled_time = now
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.policy.on_admit(request, now)
+        return n
 
     def _slice(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -164,16 +209,32 @@ class Scheduler:
             seq.prompt_logprob_targets = request.prompt_token_ids[start + 1 : start + n + 1]
         return seq
 
-    def _reserve_pages(self, request: Request, n: int, scheduled: set[str] | None) -> bool:
-        """Give the request pages for its next n tokens. A running request (``scheduled`` is the
-        set of ids already in this step) may preempt the newest running request not yet in the
-        step, else itself; a waiting one (``scheduled`` None) only waits."""
+    def _reserve_pages(
+        self, request: Request, n: int, scheduled: set[str], ranks: dict[str, Rank]
+    ) -> bool:
+        """Give the request pages for its next n tokens, preempting running requests not yet in
+        this step while pages are short: the worst-ranked first, the newest among equals. A
+        running request may preempt any of them, itself included (then it returns False); a
+        waiting one only those ranked strictly worse, and only under a preemptive policy."""
+        waiting = request.status is RequestStatus.WAITING
         while not self.kv.reserve(request, n):
-            if scheduled is None:
+            if waiting and not self.policy.preemptive:
                 return False
-            victim = next(
-                (r for r in reversed(self.running) if r.request_id not in scheduled), request
-            )
+            candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
+            if waiting:
+                mine = ranks[request.request_id]
+                candidates = [
+                    r
+                    for r in candidates
+                    if ranks[r.request_id] > mine and self.policy.preemptible(r)
+                ]
+                # Preempt nobody unless preempting all of them could make room.
+                need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
+                if need > self.kv.num_free_pages + sum(len(r.page_ids) for r in candidates):
+                    return False
+            victim = max(candidates, key=lambda r: ranks[r.request_id], default=None)
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is request:
                 return False
@@ -194,25 +255,31 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        self.policy.on_preempt(request, self.clock())
 
     def update(self, batch: Batch, output: StepOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that received a token, in batch order;
         those that finished (EOS, stop token, length) are already released."""
         sampled = iter(output.sampled_token_ids)
         got_token: list[Request] = []
-        now = time.monotonic()
+        now = self.clock()
         for seq in batch.seqs:
             request = self.requests.get(seq.request_id)
             token = next(sampled) if seq.sample else None
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            # Service is the model time of the steps a call ran in, each counted in full: a
+            # batch runs its calls in parallel, and a share by tokens would make prompt-heavy
+            # calls look long on hardware where a step costs about the same whatever its size.
+            self.policy.on_step(request, output.model_time)
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if len(seq.token_ids) > 1:
                 self.kv.cache(request)  # a prefill chunk's pages serve other requests at once
             if token is None:
                 continue
             request.output_token_ids.append(token)
-            request.first_token_time = request.first_token_time or now
+            if request.first_token_time is None:
+                request.first_token_time = now
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, reason)
@@ -243,3 +310,4 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self.policy.on_finish(request, self.clock())
