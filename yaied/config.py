@@ -25,7 +25,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bfloat16 (faster on this class of CPU and on GPUs)
     load_format: str = "auto"  # auto | dummy (random weights from the config, no tokenizer)
     max_model_len: int = 0  # 0 = the model's own context length
-    model_impl: str = "native"  # native | transformers (its classes, our KV cache) | auto
+    model_impl: str = "auto"  # auto (native first) | native | transformers (its classes, our cache)
     trust_remote_code: bool = False  # never runs code shipped with a model unless set
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
     cache_dir: str = ""  # where converted GGUF models go; "" = $YAIED_CACHE_DIR or ~/.cache/yaied
