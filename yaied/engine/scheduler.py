@@ -12,8 +12,8 @@ requests in arrival order) while the token budget, the running-request limit and
 the longest cached prefix of its tokens and prefills only the rest; one that cannot get its pages
 stops admission (no overtaking), unless the policy lets it preempt running requests of a worse
 rank. A running request that cannot get a page preempts the worst-ranked (then smallest, then
-newest) running request not yet in the step (recompute: its pages go to the prefix cache, and it re-queues at the
-front with its output kept).
+newest) running request not yet in the step (recompute: its pages go to the prefix cache, and it
+re-queues at the front with its output kept).
 """
 
 from __future__ import annotations
