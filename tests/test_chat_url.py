@@ -151,7 +151,7 @@ def test_serve_key_file_and_chat_template_flags(tmp_path, monkeypatch, tiny_mode
     import yaied.daemon
 
     seen = []
-    monkeypatch.setattr(yaied.daemon, "run_server", lambda engine, server: seen.append(server))
+    monkeypatch.setattr(yaied.daemon, "run_server", lambda engine, server, *_: seen.append(server))
     keys = tmp_path / "keys"
     keys.write_text("k2\n")
     model = ["--model", str(tiny_model_dirs["llama"])]

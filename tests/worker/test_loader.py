@@ -36,7 +36,7 @@ def test_half_dtypes_run_and_agree_with_fp32_on_the_first_token(tiny_model_dirs,
         assert llm.generate(prompt, params)[0].token_ids == ref
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+def test_native_only_names_the_supported_architectures(tmp_path):
     path = tmp_path / "gpt2.json"
     path.write_text(
         json.dumps(
@@ -50,7 +50,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         )
     )
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
-        LLM(str(path), load_format="dummy", show_progress=False)
+        LLM(str(path), load_format="dummy", model_impl="native", show_progress=False)
 
 
 def test_pool_too_small_for_one_context_is_refused(tiny_model_dirs):
