@@ -44,9 +44,15 @@ class SettingFlag:
     help: str  # the field's metadata["help"], where config.py gives one
 
 
+# Keys of [router] with a flag of their own (--router-policy): an engine setting of the same name
+# must not take the bare flag, or `--policy` would silently mean the scheduler's.
+ROUTER_KEYS = ("policy",)
+
+
 def setting_flags() -> list[SettingFlag]:
     """One flag per config setting; a key shared by two sections gets its section as a prefix."""
     counts = Counter(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+    counts.update(ROUTER_KEYS)  # the router's [router] flags are written by hand in cli.py
     flags = []
     for section, cls in SECTIONS.items():
         hints = get_type_hints(cls)
