@@ -8,8 +8,9 @@ template (so text prompts, chat and detokenization are real; the model is fast a
 random), or ``--model`` (the default model's name, a folder, a GGUF file). The load mixes chat and
 completions, streaming and not, prompt lengths from a word to ~1k tokens, greedy and random
 sampling with top-k/top-p/seeds/penalties/stops/logprobs, ``n`` of 1 or 2, a few invalid requests,
-20% of streaming clients leaving mid-stream, non-streaming clients cancelling, and bursts well
-above ``server.max_queue_len``.
+20% of streaming clients leaving mid-stream, some cancelling their stream through
+``POST /v1/requests/{id}/cancel`` and reading it to its end, non-streaming clients giving up, and
+bursts well above ``server.max_queue_len``.
 
 Afterwards it checks that every request that was not abandoned got a complete answer or a clear
 OpenAI error, none hung, the KV pages came back (``kv_cache_usage_perc`` 0, nothing in flight),

@@ -7,6 +7,9 @@ Every request ends as one Outcome:
 - ``client_error`` / ``server_error``: a 4xx / 5xx with an OpenAI error body (a 429 must carry
   Retry-After), or a streamed error chunk (a server error);
 - ``disconnected`` / ``cancelled``: the client left on purpose, mid-stream or mid-wait;
+- ``api_cancelled``: the client cancelled its own stream through ``POST /v1/requests/{id}/cancel``
+  (by the X-Request-Id it sent) and the stream still ended properly: a finish_reason on every
+  choice (``abort``, or the real one if the answer finished first), then ``data: [DONE]``;
 - ``hung``: nothing final within the request timeout; ``broken``: anything else.
 """
 
@@ -38,6 +41,8 @@ class RequestSpec:
     disconnect_after: int | None = None  # leave after this many data lines
     cancel_after: float | None = None  # give up waiting after this many seconds
     retries: int = 0  # on 429, wait Retry-After and try again this many times
+    api_cancel_after: int | None = None  # cancel through the API after this many data lines
+    headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +127,9 @@ def make_spec(rng: random.Random, index: int, *, burst: bool = False) -> Request
             body["stream_options"] = {"include_usage": True}
         if rng.random() < 0.2:  # 20% of streaming clients leave mid-stream
             spec.disconnect_after = rng.randint(1, 6)
+        elif rng.random() < 0.1:  # and some cancel through the API, staying for the end
+            spec.api_cancel_after = rng.randint(1, 4)
+            spec.headers = {"X-Request-Id": f"soak-{index}-{rng.getrandbits(32):08x}"}
     elif not burst and rng.random() < 0.1:
         spec.cancel_after = rng.uniform(0.01, 0.5)
     return spec
@@ -172,7 +180,7 @@ def _error(response: httpx.Response, body: bytes, stream: bool) -> Outcome:
 
 
 async def _plain(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
-    response = await client.post(spec.path, json=spec.body)
+    response = await client.post(spec.path, json=spec.body, headers=spec.headers)
     if response.status_code != 200:
         return _error(response, response.content, False)
     body = response.json()
@@ -184,10 +192,11 @@ async def _plain(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
 
 
 async def _stream(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
-    async with client.stream("POST", spec.path, json=spec.body) as response:
+    async with client.stream("POST", spec.path, json=spec.body, headers=spec.headers) as response:
         if response.status_code != 200:
             return _error(response, await response.aread(), True)
         finished: set[int] = set()
+        cancel_sent = False
         lines = 0
         tokens = 0
         async for line in response.aiter_lines():
@@ -196,11 +205,18 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
             lines += 1
             if spec.disconnect_after is not None and lines >= spec.disconnect_after:
                 return Outcome("disconnected", stream=True)  # closing the response leaves
+            due = spec.api_cancel_after is not None and lines >= spec.api_cancel_after
+            if due and not cancel_sent:
+                cancel_sent = True
+                problem = await _cancel(client, spec)
+                if problem:
+                    return Outcome("broken", problem, True)
             if line == "data: [DONE]":
                 n = spec.body.get("n", 1)
                 if len(finished) != n:
                     return Outcome("broken", f"[DONE] after {len(finished)}/{n} choices", True)
-                return Outcome("ok", stream=True, output_tokens=tokens)
+                kind = "api_cancelled" if cancel_sent else "ok"
+                return Outcome(kind, stream=True, output_tokens=tokens)
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return Outcome("server_error", f"stream {chunk['error'].get('code')}", True)
@@ -209,4 +225,16 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
             for choice in chunk["choices"]:
                 if choice.get("finish_reason") is not None:
                     finished.add(choice["index"])
+                    if choice["finish_reason"] == "abort" and not cancel_sent:
+                        return Outcome("broken", "abort without a cancel", True)
     return Outcome("broken", "the stream ended without [DONE]", True)
+
+
+async def _cancel(client: httpx.AsyncClient, spec: RequestSpec) -> str:
+    """Cancel the spec's stream by its X-Request-Id; a problem's description, or ""."""
+    request_id = (spec.headers or {})["X-Request-Id"]
+    response = await client.post(f"/v1/requests/{request_id}/cancel")
+    # 404: the request had finished already (its last chunks are still on their way).
+    if response.status_code not in (200, 404):
+        return f"cancel answered {response.status_code}"
+    return ""
