@@ -100,3 +100,25 @@ def test_host_staging_uploads_sections_in_one_buffer():
         assert views[3].data_ptr() == views[0].data_ptr() + 4 * 4  # one buffer, packed
         again = staging.upload([[7]])
         assert again[0].tolist() == [7] and again[0].data_ptr() == views[0].data_ptr()
+
+
+def test_host_staging_waits_for_the_last_copy_before_rewriting():
+    """On a GPU the copy out of the pinned buffer is asynchronous and a step need not end with a
+    sync (an empty tensor's copy back does not sync), so the next upload waits on its event."""
+    from yaied.worker.gpu_inputs import HostStaging
+
+    seen = []
+
+    class Event:
+        def synchronize(self):
+            seen.append(staging.host[:2].tolist())  # what the pending copy would still read
+
+    staging = HostStaging(torch.device("cpu"))
+    staging.asynchronous = True  # as on a GPU; the event is faked, the buffer is not pinned
+    staging._record = Event
+    with torch.inference_mode():
+        staging.upload([[1, 2]])
+        assert seen == []
+        staging.upload([[3, 4]])
+    assert seen == [[1, 2]]  # waited before the buffer was rewritten
+    assert staging.host[:2].tolist() == [3, 4]

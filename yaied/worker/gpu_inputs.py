@@ -4,8 +4,10 @@ interpreter, which is how the tests drive it).
 Every index array of a step (token ids, positions, slots, sampled rows, the decode and extend
 page tables and lengths) is written into one int32 host buffer, pinned on a GPU, and reaches the
 device in one non-blocking copy; the step's only host sync is the copy of the sampled ids back.
-The buffers are reused: the previous step's copy has finished by then, since that step ended
-with the sync.
+The buffers are reused, so before rewriting the host buffer the previous copy's event is waited
+on: a step need not end with a sync (copying an empty tensor back does not sync, as when a step
+is all mid-prompt chunks that sample nothing, and a failed step stops before its copy), and its
+copy may then still be queued behind earlier work when the next step is built.
 
 Row layout of a step, as on the torch path:
 
@@ -69,8 +71,15 @@ class HostStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cuda"
+        self.asynchronous = self.pin  # copies out of `host` may still be pending after upload
         self.host = torch.empty(0, dtype=torch.int32)
         self.dev = torch.empty(0, dtype=torch.int32, device=device)
+        self.copied = None  # event recorded after the last copy out of `host` (pinned only)
+
+    def _record(self):
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def upload(self, sections: list[list[int]]) -> list[torch.Tensor]:
         """Device views of the sections, in order, after one host-to-device copy."""
@@ -82,8 +91,13 @@ class HostStaging:
             self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.pin)
             self.dev = torch.empty(size, dtype=torch.int32, device=self.device)
         if flat:
+            if self.copied is not None:
+                self.copied.synchronize()  # the last copy has read `host`: it may be rewritten
+                self.copied = None
             self.host[: len(flat)].copy_(torch.frombuffer(flat, dtype=torch.int32))
             self.dev[: len(flat)].copy_(self.host[: len(flat)], non_blocking=True)
+            if self.asynchronous:
+                self.copied = self._record()
         views, offset = [], 0
         for section in sections:
             views.append(self.dev[offset : offset + len(section)])
