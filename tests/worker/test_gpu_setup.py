@@ -22,6 +22,14 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
         resolve_attention_backend("flash", "cuda")
 
 
+def test_models_run_through_transformers_stay_on_the_torch_path():
+    # Their attention writes K/V itself (int64 slots) and their forward syncs on the host.
+    assert resolve_attention_backend("auto", "cuda", native=False) == "torch"
+    assert resolve_attention_backend("torch", "cuda", native=False) == "torch"
+    with pytest.raises(ValueError, match="native models only"):
+        resolve_attention_backend("triton", "cuda", native=False)
+
+
 @pytest.mark.parametrize("max_tokens, max_seqs", [(8192, 256), (512, 64), (4, 16), (1, 1)])
 def test_warmup_step_is_as_large_as_the_scheduler_allows(max_tokens, max_seqs):
     seqs, num_pages = warmup_seqs(max_tokens, max_seqs, page_size=16)

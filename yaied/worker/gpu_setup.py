@@ -18,12 +18,20 @@ from yaied.request import SamplingParams
 GRAPH_RESERVE_BYTES = 512 * 2**20  # decode graphs' private pool: activations of <= 512 rows
 
 
-def resolve_attention_backend(name: str, device_type: str) -> str:
-    """'triton' or 'torch' (the torch path, with the C decode kernel on CPU)."""
+def resolve_attention_backend(name: str, device_type: str, native: bool = True) -> str:
+    """'triton' or 'torch' (the torch path, with the C decode kernel on CPU). Models run through
+    transformers' classes (`native` False) attend only on the torch path: their attention
+    (hf_attention.py) writes K/V by int64 slots and runs windows and softcaps of its own, and
+    their forward reads the step's largest position on the host, which a CUDA graph cannot."""
     if name == "auto":
-        return "triton" if device_type == "cuda" else "torch"
+        return "triton" if device_type == "cuda" and native else "torch"
     if name not in ("triton", "torch"):
         raise ValueError(f"device.attention_backend must be auto, triton or torch, got {name!r}")
+    if name == "triton" and not native:
+        raise ValueError(
+            "attention_backend=triton serves native models only; this model runs through "
+            "transformers' classes: use attention_backend=auto or torch"
+        )
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if name == "triton" and device_type == "cpu" and not interpreted:
         raise ValueError(

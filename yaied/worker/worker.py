@@ -26,6 +26,7 @@ from yaied.worker.gpu_setup import (
 )
 from yaied.worker.loader import LoadedModel, load_model
 from yaied.worker.model_runner import ModelRunner
+from yaied.worker.models.transformers_backend import TransformersModel
 
 if TYPE_CHECKING:
     from yaied.worker.cuda_graphs import DecodeGraphs
@@ -62,12 +63,16 @@ class Worker:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
         self.config = config
         self.device = pick_device(config.device.device)
-        self.backend = resolve_attention_backend(config.device.attention_backend, self.device.type)
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.loaded: LoadedModel = load_model(
             config.model, self.device, show_progress=show_progress
+        )
+        self.backend = resolve_attention_backend(
+            config.device.attention_backend,
+            self.device.type,
+            native=not isinstance(self.loaded.model, TransformersModel),
         )
         if can_pack(self.loaded.dtype, self.device):
             pack_linears(self.loaded.model, config.scheduler.max_num_batched_tokens)
