@@ -63,6 +63,10 @@ class Worker:
     def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
         self.config = config
         self.device = pick_device(config.device.device)
+        if self.device.type == "cuda":
+            # Triton launches, CUDA graph capture, events and bare synchronize() calls go to the
+            # current device: make it ours (cuda:1 etc.). This thread runs every step too.
+            torch.cuda.set_device(self.device)
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
