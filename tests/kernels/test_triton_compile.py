@@ -39,16 +39,16 @@ def compile_kernel(fn, dtype, constexprs):
 
 for dtype, precision, block in (("bf16", "tf32", 64), ("fp32", "ieee", 32)):
     compile_kernel(triton_decode._decode_split_kernel, dtype, dict(
-        GROUP=2, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=4, BLOCK_H=16, BLOCK_D=128,
+        GROUP=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128,
         BLOCK_N=64, PRECISION=precision, UPCAST=False))
     compile_kernel(triton_extend._extend_kernel, dtype, dict(
         GROUP=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=block, BLOCK_N=block, BLOCK_D=128,
         PRECISION=precision, UPCAST=False))
 compile_kernel(triton_decode._decode_split_kernel, "bf16", dict(  # Llama-3.2-1B: group 4, d 64
-    GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=16, BLOCK_H=16, BLOCK_D=64,
+    GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=64,
     BLOCK_N=64, PRECISION="tf32", UPCAST=False))
 compile_kernel(triton_decode._decode_merge_kernel, "bf16", dict(
-    NUM_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64))
+    HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64))
 compile_kernel(triton_store_kv._store_kv_kernel, "bf16", dict(
     KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
 print("compiled")

@@ -42,15 +42,16 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ch, stride_cp, stride_cs, stride_tb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale,  # softmax scale * log2(e): scores live in base 2
+    num_splits,  # a runtime value: eager steps vary it, and each constexpr value is a compile
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq).to(tl.int32)
-    split_len = ((context_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_len = ((context_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
 
@@ -102,14 +103,14 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_splits, HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     lse = tl.load(
         lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf")
     )
@@ -177,7 +178,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), parts.stride(0), parts.stride(1), parts.stride(2),
         lse.stride(0), lse.stride(1), scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=16 if interpreted else 64, PRECISION=dot_precision(q.dtype),
         UPCAST=interpreted, num_warps=4,
@@ -187,7 +188,7 @@ def paged_decode_attention(
             parts, lse, out,
             parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            num_splits, HEAD_DIM=head_dim,
             BLOCK_S=next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
         )  # fmt: skip
     return out
