@@ -77,3 +77,12 @@ def test_decode_matches_reference_on_cuda(dtype, num_splits):
     # Qwen3-0.6B (group 2) and Llama-3.2-1B (group 4) shapes: 8 kv heads, head_dim 128 / 64.
     run_case(lengths, 8, 2, 128, 16, dtype, num_splits, device="cuda")
     run_case(lengths, 8, 4, 64, 16, dtype, num_splits, device="cuda")
+
+
+@interpreter_only
+def test_split_partials_stay_fp32_under_a_bf16_default_dtype():
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        run_case([1, 40, 77], 2, 2, 16, 4, torch.float32, 4)
+    finally:
+        torch.set_default_dtype(torch.float32)

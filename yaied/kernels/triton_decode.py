@@ -170,7 +170,9 @@ def paged_decode_attention(
         parts = out.unsqueeze(2)
         lse = torch.empty(batch, num_heads, 1, dtype=torch.float32, device=q.device)
     else:
-        parts = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
+        # fp32 partials whatever the default dtype is (a process may have set it to bf16)
+        shape = (batch, num_heads, num_splits, head_dim)
+        parts = torch.empty(shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     interpreted = interpreting()
     _decode_split_kernel[(batch, kv_heads, num_splits)](
