@@ -65,6 +65,10 @@ class TritonAttention:
         return out
 
 
+_ALIGN = 4  # int32 entries in 16 bytes
+_ALIGN_PAD = array("i", [0] * _ALIGN)
+
+
 class HostStaging:
     """One int32 host buffer (pinned on a GPU) and its device twin, grown on demand."""
 
@@ -82,9 +86,14 @@ class HostStaging:
         return event
 
     def upload(self, sections: list[list[int]]) -> list[torch.Tensor]:
-        """Device views of the sections, in order, after one host-to-device copy."""
+        """Device views of the sections, in order, after one host-to-device copy. Each section
+        starts 16-byte aligned: Triton specializes a kernel on whether each pointer argument is,
+        so unaligned views would compile (mid-serving) another variant per combination."""
         flat = array("i")
+        starts = []
         for section in sections:
+            flat.extend(_ALIGN_PAD[: -len(flat) % _ALIGN])
+            starts.append(len(flat))
             flat.extend(section)
         if len(flat) > self.host.numel():
             size = max(len(flat), 2 * self.host.numel(), 4096)
@@ -98,11 +107,10 @@ class HostStaging:
             self.dev[: len(flat)].copy_(self.host[: len(flat)], non_blocking=True)
             if self.asynchronous:
                 self.copied = self._record()
-        views, offset = [], 0
-        for section in sections:
-            views.append(self.dev[offset : offset + len(section)])
-            offset += len(section)
-        return views
+        return [
+            self.dev[start : start + len(section)]
+            for start, section in zip(starts, sections, strict=True)
+        ]
 
 
 def _table(seqs: list[ScheduledSeq], page_size: int, pad_rows: int) -> tuple[list[int], int]:
