@@ -36,7 +36,9 @@ MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # shorter runs cost more in the merge than they gain in parallelism
 
 
-@triton.jit
+# Arguments that change with the step (page-table width, split count) are not specialized on: a
+# value of 1 or a multiple of 16 would otherwise compile another variant in the middle of serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ch, stride_cp, stride_cs, stride_tb,
@@ -99,7 +101,7 @@ def _decode_split_kernel(
     tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,

@@ -34,7 +34,7 @@ from yaied.kernels.triton_common import (
 from yaied.kernels.triton_decode import LOG2E
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the step's page-table width
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_ch, stride_cp, stride_cs, stride_tb, stride_ot, stride_oh,
