@@ -80,7 +80,7 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"  # auto (cuda when present) | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0 = every core
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch
+    attention_backend: str = "auto"  # auto (triton on CUDA for native models, else torch)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (triton backend on CUDA)
 
     def __post_init__(self) -> None:
