@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIGS
+from tests.conftest import TINY_CONFIGS, make_tiny_model
 from yaied import LLM, SamplingParams
 
 
@@ -68,3 +68,33 @@ def test_unknown_setting_and_bad_value_are_clear_errors(tiny_model_dirs):
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(ValueError, match="not downloaded|hub"):
         LLM("meta-llama/Llama-3-8B", show_progress=False)
+
+
+def test_a_bf16_model_is_built_in_bf16_with_the_values_of_an_fp32_load_cast_after(tmp_path):
+    """Building in the final dtype (no fp32 copy while loading) must not change any weight."""
+    from yaied.config import ModelConfig
+    from yaied.worker.loader import _load_native, _resolve_config
+
+    folder = make_tiny_model("qwen2", tmp_path / "qwen2")  # biases and tied weights too
+    config = ModelConfig(model=str(folder))
+    folder, hf_config = _resolve_config(config, show_progress=False)
+    cpu = torch.device("cpu")
+    direct = _load_native(config, folder, hf_config, cpu, torch.bfloat16, show_progress=False)
+    via_fp32 = _load_native(config, folder, hf_config, cpu, torch.float32, False).to(torch.bfloat16)
+    direct_params = dict(direct.named_parameters())
+    for name, expected in via_fp32.named_parameters():
+        assert direct_params[name].dtype == torch.bfloat16, name
+        assert torch.equal(direct_params[name], expected), name
+    assert direct.inv_freq.dtype == torch.float32
+
+
+def test_build_model_allocates_in_the_requested_dtype():
+    from transformers import AutoConfig
+
+    from yaied.worker.models import build_model
+
+    data = dict(TINY_CONFIGS["llama"])
+    hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
+    model = build_model(hf_config, torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.inv_freq.dtype == torch.float32

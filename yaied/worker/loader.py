@@ -93,7 +93,7 @@ def _load_native(
     dtype: torch.dtype,
     show_progress: bool,
 ) -> nn.Module:
-    model = build_model(hf_config, device)
+    model = build_model(hf_config, device, dtype)
     if config.load_format == "dummy":
         _init_dummy_weights(model, config.seed)
     else:

@@ -72,15 +72,18 @@ def rope_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
-def build_model(hf_config, device: torch.device) -> nn.Module:
-    """The native model for the config on the device, its weights uninitialised (still to load)."""
+def build_model(hf_config, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The native model for the config on the device in ``dtype``, its weights uninitialised (still
+    to load). Weights are copied in with ``copy_``, which rounds exactly as a later ``.to(dtype)``
+    would, so building in the final dtype changes no value and never holds an fp32 copy: a bf16
+    model on a GPU peaks at 2 bytes a parameter while loading, not 6."""
     check_supported(hf_config)
     cls = NATIVE_ARCHITECTURES[architecture_of(hf_config)]
     shape = LlamaShape.from_hf_config(hf_config)
     inv_freq, scaling = rope_frequencies(hf_config, shape.head_dim)
     # Build on the meta device so no memory is touched twice, then materialise on the target.
     with torch.device("meta"):
-        model = cls(shape, inv_freq, scaling)
+        model = cls(shape, inv_freq, scaling).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
     model.inv_freq = inv_freq.float().to(device)  # to_empty left the buffer uninitialised
