@@ -14,7 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -100,6 +100,8 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 
+T = TypeVar("T")
+
 # Sections of config/yaied.toml that other components (the daemon, the router) read.
 OTHER_SECTIONS = ("server", "router", "engines")
 
@@ -120,9 +122,7 @@ def load_config(
     """Load the config; ``overrides`` keys are ``section.key`` or a key unique across sections."""
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if path is not None:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        for section, table in data.items():
+        for section, table in read_toml(path).items():
             if section in OTHER_SECTIONS:
                 continue  # read by their own components
             if section not in SECTIONS:
@@ -145,6 +145,41 @@ def load_config(
             table[key] = _checked_type(section, key, value)
     built = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
     return EngineConfig(**built)
+
+
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    """The parsed config file; no file is an empty one."""
+    if path is None:
+        return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def load_section(
+    cls: type[T],
+    section: str,
+    data: Mapping[str, Any],
+    env: Mapping[str, str] | None,
+    overrides: Mapping[str, Any] | None,
+) -> T:
+    """One flat section read by its own component ([server], [router]): its table in ``data``
+    (the parsed file, see read_toml), then
+    ``YAIED_<SECTION>_<KEY>``, then ``overrides``; unknown keys and wrong types are a ValueError.
+    A field's type is its default's; tuple fields take a TOML array or a comma-separated
+    variable, so one variable can hold several API keys or origins."""
+    values: dict[str, Any] = dict(data.get(section, {}))
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+    env = os.environ if env is None else env
+    for key, kind in kinds.items():
+        name = f"YAIED_{section}_{key}".upper()
+        if (raw := env.get(name)) is not None:
+            values[key] = _parse_raw(name, kind, raw)
+    values.update(overrides or {})
+    unknown = sorted(set(values) - set(kinds))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {section}.{f', {section}.'.join(unknown)}")
+    checked = {key: _of_kind(f"{section}.{key}", kinds[key], v) for key, v in values.items()}
+    return cls(**checked)
 
 
 def _split_key(dotted: str) -> tuple[str, str]:
@@ -174,18 +209,30 @@ def _field_type(section: str, key: str) -> type:
 
 
 def _checked_type(section: str, key: str, value: Any) -> Any:
-    """A value of the field's type (ints are accepted for floats), else a ValueError."""
-    kind = _field_type(section, key)
+    return _of_kind(f"{section}.{key}", _field_type(section, key), value)
+
+
+def _of_kind(name: str, kind: type, value: Any) -> Any:
+    """A value of the field's type (ints are accepted for floats, lists for tuples), else a
+    ValueError naming the setting."""
+    if kind is tuple and isinstance(value, list | tuple):
+        return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
-    raise ValueError(f"{section}.{key} must be a {kind.__name__}, got {value!r}")
+    raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
 
 
 def _parse_env(section: str, key: str, raw: str) -> Any:
-    kind = _field_type(section, key)
+    return _parse_raw(f"YAIED_{section}_{key}".upper(), _field_type(section, key), raw)
+
+
+def _parse_raw(name: str, kind: type, raw: str) -> Any:
+    """An environment variable's text as a value of ``kind``, else a ValueError naming it."""
     try:
+        if kind is tuple:
+            return tuple(item.strip() for item in raw.split(",") if item.strip())
         if kind is bool:
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
@@ -194,7 +241,6 @@ def _parse_env(section: str, key: str, raw: str) -> Any:
             raise ValueError(raw)
         return kind(raw)
     except ValueError:
-        name = f"YAIED_{section}_{key}".upper()
         raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
 

@@ -13,13 +13,12 @@ of another yaied daemon.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from yaied.config import load_section, read_toml
 from yaied.router.policy import POLICIES, RoutingThresholds
 
 ENGINE_KINDS = ("local", "remote")
@@ -96,28 +95,12 @@ def load_router_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[RouterConfig, tuple[EngineEntry, ...]]:
     """`[router]` (then ``YAIED_ROUTER_*``, then ``overrides``) and the `[[engines]]` list."""
-    values: dict[str, Any] = {}
-    entries: list[Any] = []
-    if path is not None:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        values.update(data.get("router", {}))
-        entries = data.get("engines", [])
-    env = os.environ if env is None else env
-    for f in dataclasses.fields(RouterConfig):
-        raw = env.get(f"YAIED_ROUTER_{f.name}".upper())
-        if raw is not None:
-            values[f.name] = _parse(f.name, raw)
-    values.update(overrides or {})
-    known = {f.name for f in dataclasses.fields(RouterConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown setting(s) router.{', router.'.join(unknown)}")
-    for key, value in values.items():
-        values[key] = _checked(key, value)
+    data = read_toml(path)
+    router = load_section(RouterConfig, "router", data, env, overrides)
+    entries = data.get("engines", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("engines must be an array of tables: [[engines]]")
-    return RouterConfig(**values), tuple(_entry(e) for e in entries)
+    return router, tuple(_entry(e) for e in entries)
 
 
 def _entry(table: dict[str, Any]) -> EngineEntry:
@@ -128,24 +111,3 @@ def _entry(table: dict[str, Any]) -> EngineEntry:
         if not isinstance(value, known[key]) or isinstance(value, bool):
             raise ValueError(f"engines.{key} must be a {known[key].__name__}, got {value!r}")
     return EngineEntry(**table)
-
-
-def _kind(key: str) -> type:
-    return type(RouterConfig.__dataclass_fields__[key].default)
-
-
-def _parse(key: str, raw: str) -> Any:
-    try:
-        return _kind(key)(raw)
-    except ValueError:
-        name = f"YAIED_ROUTER_{key}".upper()
-        raise ValueError(f"{name}={raw!r} is not a valid {_kind(key).__name__}") from None
-
-
-def _checked(key: str, value: Any) -> Any:
-    kind = _kind(key)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, kind) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"router.{key} must be a {kind.__name__}, got {value!r}")

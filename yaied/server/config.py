@@ -6,13 +6,13 @@ defaults < TOML < ``YAIED_SERVER_<KEY>`` < explicit overrides.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from yaied.config import load_section, read_toml
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,47 +87,4 @@ def load_server_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
     """Read `[server]` from the TOML file, then ``YAIED_SERVER_*``, then ``overrides``."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        with open(path, "rb") as f:
-            values.update(tomllib.load(f).get("server", {}))
-    env = os.environ if env is None else env
-    for f in dataclasses.fields(ServerConfig):
-        raw = env.get(f"YAIED_SERVER_{f.name}".upper())
-        if raw is not None:
-            values[f.name] = _parse_env(f.name, raw)
-    values.update(overrides or {})
-    known = {f.name for f in dataclasses.fields(ServerConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown setting(s) server.{', server.'.join(unknown)}")
-    for key, value in values.items():
-        values[key] = _checked_type(key, value)
-    return ServerConfig(**values)
-
-
-def _kind(key: str) -> type:
-    default = ServerConfig.__dataclass_fields__[key].default
-    return type(default)
-
-
-def _parse_env(key: str, raw: str) -> Any:
-    kind = _kind(key)
-    if kind is tuple:  # api keys, origins: comma-separated, so one variable can hold several
-        return tuple(k.strip() for k in raw.split(",") if k.strip())
-    try:
-        return kind(raw)
-    except ValueError:
-        name = f"YAIED_SERVER_{key}".upper()
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
-
-def _checked_type(key: str, value: Any) -> Any:
-    kind = _kind(key)
-    if kind is tuple and isinstance(value, list | tuple):
-        return tuple(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, kind) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"server.{key} must be a {kind.__name__}, got {value!r}")
+    return load_section(ServerConfig, "server", read_toml(path), env, overrides)
