@@ -254,18 +254,24 @@ def launch_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     _log(f"launching yaied {' '.join(argv)}")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=sys.stderr)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.launch_timeout
+    wait_healthy(proc, url, args.launch_timeout)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_hint: str = "") -> None:
+    """Poll /health until it answers 200; stop the daemon and raise if it exits or times out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {proc.returncode} before becoming healthy")
+            raise RuntimeError(f"the daemon exited with {proc.returncode}{log_hint}")
         try:
             if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     stop_daemon(proc)
-    raise RuntimeError(f"the daemon was not healthy within {args.launch_timeout} s")
+    raise RuntimeError(f"the daemon was not healthy within {timeout} s{log_hint}")
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import free_port, stop_daemon  # noqa: E402
+from bench_serving import free_port, stop_daemon, wait_healthy  # noqa: E402
 from soak_load import MODEL_NAME, Outcome, RequestSpec, make_spec, run_request  # noqa: E402
 
 
@@ -91,18 +91,8 @@ def launch(args: argparse.Namespace, model: str, log_path: Path) -> tuple[subpro
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_daemon(proc)
-    raise RuntimeError("the daemon was not healthy within 300 s")
+    wait_healthy(proc, url, 300, log_hint=f"; see {log_path}")
+    return proc, url
 
 
 def scrape(url: str) -> dict[str, float]:
