@@ -23,8 +23,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, log_path) -> None:
-    deadline = time.monotonic() + 60
+def wait_healthy(proc: subprocess.Popen, base: str, log_path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, log_path.read_text()
         try:

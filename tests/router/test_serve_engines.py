@@ -5,13 +5,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from tests.test_cli import assert_one_line_error, run_main
-from tests.test_daemon import free_port, serve_command
+from tests.test_daemon import free_port, serve_command, wait_healthy
 
 
 @pytest.mark.parametrize(
@@ -26,20 +25,6 @@ def test_bad_router_flags(capsys, tiny_model_dirs, flags, pattern):
     assert_one_line_error(*run_main(capsys, *argv), pattern)
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, log_path, timeout: float = 150) -> None:
-    """As tests/test_daemon.py's, with room for two engine processes to spawn and load."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the daemon never became healthy"
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(240)
 def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
     port = free_port()
@@ -49,7 +34,8 @@ def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
         try:
-            wait_healthy(proc, base, log_path)
+            # Room for two engine processes to spawn and load.
+            wait_healthy(proc, base, log_path, timeout=150)
             engines = httpx.get(f"{base}/v1/engines").json()["data"]
             assert [(e["id"], e["kind"], e["health"]) for e in engines] == [
                 ("0", "local", "up"),
