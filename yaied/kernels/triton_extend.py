@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from yaied.kernels.triton_common import (
+    attend_page_block,
     check,
     check_cache,
     check_index,
@@ -69,29 +70,14 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     head_base = (head // GROUP).to(tl.int64) * stride_ch
     end = tl.minimum(context_len, prefix + (block_m + 1) * BLOCK_M)  # past the block's last row
+    # Position 0 is visible to every row, so each row's running max is finite after the first
+    # block and masked entries contribute exp2(-inf) = 0.
     for block in range(0, end, BLOCK_N):
-        pos = block + tl.arange(0, BLOCK_N)
-        pos_mask = pos < end
-        page = tl.load(table_ptr + chunk * stride_tb + pos // PAGE_SIZE, mask=pos_mask, other=0)
-        kv_offsets = head_base + page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cs
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
-        # Position 0 is visible to every row, so each row's running max is finite after the
-        # first block and masked entries contribute exp2(-inf) = 0.
-        visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_page_block(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_ptr + chunk * stride_tb, head_base,
+            block, end, query_pos, dims, dim_mask, stride_cp, stride_cs, qk_scale,
+            PAGE_SIZE, BLOCK_N, True, PRECISION, UPCAST,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     out_offsets = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
