@@ -35,11 +35,15 @@ class KVCacheManager:
         """Pages a request could get now: free ones plus cached ones nobody is using."""
         return self.pool.num_free + self.tree.num_evictable_pages
 
-    def match_prefix(self, request: Request) -> None:
+    def match_prefix(self, request: Request, *, lookup: bool = True) -> None:
         """Point a request without pages at the longest cached prefix of its tokens. At least one
-        token is left to compute, since its logits give the next token."""
+        token is left to compute, since its logits give the next token. Without lookup (a
+        request that must compute every position, for prompt logprobs) the match is empty: the
+        request still gets the root as its prefix node, so caching its pages later swaps one
+        locked node for another like any other request's."""
         assert not request.page_ids and request.num_computed_tokens == 0
-        match = self.tree.match_prefix(request.all_token_ids[: request.num_tokens - 1])
+        tokens = request.all_token_ids[: request.num_tokens - 1] if lookup else []
+        match = self.tree.match_prefix(tokens)
         self.tree.lock(match.node)
         request.prefix_node = match.node
         request.page_ids = list(match.page_ids)

@@ -166,10 +166,11 @@ class Scheduler:
         size, 0 when there is no seat or no pages for it."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
-        if request.params.prompt_logprobs is None:
-            # Prefill only what the prefix cache lacks. (Prompt logprobs need every prompt
-            # position computed, so those requests skip the cache lookup.)
-            self.kv.match_prefix(request)
+        # Prefill only what the prefix cache lacks. Prompt logprobs need every prompt position
+        # computed, so those requests skip the lookup until their prompt has been scored (a
+        # preempted one that already has output resumes from the cache like any other).
+        scores_prompt = request.params.prompt_logprobs is not None and not request.output_token_ids
+        self.kv.match_prefix(request, lookup=not scores_prompt)
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self._reserve_pages(request, n, scheduled, ranks):
             self._unmatch(request)
