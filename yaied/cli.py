@@ -203,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
+    from yaied.engine.faults import EngineDeadError
     from yaied.router.config import load_router_config
     from yaied.server.config import load_server_config
     from yaied.worker.model_files import check_model_reference
@@ -224,7 +225,13 @@ def _serve_http(args: argparse.Namespace) -> int:
     router, engines = load_router_config(
         args.config, overrides={k: v for k, v in router_flags.items() if v is not None}
     )
-    run_server(config, server, router, engines)
+    try:
+        run_server(config, server, router, engines)
+    except EngineDeadError as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        sys.stderr.flush()
+        # The worker thread may be stuck in the step that hung: exit without waiting for it.
+        os._exit(EXIT_FAILED)
     return 0
 
 

@@ -93,11 +93,28 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """The engine loop's fault handling (the [engine] section; see yaied/engine/async_engine.py)."""
+
+    # A step running longer than this means a hung device or kernel: the engine stops, and its
+    # process exits so that a supervisor restarts it. Far above any real step (CPU prefill of
+    # a full budget, Triton's interpreter in tests), so it only ever catches a hang.
+    step_timeout_s: float = 300.0
+    max_failed_steps: int = 3  # whole steps failing in a row before the engine rebuilds its cache
+
+    def __post_init__(self) -> None:
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"engine.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        _at_least("engine.max_failed_steps", self.max_failed_steps, 1)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    engine: LoopConfig = field(default_factory=LoopConfig)
 
 
 T = TypeVar("T")
@@ -110,6 +127,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "engine": LoopConfig,
 }
 
 

@@ -11,6 +11,9 @@ Shutdown (SIGTERM or SIGINT) drains first:
            -> (drain timeout) the rest are aborted with a final event -> uvicorn stops -> exit 0
 
 A second signal skips what is left of the drain.
+
+A single engine that stops for good (see yaied/engine/faults.py) stops the server too, and
+``run_server`` raises EngineDeadError: `yaied serve` then exits non-zero for its supervisor.
 """
 
 from __future__ import annotations
@@ -76,12 +79,24 @@ def run_server(
 
         if engines or router_config.engines > 1:
             return build_manager(engine_config, router_config, engines)
-        return EngineManager.single(AsyncEngine(engine_config, show_progress=False), router_config)
+        engine = AsyncEngine(engine_config, show_progress=False)
+        engine.on_dead = engine_died
+        return EngineManager.single(engine, router_config)
 
     def load_failed(exc: BaseException) -> None:
         failure.append(exc)
         if server is not None:
             server.should_exit = True  # nothing to serve: stop listening
+
+    def engine_died(exc: BaseException) -> None:
+        # The one engine stopped for good (a hung step, a CUDA error, a failed rebuild) and has
+        # failed every request. Nothing in this process can bring it back: exit non-zero, so
+        # systemd, a container runtime or a shell loop starts a fresh daemon.
+        from yaied.engine.faults import EngineDeadError
+
+        failure.append(EngineDeadError(f"the engine stopped: {exc}"))
+        if server is not None:
+            server.should_exit = True
 
     app = build_app(
         server_config, load_engine, engine_config.model.model, on_load_failure=load_failed

@@ -36,6 +36,9 @@ class SystemdNotifier:
             return
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                # Never block the event loop: a reader that fell behind (a full queue) costs
+                # this one message, not every request in flight.
+                sock.setblocking(False)
                 sock.sendto(message.encode(), self.address)
         except OSError as exc:  # systemd gone or socket unwritable: never fatal for serving
             log.warning("sd_notify %r failed: %s", message, exc)

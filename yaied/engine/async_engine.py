@@ -6,6 +6,9 @@
 
 Only the engine task touches the scheduler, the page pool and the detokenizers, so they need no
 locks; only the worker thread touches the model and KV tensors. Closing a stream aborts its request.
+Faults follow one escalation order (yaied/engine/faults.py): a request, then the bookkeeping
+(rebuilt in-process), then the engine itself (EngineDeadError: its process must restart).
+Tests and the engine fuzzer drive the same code synchronously through add_request() and step().
 """
 
 from __future__ import annotations
@@ -13,17 +16,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import EngineConfig
 from yaied.engine.detokenizer import IncrementalDetokenizer
-from yaied.engine.scheduler import NONFINITE_TOKEN, Batch, Scheduler, StepOutput
+from yaied.engine.faults import (
+    RESTART_REASONS,
+    EngineDeadError,
+    check_invariants,
+    restart_reason,
+)
+from yaied.engine.scheduler import Batch, Scheduler, StepOutput
 from yaied.engine.validation import InputProcessor
 from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.worker.worker import Worker, WorkerInfo
@@ -31,8 +42,10 @@ from yaied.worker.worker import Worker, WorkerInfo
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Stream:
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """One request and the queue its events go to (read by generate(), or by a test)."""
+
     request: Request
     queue: asyncio.Queue[TokenEvent]
     detokenizer: IncrementalDetokenizer | None
@@ -54,21 +67,31 @@ class AsyncEngine:
             raise
         self.info: WorkerInfo = self.worker.info
         self.inputs = InputProcessor(self.worker.loaded, self.info)
-        self.pool = PagePool(self.info.num_pages, self.info.page_size)
-        self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.info.max_model_len)
-        self._streams: dict[str, _Stream] = {}
-        self._inbox: deque[_Stream] = deque()
+        self._new_bookkeeping()
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: deque[RequestStream] = deque()
         self._aborts: deque[str] = deque()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self.dead: BaseException | None = None  # set when the loop itself crashed
+        self.dead: BaseException | None = None  # set when the engine stopped for good
+        # Told once, with the reason, when the engine stops for good (level 3 of faults.py).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self.num_steps = 0
+        self.restarts = dict.fromkeys(RESTART_REASONS, 0)  # in-process rebuilds, by reason
+        self._failed_steps = 0  # whole steps failed in a row
+        self._rebuilds_in_a_row = 0  # rebuilds with no good step between them
+        self._last_progress = time.monotonic()  # the last finished step, or when work arrived
         # Told each step's size in tokens (the server's iteration_tokens histogram). It runs in
         # the engine task, so it must be cheap and must not raise.
         self.step_observer: Callable[[int], None] | None = None
+
+    def _new_bookkeeping(self) -> None:
+        """A fresh page pool, prefix cache and scheduler: at start, and to recover (level 2)."""
+        self.pool = PagePool(self.info.num_pages, self.info.page_size)
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=self.config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.info.max_model_len)
 
     @property
     def tokenizer(self):
@@ -88,24 +111,17 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenEvent]:
         """Stream the events of one request. Bad input raises ValueError before anything is queued;
         closing the iterator (break, cancellation, client gone) aborts the request."""
-        params = self.inputs.sampling_params(params, sampling)
-        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._ensure_started()
-        request = Request(
-            request_id,
-            prompt_ids,
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        stream = self.add_request(
+            prompt,
             params,
+            request_id=request_id,
             session_id=session_id,
             priority=priority,
-            eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
+            **sampling,
         )
-        stream = _Stream(request, asyncio.Queue(), self.inputs.detokenizer(request))
-        self._streams[request_id] = stream
-        self._inbox.append(stream)
-        self._wake.set()
+        self._ensure_started()
         finished = False
         try:
             while not finished:
@@ -114,7 +130,56 @@ class AsyncEngine:
                 yield event
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(stream.request.request_id)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        priority: int = 0,
+        **sampling: object,
+    ) -> RequestStream:
+        """Queue a request; its events go to the returned stream's queue. generate() wraps this;
+        tests that step the engine themselves (step()) call it directly."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        params = self.inputs.sampling_params(params, sampling)
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            session_id=session_id,
+            priority=priority,
+            eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
+        )
+        stream = RequestStream(request, asyncio.Queue(), self.inputs.detokenizer(request))
+        if not self._streams:
+            self._last_progress = time.monotonic()  # idle until now: nothing was stalled
+        self._streams[request_id] = stream
+        self._inbox.append(stream)
+        if self._wake is not None:
+            self._wake.set()
+        return stream
+
+    def step(self) -> bool:
+        """Run one step in the calling thread: schedule, execute, update, with the same fault
+        handling as the loop (no step timeout). For tests and the engine fuzzer, which drive
+        the engine synchronously; never while the loop task runs. False when there was no work.
+        Raises EngineDeadError once the engine has stopped."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead}")
+        batch = self._guarded(self._next_batch)
+        if batch is None:
+            return False
+        self._guarded(self._finish_step, batch, self.worker.execute(batch))
+        return True
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id; a no-op for an unknown or finished one."""
@@ -133,7 +198,7 @@ class AsyncEngine:
             self.abort(request_id)
 
     def stats(self) -> dict[str, int | float]:
-        return {
+        stats: dict[str, int | float] = {
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
             # Cached pages that no running request uses count as free (they are evicted on demand).
@@ -145,6 +210,18 @@ class AsyncEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
         }
+        for reason, count in self.restarts.items():
+            stats[f"engine_restarts_{reason}"] = count
+        return stats
+
+    def progressing(self) -> bool:
+        """Whether steps advance: nothing is pending, or a step finished (or work arrived) less
+        than engine.step_timeout_s ago. The systemd watchdog is fed only while this holds."""
+        if self.dead is not None:
+            return False
+        if not self._streams:
+            return True
+        return time.monotonic() - self._last_progress < self.config.engine.step_timeout_s
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -154,42 +231,119 @@ class AsyncEngine:
             self._task = None
         for request_id in list(self._streams):
             self._finish_stream(request_id, FinishReason.ABORT, error=None)
-        self._executor.shutdown(wait=True)
+        # A dead engine's worker thread may be stuck in a hung step: do not wait for it.
+        self._executor.shutdown(wait=self.dead is None)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
-        if self.dead is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.dead}")
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="yaied-engine")
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        try:
+        with contextlib.suppress(EngineDeadError):  # _die has failed every request already
             while True:
-                self._drain_inbox()
-                self._drain_aborts()
-                batch = self.scheduler.schedule()
+                batch = self._guarded(self._next_batch)
                 if batch is None:
                     self._wake.clear()
                     if not self._inbox and not self._aborts:
                         await self._wake.wait()
                     continue
-                output = await loop.run_in_executor(self._executor, self.worker.execute, batch)
-                self.num_steps += 1
-                if self.step_observer is not None:
-                    self.step_observer(batch.num_tokens)
-                self._apply(batch, output)
-        except asyncio.CancelledError:
+                output = await self._execute(loop, batch)
+                self._guarded(self._finish_step, batch, output)
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> StepOutput:
+        timeout = self.config.engine.step_timeout_s
+        running = loop.run_in_executor(self._executor, self.worker.execute, batch)
+        try:
+            return await asyncio.wait_for(running, timeout)
+        except TimeoutError:
+            # The worker thread is stuck in the device or a kernel; nothing can stop it.
+            dead = EngineDeadError(f"a step ran longer than engine.step_timeout_s ({timeout} s)")
+            self._die(dead)
+            raise dead from None
+
+    def _next_batch(self) -> Batch | None:
+        self._drain_inbox()
+        self._drain_aborts()
+        return self.scheduler.schedule()
+
+    def _finish_step(self, batch: Batch, output: StepOutput) -> None:
+        self.num_steps += 1
+        self._last_progress = time.monotonic()
+        if self.step_observer is not None:
+            self.step_observer(batch.num_tokens)
+        if output.fatal:
+            raise EngineDeadError(f"the device failed: {output.error}")
+        if output.error is not None:
+            self._fail_step(batch, output.error)
+            return
+        self._failed_steps = 0
+        self._apply(batch, output)
+        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+        self._rebuilds_in_a_row = 0
+
+    def _fail_step(self, batch: Batch, error: str) -> None:
+        """Nothing of the step ran: its requests fail. Steps failing over and over point at the
+        bookkeeping (a page table the model cannot use): rebuild it."""
+        for seq in batch.seqs:
+            self._finish_stream(seq.request_id, FinishReason.ERROR, error=error)
+        self._failed_steps += 1
+        limit = self.config.engine.max_failed_steps
+        if self._failed_steps >= limit:
+            self._failed_steps = 0
+            self._rebuild("failed_steps", RuntimeError(f"{limit} steps failed in a row: {error}"))
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a piece of the loop; an exception escaping it is level 2 (rebuild, return None),
+        or level 3 when it is EngineDeadError or the rebuild fails (stop, raise)."""
+        try:
+            return fn(*args)
+        except EngineDeadError as exc:
+            self._die(exc)
             raise
-        except Exception as exc:  # a bug in the loop: fail everyone rather than hang them
-            log.exception("engine loop crashed")
-            self.dead = exc
-            for request_id in list(self._streams):
-                self._finish_stream(request_id, FinishReason.ERROR, error=f"engine failed: {exc}")
-            raise
+        except Exception as exc:
+            try:
+                self._rebuild(restart_reason(exc), exc)
+            except Exception as failed:
+                dead = EngineDeadError(f"could not recover from {exc!r}: {failed}")
+                self._die(dead)
+                raise dead from failed
+            return None
+
+    def _rebuild(self, reason: str, exc: BaseException) -> None:
+        """Level 2: fail the in-flight requests, start over with empty bookkeeping. Requests
+        still in the inbox never reached the scheduler; they are served after the rebuild."""
+        log.error("engine restart (%s): %s", reason, exc, exc_info=exc)
+        self._rebuilds_in_a_row += 1
+        if self._rebuilds_in_a_row > self.config.engine.max_failed_steps:
+            raise EngineDeadError(f"{self._rebuilds_in_a_row} rebuilds with no good step between")
+        self.restarts[reason] += 1
+        error = f"the engine failed ({reason}: {exc}) and restarted; retry the request"
+        queued = {id(stream) for stream in self._inbox}
+        for stream in list(self._streams.values()):
+            if id(stream) not in queued:
+                self._end_stream(stream, FinishReason.ERROR, error)
+        self._failed_steps = 0
+        self._new_bookkeeping()
+        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+
+    def _die(self, exc: BaseException) -> None:
+        """Level 3: fail every request, refuse new ones, tell on_dead (once)."""
+        if self.dead is not None:
+            return
+        log.critical("engine stopped: %s", exc)
+        self.dead = exc
+        self._inbox.clear()
+        for stream in list(self._streams.values()):
+            self._end_stream(stream, FinishReason.ERROR, f"the engine stopped: {exc}")
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:
+                log.exception("on_dead failed")
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -200,58 +354,64 @@ class AsyncEngine:
             self._finish_stream(self._aborts.popleft(), FinishReason.ABORT, error=None)
 
     def _apply(self, batch: Batch, output: StepOutput) -> None:
-        if output.error is not None:
-            for seq in batch.seqs:
-                self._finish_stream(seq.request_id, FinishReason.ERROR, error=output.error)
-            return
-        self._fail_nonfinite(batch, output)
+        # Failed rows first: the scheduler then skips them, so their pages are never cached.
+        for request_id, error in output.failed.items():
+            log.error("request %s failed: %s", request_id, error)
+            self._finish_stream(request_id, FinishReason.ERROR, error=error)
         logprobs = self._logprobs_by_request(batch, output)
         for request_id, scored in output.prompt_logprobs.items():
-            stream = self._streams.get(request_id)
-            if stream is None:
-                continue
-            # A chunk from position 0 (it leads with None) starts the list anew: after a
-            # preemption the prompt is scored again from the start.
-            restart = bool(scored) and scored[0] is None
-            stream.prompt_logprobs = scored if restart else (stream.prompt_logprobs or []) + scored
+            self._for_request(request_id, self._gather_prompt_logprobs, request_id, scored)
         for request in self.scheduler.update(batch, output):
-            stream = self._streams[request.request_id]
-            token = request.output_token_ids[-1]
-            text, stop_string = "", None
-            if stream.detokenizer is not None:
-                text = stream.detokenizer.push(token)
-                stop_string = stream.detokenizer.stop_reason
-                if stop_string is not None:
-                    self.scheduler.finish(request, FinishReason.STOP)
-            reason = request.finish_reason
-            stop_reason: str | int | None = stop_string
-            if reason is FinishReason.STOP and stop_string is None:
-                stop_reason = token if token in request.params.stop_token_ids else None
-            if reason is not None and stop_string is None and stream.detokenizer is not None:
-                text += stream.detokenizer.flush()
             token_logprobs = logprobs.get(request.request_id)
-            prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
-            self._emit(
-                stream,
-                [token],
-                text,
-                reason,
-                stop_reason,
-                None,
-                logprobs=None if token_logprobs is None else [token_logprobs],
-                prompt_logprobs=prompt_logprobs,
-            )
+            self._for_request(request.request_id, self._emit_token, request, token_logprobs)
 
-    def _fail_nonfinite(self, batch: Batch, output: StepOutput) -> None:
-        """Fail the requests whose logits were not finite; scheduler.update then skips them."""
-        if NONFINITE_TOKEN not in output.sampled_token_ids:
+    def _for_request(self, request_id: str, fn: Callable[..., None], *args: Any) -> None:
+        """Level 1: an exception in one request's own handling ends that request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed while handling its output", request_id)
+            error = f"internal error while handling the request: {type(exc).__name__}: {exc}"
+            self._finish_stream(request_id, FinishReason.ERROR, error=error)
+
+    def _gather_prompt_logprobs(self, request_id: str, scored: list[TokenLogprobs | None]) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
             return
-        sampled = (seq for seq in batch.seqs if seq.sample)
-        for seq, token in zip(sampled, output.sampled_token_ids, strict=True):
-            if token == NONFINITE_TOKEN:
-                log.error("request %s: non-finite logits (NaN or inf)", seq.request_id)
-                error = "the model produced non-finite logits (NaN or inf)"
-                self._finish_stream(seq.request_id, FinishReason.ERROR, error=error)
+        # A chunk from position 0 (it leads with None) starts the list anew: after a
+        # preemption the prompt is scored again from the start.
+        restart = bool(scored) and scored[0] is None
+        stream.prompt_logprobs = scored if restart else (stream.prompt_logprobs or []) + scored
+
+    def _emit_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> None:
+        stream = self._streams[request.request_id]
+        token = request.output_token_ids[-1]
+        text, stop_string = "", None
+        if stream.detokenizer is not None:
+            text = stream.detokenizer.push(token)
+            stop_string = stream.detokenizer.stop_reason
+            if stop_string is not None:
+                self.scheduler.finish(request, FinishReason.STOP)
+                # The stop string may end on the last token max_tokens allows: the request is
+                # then finished already (as LENGTH), but it stopped on the string.
+                request.finish_reason = FinishReason.STOP
+        reason = request.finish_reason
+        stop_reason: str | int | None = stop_string
+        if reason is FinishReason.STOP and stop_string is None:
+            stop_reason = token if token in request.params.stop_token_ids else None
+        if reason is not None and stop_string is None and stream.detokenizer is not None:
+            text += stream.detokenizer.flush()
+        prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
+        self._emit(
+            stream,
+            [token],
+            text,
+            reason,
+            stop_reason,
+            None,
+            logprobs=None if token_logprobs is None else [token_logprobs],
+            prompt_logprobs=prompt_logprobs,
+        )
 
     @staticmethod
     def _logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:
@@ -270,12 +430,17 @@ class AsyncEngine:
             self._inbox.remove(stream)
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)
+        self._end_stream(stream, reason, error)
+
+    def _end_stream(self, stream: RequestStream, reason: FinishReason, error: str | None) -> None:
+        """The stream's final event, without touching the scheduler (after a rebuild, or when
+        the engine stopped, its old state is gone or cannot be trusted)."""
         stream.request.finish_reason = reason
         self._emit(stream, [], "", reason, None, error)
 
     def _emit(
         self,
-        stream: _Stream,
+        stream: RequestStream,
         token_ids: list[int],
         text: str,
         reason: FinishReason | None,

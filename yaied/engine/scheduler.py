@@ -62,17 +62,20 @@ class Batch:
         return sum(seq.sample for seq in self.seqs)
 
 
-# A sampled id that says "this row's logits were not finite" (see StepOutput).
-NONFINITE_TOKEN = -1
-
-
 @dataclass(slots=True)
 class StepOutput:
     """The worker's answer: one sampled token per sampling sequence, in batch order."""
 
-    # NONFINITE_TOKEN where the row's logits held NaN or +inf: the engine fails that request.
+    # One per sampling sequence; a row named in `failed` holds a meaningless id.
     sampled_token_ids: list[int]
+    # The whole step failed (nothing was computed): every request in it fails with this message.
     error: str | None = None
+    # The failure cannot be recovered in this process (a CUDA error): the engine stops.
+    fatal: bool = False
+    # Request id -> why that request alone failed this step: its chunk's values were not finite
+    # (NaN or inf, which would sample garbage and poison the prefix cache), or it failed when
+    # run by itself after the whole step had failed. The engine fails these before caching.
+    failed: dict[str, str] = field(default_factory=dict)
     model_time: float = 0.0
     # Aligned with sampled_token_ids (None for rows that did not ask); None when no row asked.
     sampled_logprobs: list[TokenLogprobs | None] | None = None

@@ -141,7 +141,7 @@ class Simulator:
             self.now += step_time
             busy += step_time
             sampled = [self.rng.getrandbits(15) + 1 for _ in range(batch.num_sampled)]
-            for request in self.scheduler.update(batch, StepOutput(sampled, None, step_time)):
+            for request in self.scheduler.update(batch, StepOutput(sampled, model_time=step_time)):
                 if request.is_finished:
                     calls.append(self._call_result(request))
                     finished += self._complete_call(request)

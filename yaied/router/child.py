@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _STOP = object()
 STATS_INTERVAL = 0.2  # seconds between the child's stats reports
 _MAX_EARLY_ABORTS = 4096  # aborts that overtook their submission, remembered until it comes
+EXIT_ENGINE_DEAD = 3  # the child's exit status when its engine stopped for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,9 @@ def child_main(
     # Skip the interpreter's teardown: torch's thread pools abort ("terminate called ...") when
     # destroyed under the reader threads still blocked on their pipes. Everything is sent.
     sys.stderr.flush()
-    os._exit(0)
+    # A dead engine (a hung step, a CUDA error, a failed rebuild) exits non-zero: the router sees
+    # the pipe close and starts a new process, which is the only way back.
+    os._exit(EXIT_ENGINE_DEAD if engine.dead is not None else 0)
 
 
 class ChildServer:
@@ -111,6 +114,7 @@ class ChildServer:
         loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
         self.engine.step_observer = self._steps.append
+        self.engine.on_dead = lambda exc: self._done.set()  # every call has its error event
         for conn, handler in ((submit_conn, self._on_submit), (abort_conn, self._on_abort)):
             args = (conn, loop, handler, self._done.set)
             threading.Thread(target=_read, args=args, daemon=True).start()

@@ -122,6 +122,11 @@ class EngineHandle(abc.ABC):
         """Where the engine is, for /v1/engines."""
         return {}
 
+    def progressing(self) -> bool:
+        """False while an engine in this process has work but its steps stopped advancing.
+        Engines in other processes watch themselves (a hung step stops their process)."""
+        return True
+
     def _lost(self) -> None:
         if self.on_lost is not None:
             self.on_lost(self.engine_id)
@@ -187,3 +192,6 @@ class InProcessHandle(EngineHandle):
 
     def describe(self) -> dict[str, Any]:
         return {"device": self.engine.info.device}
+
+    def progressing(self) -> bool:
+        return self.engine.progressing()

@@ -377,6 +377,10 @@ class EngineManager:
     def num_requests_in_flight(self) -> int:
         return len(self._calls)
 
+    def progressing(self) -> bool:
+        """Whether every engine in this process advances its steps (see the watchdog)."""
+        return all(handle.progressing() for handle in self.handles.values())
+
     @property
     def dead(self) -> str | None:
         """Why no engine can serve now, or None while at least one is up."""

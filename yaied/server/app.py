@@ -199,8 +199,11 @@ def build_app(
 
         app.state.server = server  # the daemon drains through it on SIGTERM
         loading = asyncio.create_task(load_then_notify(), name="yaied-load")
-        # Fed only while the engine loop lives: a dead loop gets the service restarted.
-        watchdog = asyncio.create_task(notifier.feed_watchdog(lambda: server.ready))
+        # Fed only while the engines serve and their steps advance: a dead or hung engine gets
+        # the service restarted.
+        watchdog = asyncio.create_task(
+            notifier.feed_watchdog(lambda: server.ready and server.manager.progressing())
+        )
         try:
             yield {"server": server}
         finally:

@@ -30,6 +30,8 @@ _ITL_BUCKETS = (
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Engine stats keys engine_restarts_<reason>: the engine_restarts_total{reason} counter.
+RESTARTS_PREFIX = "engine_restarts_"
 
 
 class EngineStatsCollector:
@@ -59,12 +61,22 @@ class EngineStatsCollector:
             families[name] = GaugeMetricFamily(f"yaied:{name}", doc, labels=names)
         for name, doc in counters.items():
             families[name] = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
+        restarts = CounterMetricFamily(
+            "yaied:engine_restarts",
+            "In-process engine rebuilds after a fault, by reason (see yaied/engine/faults.py).",
+            labels=[*names, "reason"],
+        )
         for engine_id, stats in per_engine.items():
             values = {**stats, "kv_cache_usage_perc": _kv_usage(stats)}
             for name, family in families.items():
                 if name in values:
                     family.add_metric([self._model_name, engine_id], values[name])
+            for key, value in stats.items():
+                if key.startswith(RESTARTS_PREFIX):
+                    reason = key.removeprefix(RESTARTS_PREFIX)
+                    restarts.add_metric([self._model_name, engine_id, reason], value)
         yield from families.values()
+        yield restarts
 
 
 def _kv_usage(stats: dict[str, int | float]) -> float:

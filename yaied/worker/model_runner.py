@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from yaied.engine.scheduler import NONFINITE_TOKEN, Batch, ScheduledSeq, StepOutput
+from yaied.engine.scheduler import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.request import TokenLogprobs
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
@@ -74,18 +74,45 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
         token_ids = self._sample(logits, sampling)
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
-        # NaN or +inf logits (an overflow, bad weights, corrupt KV) would sample garbage. amax
-        # propagates NaN, so one reduction per step finds such rows, and the mark rides the
-        # step's one host copy; -inf alone is a legitimate mask and passes.
-        finite = torch.isfinite(logits.amax(dim=-1))
-        token_ids = torch.where(finite, token_ids, NONFINITE_TOKEN)
+        finite = self._finite_rows(batch.seqs, hidden, first_row, logits)
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
+        # With no logprobs asked for, the step's one host sync: tokens, then the finite marks.
+        host = torch.cat([token_ids, finite.to(token_ids.dtype)]).tolist()
+        failed = {
+            seq.request_id: "the model produced non-finite values (NaN or inf)"
+            for seq, ok in zip(batch.seqs, host[len(sampling) :], strict=True)
+            if not ok
+        }
         return StepOutput(
-            token_ids.tolist(),  # with no logprobs asked for, the step's one host sync
+            host[: len(sampling)],
+            failed=failed,
             model_time=time.perf_counter() - start,
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
         )
+
+    @staticmethod
+    def _finite_rows(
+        seqs: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        first_row: dict[str, int],
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """[num_seqs] bool, batch order: whether each sequence's values this step are finite.
+
+        A chunk's last row attends to every position before it, so a NaN or inf in any K/V it
+        wrote (or read) reaches that row's hidden state: checking one row per sequence vouches
+        for the whole chunk before its pages enter the prefix cache. Sampled rows also check
+        their logits (an overflow in the head); amax propagates NaN, and -inf alone is a
+        legitimate mask and passes."""
+        last_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs]
+        rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
+        finite = torch.isfinite(hidden[rows]).all(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.int64, device=hidden.device)
+            finite[index] = finite[index] & torch.isfinite(logits.amax(dim=-1))
+        return finite
 
     def _forward(
         self, seqs: list[ScheduledSeq]

@@ -17,6 +17,7 @@ import torch
 
 from yaied.config import EngineConfig
 from yaied.engine.scheduler import Batch, StepOutput
+from yaied.request import TokenLogprobs
 from yaied.worker.cpu_linear import can_pack, pack_linears
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -193,10 +194,61 @@ class Worker:
         return budget
 
     def execute(self, batch: Batch) -> StepOutput:
+        """Run one step. A step that raises is run again one sequence at a time, so a request
+        that breaks it (a bad row in the sampler, say) fails alone and the rest go on; K/V writes
+        are idempotent, so running a sequence twice is harmless. A CUDA error is fatal: the
+        device state cannot be trusted, so the engine stops (and its process is restarted)."""
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(batch)
-            return self.runner.execute(batch)
-        except Exception as exc:  # one bad step fails its requests, never the engine
-            log.error("step failed: %s\n%s", exc, traceback.format_exc())
-            return StepOutput([], error=f"{type(exc).__name__}: {exc}")
+            return self._execute(batch)
+        except Exception as exc:
+            error = _describe(exc)
+            log.error("step failed: %s\n%s", error, traceback.format_exc())
+            if is_fatal(exc):
+                return StepOutput([], error=error, fatal=True)
+            if len(batch.seqs) == 1:
+                return StepOutput([], error=error)
+            return self._execute_one_by_one(batch, error)
+
+    def _execute(self, batch: Batch) -> StepOutput:
+        if self.fault_hook is not None:
+            self.fault_hook(batch)
+        return self.runner.execute(batch)
+
+    def _execute_one_by_one(self, batch: Batch, error: str) -> StepOutput:
+        """The step again, one sequence a step, merged into one StepOutput in batch order."""
+        merged = StepOutput([])
+        logprobs: list[TokenLogprobs | None] = []
+        for seq in batch.seqs:
+            try:
+                out = self._execute(Batch([seq], len(seq.token_ids)))
+            except Exception as exc:
+                if is_fatal(exc):
+                    return StepOutput([], error=_describe(exc), fatal=True)
+                log.error("request %s failed alone: %s", seq.request_id, _describe(exc))
+                out = StepOutput([0] if seq.sample else [], failed={seq.request_id: _describe(exc)})
+            merged.sampled_token_ids += out.sampled_token_ids
+            if seq.sample:
+                logprobs.append(out.sampled_logprobs[0] if out.sampled_logprobs else None)
+            merged.failed.update(out.failed)
+            merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.model_time += out.model_time
+        if len(merged.failed) == len(batch.seqs):
+            return StepOutput([], error=error)  # nothing ran: the step failed as a whole
+        if any(lp is not None for lp in logprobs):
+            merged.sampled_logprobs = logprobs
+        return merged
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors after which the device cannot be trusted: CUDA's sticky errors (an illegal address,
+    a device-side assert) fail every later call in this process."""
+    if isinstance(exc, torch.AcceleratorError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("CUDA error", "device-side assert", "CUBLAS_STATUS")
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
