@@ -123,3 +123,40 @@ def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
             assert proc.wait(timeout=30) == 0, log_path.read_text()
         finally:
             proc.kill()
+
+
+def test_yaied_serve_exits_non_zero_when_its_engine_dies(tiny_model_dirs, tmp_path):
+    """A step that hangs past engine.step_timeout_s kills the one engine: the request gets its
+    error, and the daemon exits non-zero at once (for systemd or a shell loop to restart it)
+    instead of answering 503 forever."""
+    port = free_port()
+    hang = (
+        "import time\n"
+        "from yaied.worker.worker import Worker\n"
+        "execute = Worker.execute\n"
+        "def hanging(self, batch):\n"
+        "    if any(s.token_ids[:1] == [99] for s in batch.seqs):\n"
+        "        time.sleep(30)\n"
+        "    return execute(self, batch)\n"
+        "Worker.execute = hanging\n"
+    )
+    code = hang + serve_command(tiny_model_dirs["llama"], port, "--served-model-name", "tiny")
+    env = dict(os.environ, YAIED_ENGINE_STEP_TIMEOUT_S="0.5")
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, base, log_path)
+            body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+            assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+            hung = httpx.post(f"{base}/v1/completions", json={**body, "prompt": [99, 2]})
+            assert hung.status_code == 500 and "step_timeout_s" in hung.text
+            started = time.monotonic()
+            assert proc.wait(timeout=20) != 0
+            assert time.monotonic() - started < 15  # not after the hung step's 30 s
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "the engine stopped" in log_path.read_text()
