@@ -10,9 +10,10 @@ import pytest
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import SchedulerConfig, load_config
+from yaied.core.step import StepOutput
 from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.policy import POLICIES, MultiLevelPolicy, make_policy, queue_bounds, queue_level
-from yaied.engine.scheduler import Scheduler, StepOutput
+from yaied.engine.scheduler import Scheduler
 from yaied.engine.sim_workloads import CallSpec, ProgramSpec
 from yaied.engine.simulator import CostModel, EngineShape, Simulator
 from yaied.request import Request, RequestStatus, SamplingParams

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import SchedulerConfig
-from yaied.engine.scheduler import Scheduler, StepOutput
+from yaied.core.step import StepOutput
+from yaied.engine.scheduler import Scheduler
 from yaied.request import FinishReason, Request, RequestStatus, SamplingParams
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from yaied import LLM, SamplingParams
-from yaied.engine.scheduler import Batch, ScheduledSeq
+from yaied.core.step import Batch, ScheduledSeq
 from yaied.request import TokenLogprobs
 
 TOL = 1e-3

@@ -58,7 +58,7 @@ def test_logits_match_transformers(pair):
     reference, llm = pair
     runner = llm.engine.worker.runner
     prompt = random_prompts(1, 40, 40, llm.vocab_size, seed=7)[0]
-    from yaied.engine.scheduler import ScheduledSeq
+    from yaied.core.step import ScheduledSeq
 
     pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
     try:

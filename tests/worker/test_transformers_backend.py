@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import assert_greedy_equal, hf_greedy, make_tiny_model
 from yaied import LLM, SamplingParams
-from yaied.engine.scheduler import ScheduledSeq
+from yaied.core.step import ScheduledSeq
 from yaied.worker.models.transformers_backend import TransformersModel
 
 NEW_TOKENS = 16

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import assert_greedy_equal, hf_greedy
 from tests.kernels.triton_cases import interpreter_only
 from yaied import LLM, SamplingParams
-from yaied.engine.scheduler import Batch, ScheduledSeq
+from yaied.core.step import Batch, ScheduledSeq
 
 pytestmark = [interpreter_only, pytest.mark.timeout(120)]
 NEW_TOKENS = 4

@@ -27,6 +27,7 @@ from typing import Any
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.config import EngineConfig
+from yaied.core.step import Batch, StepOutput
 from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.faults import (
     RESTART_REASONS,
@@ -34,7 +35,7 @@ from yaied.engine.faults import (
     check_invariants,
     restart_reason,
 )
-from yaied.engine.scheduler import Batch, Scheduler, StepOutput
+from yaied.engine.scheduler import Scheduler
 from yaied.engine.validation import InputProcessor
 from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.worker.worker import Worker, WorkerInfo

@@ -21,68 +21,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.config import SchedulerConfig
+from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
-from yaied.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's share of a step, copied out so the worker never reads a live Request."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step, at positions start_pos, start_pos + 1...
-    start_pos: int
-    page_ids: list[int]  # the request's page table, covering every position up to the chunk's end
-    sample: bool  # the chunk ends at the request's last token: sample the next one
-    params: SamplingParams
-    # What the sampler needs beyond params; each is filled only when its knob is set, so a
-    # default request copies nothing.
-    num_output_tokens: int = 0  # output tokens so far: a seeded draw uses (seed, this)
-    penalty_prompt_ids: list[int] | None = None  # prompt copy, for repetition_penalty
-    penalty_output_ids: list[int] | None = None  # output copy, for any penalty
-    banned_token_ids: tuple[int, ...] = ()  # EOS and stop ids, while output < min_tokens
-    # prompt_logprobs: row i of the chunk (position start_pos + i) scores the prompt token at
-    # position start_pos + i + 1, which is prompt_logprob_targets[i]. The last row of a chunk
-    # that does not finish the prompt scores the next chunk's first token; the last prompt row
-    # scores nothing (it samples). None when not asked for.
-    prompt_logprob_targets: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Batch:
-    seqs: list[ScheduledSeq]  # single-token sequences first, then multi-token prefill chunks
-    num_tokens: int
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(seq.sample for seq in self.seqs)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """The worker's answer: one sampled token per sampling sequence, in batch order."""
-
-    # One per sampling sequence; a row named in `failed` holds a meaningless id.
-    sampled_token_ids: list[int]
-    # The whole step failed (nothing was computed): every request in it fails with this message.
-    error: str | None = None
-    # The failure cannot be recovered in this process (a CUDA error): the engine stops.
-    fatal: bool = False
-    # Request id -> why that request alone failed this step: its chunk's values were not finite
-    # (NaN or inf, which would sample garbage and poison the prefix cache), or it failed when
-    # run by itself after the whole step had failed. The engine fails these before caching.
-    failed: dict[str, str] = field(default_factory=dict)
-    model_time: float = 0.0
-    # Aligned with sampled_token_ids (None for rows that did not ask); None when no row asked.
-    sampled_logprobs: list[TokenLogprobs | None] | None = None
-    # Per request id, the prompt tokens scored by this step's chunk: a leading None for
-    # position 0 when the chunk starts there, then one entry per prompt_logprob_targets item.
-    # Concatenated over a prompt's chunks: one entry per prompt token.
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+from yaied.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yaied.engine.scheduler import ScheduledSeq
+from yaied.core.step import ScheduledSeq
 from yaied.kernels.triton_decode import choose_num_splits, paged_decode_attention
 from yaied.kernels.triton_extend import extend_attention
 from yaied.kernels.triton_store_kv import store_kv

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from yaied.engine.scheduler import ScheduledSeq
+from yaied.core.step import ScheduledSeq
 from yaied.request import SamplingParams
 
 GRAPH_RESERVE_BYTES = 512 * 2**20  # decode graphs' private pool: activations of <= 512 rows
