@@ -1,0 +1,321 @@
+"""Streaming tool-call parser: text deltas in, content and tool-call events out.
+
+The parser is fed the detokenizer's text deltas and returns events as soon as they are certain:
+
+- text that cannot be markup goes out as `ContentDelta` at once;
+- text that might be the start of a trigger (a prefix of `<tool_call>`) is held back until the
+  next delta decides it, so markup never reaches content;
+- a call is buffered until its JSON object closes; then, if it parses and names a function, it
+  goes out as `ToolCallStart` (index, id, name), one `ToolCallArguments` fragment holding the
+  arguments as JSON text (json.dumps of the parsed object), and `ToolCallEnd`.
+
+Buffering whole calls costs the client argument streaming but means an event, once sent, is never
+wrong: there is no half-sent call to retract when the model breaks the JSON.
+
+Decisions a caller must know:
+
+- A malformed call (not JSON, not an object with a string "name" and object arguments, a name
+  outside `tool_names`, or cut off by the end of the stream) is reported as content, markup
+  included, exactly as the model wrote it, and noted in `ParsedMessage.errors`; nothing the model
+  wrote is lost. Under a grammar that forces the call format this cannot happen.
+- Whitespace that only separates text from markup is dropped: before a call, after a call when
+  nothing else follows, and at the start of content that follows a call. A message without calls
+  comes out byte for byte.
+- llama3_json: a message that starts with "{" is held until the object closes; if it is not a
+  call (a JSON answer) it goes to content unchanged. Text after a run of calls is content.
+- hermes: junk between a call's closing brace and `</tool_call>` is dropped (noted in errors);
+  a missing `</tool_call>` before the next `<tool_call>` or the end is tolerated.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Collection
+
+from yaied.tools._scan import (
+    INVALID,
+    MORE,
+    JsonObjectScanner,
+    decode_call,
+    find_first,
+    partial_suffix,
+)
+from yaied.tools.events import (
+    ContentDelta,
+    ParsedMessage,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolEvent,
+    new_call_id,
+)
+from yaied.tools.formats import ToolCallFormat, get_format
+
+
+class _State(enum.Enum):
+    # Each value names the method that handles the state.
+    TEXT = "_step_text"  # prose; looking for triggers
+    OPEN = "_step_open"  # after a trigger or a separator; expecting "{"
+    OBJECT = "_step_object"  # inside a call's JSON object
+    AFTER = "_step_after"  # after a call's object: closing tag, separator, next call or prose
+    SKIP = "_step_skip"  # hermes: junk after a call's object, dropped up to </tool_call>
+    MALFORMED = "_step_malformed"  # hermes: a broken call, passed to content up to </tool_call>
+    PLAIN = "_step_plain"  # llama3: the rest of the message is content
+
+
+class ToolCallParser:
+    """One parser per generated message (per choice). Call `feed` with each text delta, `finish`
+    once at the end of the stream, then `result` for the whole message."""
+
+    def __init__(
+        self,
+        fmt: str | ToolCallFormat = "hermes",
+        *,
+        tool_names: Collection[str] | None = None,
+        id_factory: Callable[[], str] = new_call_id,
+    ) -> None:
+        self._fmt = get_format(fmt)
+        self._tool_names = None if tool_names is None else frozenset(tool_names)
+        self._new_id = id_factory
+        self._state = _State.TEXT
+        self._buf = ""  # received, not yet decided
+        self._raw = ""  # markup consumed for the call in progress: content again if it breaks
+        self._pending_ws = ""  # trailing whitespace of prose: dropped if a call follows it
+        self._at_start = True  # nothing but whitespace seen yet (llama3's bare JSON)
+        self._bare = False  # the object in progress opened the message without markup
+        self._scanner = JsonObjectScanner()
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._errors: list[str] = []
+        self._events: list[ToolEvent] = []
+        self._finished = False
+
+    def feed(self, delta: str) -> list[ToolEvent]:
+        """The events that `delta` makes certain (possibly none)."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._buf += delta
+        self._run(final=False)
+        return self._take_events()
+
+    def finish(self) -> list[ToolEvent]:
+        """End of stream: decide everything held back."""
+        if not self._finished:
+            self._finished = True
+            self._run(final=True)
+            if not self._calls and self._pending_ws:
+                self._emit(self._pending_ws)  # a message without calls comes out unchanged
+            self._pending_ws = ""
+        return self._take_events()
+
+    def result(self) -> ParsedMessage:
+        """The whole message so far (complete after `finish`)."""
+        content = "".join(self._content)
+        return ParsedMessage(content or None, list(self._calls), list(self._errors))
+
+    # --- the state machine ---------------------------------------------------------------------
+
+    def _run(self, final: bool) -> None:
+        # Each step consumes from the buffer or changes state; it returns False when it needs
+        # more text than there is.
+        while getattr(self, self._state.value)(final):
+            pass
+
+    def _step_text(self, final: bool) -> bool:
+        fmt, buf = self._fmt, self._buf
+        if self._at_start and fmt.bare_json_at_start:
+            body = buf.lstrip()
+            if not body:
+                if final:
+                    self._text(buf)
+                    self._buf = ""
+                return False
+            if body[0] == "{":  # llama3: the message opens with a call (or a JSON answer)
+                self._at_start, self._bare = False, True
+                self._raw = self._pending_ws + buf[: len(buf) - len(body)]
+                self._pending_ws = ""
+                self._buf = body
+                self._state = _State.OPEN
+                return True
+        i, trigger = find_first(buf, fmt.triggers)
+        if i >= 0:
+            self._text(buf[:i])
+            self._at_start = False
+            self._raw = self._pending_ws + trigger  # whitespace before a call is dropped...
+            self._pending_ws = ""  # ...unless the call breaks and all goes back to content
+            self._buf = buf[i + len(trigger) :]
+            self._state = _State.OPEN
+            return True
+        keep = 0 if final else partial_suffix(buf, fmt.triggers)
+        self._text(buf[: len(buf) - keep])
+        if buf[: len(buf) - keep].strip():
+            self._at_start = False
+        self._buf = buf[len(buf) - keep :]
+        return False
+
+    def _step_open(self, final: bool) -> bool:
+        body = self._buf.lstrip()
+        if not body:
+            self._raw += self._buf
+            self._buf = ""
+            if final and self._raw.strip() == (self._fmt.separator or ""):
+                self._raw = ""  # llama3: a separator with no call after it is dropped
+            elif final:
+                self._malformed("the stream ended before the call's JSON object", 0)
+            return False
+        self._raw += self._buf[: len(self._buf) - len(body)]
+        self._buf = body
+        if body[0] != "{":
+            self._malformed("no JSON object after the call marker", 0)
+            return True
+        self._scanner = JsonObjectScanner()
+        self._state = _State.OBJECT
+        return True
+
+    def _step_object(self, final: bool) -> bool:
+        end = self._scanner.scan(self._buf)
+        if end == MORE:
+            if final:
+                self._malformed("the stream ended inside the call's JSON object", len(self._buf))
+            return False
+        if end == INVALID:
+            self._malformed("the call is not valid JSON", self._scanner.failed_at)
+            return True
+        call = self._to_call(self._buf[:end])
+        if call is None:
+            return True  # _to_call reported it
+        name, arguments = call
+        index = len(self._calls)
+        self._calls.append(ToolCall(self._new_id(), name, arguments))
+        self._events += [
+            ToolCallStart(index, self._calls[-1].id, name),
+            ToolCallArguments(index, arguments),
+            ToolCallEnd(index),
+        ]
+        self._raw = ""
+        self._bare = False
+        self._buf = self._buf[end:]
+        self._state = _State.AFTER
+        return True
+
+    def _step_after(self, final: bool) -> bool:
+        fmt = self._fmt
+        body = self._buf.lstrip()
+        self._buf = body  # whitespace between markup is dropped
+        if not body:
+            return False
+        if fmt.call_end is not None:  # hermes: expect </tool_call>
+            if body.startswith(fmt.call_end):
+                self._buf = body[len(fmt.call_end) :]
+                self._state = _State.TEXT
+                return True
+            if body.startswith(fmt.triggers):
+                self._errors.append(f"a call without {fmt.call_end}")
+                self._state = _State.TEXT
+                return True
+            if not final and any(m.startswith(body) for m in (fmt.call_end, *fmt.triggers)):
+                return False
+            self._errors.append(f"text between a call and {fmt.call_end} dropped")
+            self._state = _State.SKIP
+            return True
+        # llama3: a separator or another object continues the run; anything else is prose.
+        if fmt.separator and body.startswith(fmt.separator):
+            self._raw = fmt.separator
+            self._buf = body[len(fmt.separator) :]
+            self._state = _State.OPEN
+            return True
+        if body[0] == "{":
+            self._state = _State.OPEN
+            return True
+        if not final and any(t.startswith(body) for t in fmt.triggers):
+            return False
+        self._state = _State.TEXT
+        return True
+
+    def _step_skip(self, final: bool) -> bool:
+        return self._until_call_end(final, keep_text=False)
+
+    def _step_malformed(self, final: bool) -> bool:
+        return self._until_call_end(final, keep_text=True)
+
+    def _until_call_end(self, final: bool, keep_text: bool) -> bool:
+        """hermes: consume up to and including </tool_call>, as content or dropped."""
+        end = self._fmt.call_end or ""
+        i = self._buf.find(end)
+        cut = i + len(end) if i >= 0 else len(self._buf)
+        if i < 0 and not final:
+            cut -= partial_suffix(self._buf, (end,))
+        if keep_text:
+            self._text(self._buf[:cut])
+        self._buf = self._buf[cut:]
+        if i >= 0:
+            self._state = _State.TEXT
+        return i >= 0
+
+    def _step_plain(self, final: bool) -> bool:
+        self._text(self._buf)
+        self._buf = ""
+        return False
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _to_call(self, text: str) -> tuple[str, str] | None:
+        """(name, arguments JSON) of a closed object, or None after reporting it malformed."""
+        decoded = decode_call(text, self._fmt.accepted_argument_keys)
+        if isinstance(decoded, str):
+            self._malformed(decoded, len(text))
+            return None
+        name, arguments = decoded
+        if self._tool_names is not None and name not in self._tool_names:
+            self._malformed(f"the call names an unknown function {name!r}", len(text))
+            return None
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+    def _malformed(self, reason: str, at: int) -> None:
+        """The call in progress is broken: its markup and text up to `at` become content, and
+        the rest is read as content up to the closing tag (hermes) or the end (llama3)."""
+        if not self._bare:  # a JSON answer that is not a call is content, not an error
+            self._errors.append(reason)
+        self._text(self._raw + self._buf[:at])
+        self._raw = ""
+        self._buf = self._buf[at:]
+        self._state = _State.MALFORMED if self._fmt.call_end else _State.PLAIN
+
+    def _text(self, text: str) -> None:
+        """Prose. Its trailing whitespace waits: a call may follow, and then it is dropped."""
+        body = text.rstrip()
+        if not body:
+            self._pending_ws += text
+            return
+        out = self._pending_ws + body
+        self._pending_ws = text[len(body) :]
+        if self._calls and not self._content:
+            out = out.lstrip()  # content that follows a call starts at its first word
+        self._emit(out)
+
+    def _emit(self, text: str) -> None:
+        self._content.append(text)
+        if self._events and isinstance(self._events[-1], ContentDelta):
+            self._events[-1] = ContentDelta(self._events[-1].text + text)
+        else:
+            self._events.append(ContentDelta(text))
+
+    def _take_events(self) -> list[ToolEvent]:
+        events, self._events = self._events, []
+        return events
+
+
+def parse_tool_calls(
+    text: str,
+    fmt: str | ToolCallFormat = "hermes",
+    *,
+    tool_names: Collection[str] | None = None,
+    id_factory: Callable[[], str] = new_call_id,
+) -> ParsedMessage:
+    """The non-streaming path: one whole message. Same result as feeding it in any pieces."""
+    parser = ToolCallParser(fmt, tool_names=tool_names, id_factory=id_factory)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()
