@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from yaied.request import SamplingParams
+from yaied.request import MAX_LOGPROBS, SamplingParams
 
 
 def test_logit_bias_is_stored_sorted_clamped_and_hashable():
@@ -45,6 +45,13 @@ def test_bad_knobs_name_their_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_edges_are_accepted():
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, seed=-7)
-    SamplingParams(max_tokens=4, min_tokens=4, logprobs=20, prompt_logprobs=0)
+def test_edges_are_accepted_and_kept_as_given():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, seed=-7)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2, 2, 0.5)
+    assert p.seed == -7 and p.has_penalties
+    q = SamplingParams(max_tokens=4, min_tokens=4, logprobs=MAX_LOGPROBS, prompt_logprobs=0)
+    assert (q.max_tokens, q.min_tokens, q.logprobs, q.prompt_logprobs) == (4, 4, MAX_LOGPROBS, 0)
+    assert not q.has_penalties
+    r = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, seed=2**70)
+    assert r.greedy and r.top_k == 0  # -1 is stored as 0: disabled either way
+    assert (r.top_p, r.min_p, r.seed) == (1.0, 1.0, 2**70)
