@@ -115,7 +115,7 @@ def test_engines_are_listed_and_load_spreads(cluster):
             )
         )
     assert all(finish_reason(chunks) == "length" for chunks in results)
-    engines = [manager_of(router).lifecycle.get(rid).engine_id for rid in ids]
+    engines = [manager_of(router).lifecycle.by_client_id(rid)[0].engine_id for rid in ids]
     assert set(engines) == {"0", "1", "2"}, engines
     metrics = httpx.get(router.url + "/metrics").text
     for engine_id in ("0", "1", "2"):
@@ -131,7 +131,7 @@ def test_a_long_session_stays_on_its_engine_and_hits_its_cache(cluster):
         headers = {"X-Session-Id": "long-session", "X-Request-Id": rid}
         chunks = stream_chunks(router.url, body(8, prompt), headers)
         cached.append(chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"])
-        engines.append(manager_of(router).lifecycle.get(rid).engine_id)
+        engines.append(manager_of(router).lifecycle.by_client_id(rid)[0].engine_id)
         prompt = prompt + [7] * 8 + list(range(10, 30))  # the next turn extends the context
     assert len(set(engines)) == 1, engines
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
@@ -161,14 +161,16 @@ def test_cancel_request_and_cancel_session_end_streams_with_abort(cluster):
         assert response.json()["cancelled"] == 3
         results = [f.result(timeout=30) for f in futures]
     assert [finish_reason(chunks) for chunks in results] == ["abort"] * 3
-    engines = {manager_of(router).lifecycle.get(h["X-Request-Id"]).engine_id for h in headers}
+    engines = {
+        manager_of(router).lifecycle.by_client_id(h["X-Request-Id"])[0].engine_id for h in headers
+    }
     assert engines == {"0", "1", "2"}  # the session's calls were short: spread, then all cancelled
     assert httpx.post(url + "/v1/requests/nope/cancel").status_code == 404
     pair = stream_chunks(
         url,
         {**body(1000), "n": 2},
         {"X-Request-Id": "pair"},
-        lambda: cancel("/v1/requests/pair/cancel"),  # both choices: pair-0 and pair-1
+        lambda: cancel("/v1/requests/pair/cancel"),  # both choices of it
     )
     reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in pair[:-1]}
     assert reasons == {0: "abort", 1: "abort"}
@@ -184,11 +186,10 @@ def test_a_killed_engine_fails_its_streams_and_comes_back(cluster):
     health: set[int] = set()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(stream_chunks, router.url, body(600), h) for h in headers]
-        wait_for(lambda: all(manager.lifecycle.get(h["X-Request-Id"]) for h in headers))
-        on_victim = [
-            h for h in headers if manager.lifecycle.get(h["X-Request-Id"]).engine_id == "0"
-        ]
-        wait_for(lambda: manager.lifecycle.get(on_victim[0]["X-Request-Id"]).started_at)
+        record = lambda h: manager.lifecycle.by_client_id(h["X-Request-Id"])[0]  # noqa: E731
+        wait_for(lambda: all(manager.lifecycle.by_client_id(h["X-Request-Id"]) for h in headers))
+        on_victim = [h for h in headers if record(h).engine_id == "0"]
+        wait_for(lambda: record(on_victim[0]).started_at)
         os.kill(old_pid, signal.SIGKILL)
         while not all(f.done() for f in futures):
             health.add(httpx.get(router.url + "/health").status_code)

@@ -94,6 +94,20 @@ def test_queries_by_state_and_by_session(clock):
     assert ids(tracker.by_session("s2")) == ["c"]
 
 
+def test_queries_by_client_id_match_exactly(clock):
+    tracker = LifecycleTracker(clock=clock)
+    tracker.add("k1-0", None, 1, client_id="foo")
+    clock.now += 1
+    tracker.add("k1-1", None, 1, client_id="foo")
+    tracker.add("k2", None, 1, client_id="foo-3")
+    tracker.add("k3", None, 1)  # no client id: its own
+    tracker.transition("k1-0", CallState.CANCELLED)
+    assert [r.request_id for r in tracker.by_client_id("foo")] == ["k1-0", "k1-1"]
+    assert [r.request_id for r in tracker.by_client_id("foo-3")] == ["k2"]
+    assert tracker.by_client_id("fo") == [] and tracker.by_client_id("k1") == []
+    assert tracker.get("k3").client_id == "k3"
+
+
 def test_finished_records_expire_by_age_and_by_count(clock):
     tracker = LifecycleTracker(ttl_seconds=10, max_finished=3, clock=clock)
     for i in range(5):

@@ -169,6 +169,30 @@ async def test_a_lost_engine_retries_unstreamed_calls_and_fails_streamed_ones():
     await manager.stop()
 
 
+async def test_client_ids_may_repeat_and_cancel_matches_them_exactly():
+    manager, engines = await started()
+    foo = [
+        await manager.submit_request(prompt=[1], sampling_params=params(1000), client_id="foo")
+        for _ in range(2)
+    ]
+    foo3 = await manager.submit_request(prompt=[1], sampling_params=params(1000), client_id="foo-3")
+    assert len({h.request_id for h in foo}) == 2 and {h.client_id for h in foo} == {"foo"}
+    assert sorted(manager.calls_of("foo")) == sorted(h.request_id for h in foo)
+    assert manager.calls_of("fo") == [] and manager.calls_of("foo-") == []
+    assert await manager.cancel_client_request("foo") == 2
+    for handle in foo:
+        assert (await handle.result()).finish_reason is FinishReason.ABORT
+    live = (CallState.PENDING, CallState.RUNNING)
+    assert manager.lifecycle.get(foo3.request_id).state in live  # foo-3 is not foo
+    assert [r.state for r in manager.lifecycle.by_client_id("foo")] == [CallState.CANCELLED] * 2
+    assert await manager.cancel_client_request("foo") == 0
+    assert await manager.cancel_client_request("foo-3") == 1
+    assert (await foo3.result()).finish_reason is FinishReason.ABORT
+    seen = [rid for engine in engines for rid in engine.seen]
+    assert sorted(seen) == sorted([*(h.request_id for h in foo), foo3.request_id])
+    await manager.stop()
+
+
 async def test_bad_input_and_duplicate_ids_are_value_errors():
     manager, _ = await started()
     with pytest.raises(ValueError, match="token ids must be"):

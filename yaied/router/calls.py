@@ -16,11 +16,12 @@ from yaied.request import FinishReason, RequestOutput, SamplingParams, TokenEven
 
 @dataclass(slots=True)
 class Call:
-    request_id: str
+    request_id: str  # the manager's key, unique among live calls: what the engine sees
     session_id: str | None
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    client_id: str = ""  # the caller's name for it (X-Request-Id): shared by choices, not unique
     engine_id: str = ""
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
@@ -59,6 +60,10 @@ class RequestHandle:
     @property
     def request_id(self) -> str:
         return self._call.request_id
+
+    @property
+    def client_id(self) -> str:
+        return self._call.client_id
 
     @property
     def session_id(self) -> str | None:

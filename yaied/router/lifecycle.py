@@ -4,6 +4,10 @@
        |                        |------> CANCELLED (abort)
        +--> CANCELLED | FAILED  +------> FAILED    (engine error, engine lost)
 
+Records are keyed by the call's own id (unique among live calls) and carry the client's id
+(``X-Request-Id``), which several calls may share: the choices of one request, or requests of
+clients that picked the same id. ``by_client_id`` finds them all.
+
 Waiting time is PENDING -> RUNNING, service time RUNNING -> end. Finished records stay queryable
 for ``ttl_seconds`` and at most ``max_finished`` of them are kept, so memory stays bounded however
 long the daemon runs. Illegal transitions raise: a call that ended never moves again.
@@ -53,6 +57,7 @@ class CallRecord:
     finished_at: float | None = None
     num_output_tokens: int = 0
     error: str | None = None
+    client_id: str = ""  # the client's request id (X-Request-Id); the call's own when none
 
     @property
     def waiting_time(self) -> float | None:
@@ -82,11 +87,23 @@ class LifecycleTracker:
         # Finished records in the order they finished: the oldest expire first.
         self._finished: OrderedDict[str, CallRecord] = OrderedDict()
 
-    def add(self, request_id: str, session_id: str | None, num_prompt_tokens: int) -> CallRecord:
+    def add(
+        self,
+        request_id: str,
+        session_id: str | None,
+        num_prompt_tokens: int,
+        client_id: str | None = None,
+    ) -> CallRecord:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._finished.pop(request_id, None)  # an id may be reused once its call has ended
-        record = CallRecord(request_id, session_id, num_prompt_tokens, self._clock())
+        record = CallRecord(
+            request_id,
+            session_id,
+            num_prompt_tokens,
+            self._clock(),
+            client_id=request_id if client_id is None else client_id,
+        )
         self._live[request_id] = record
         return record
 
@@ -126,7 +143,15 @@ class LifecycleTracker:
         return record
 
     def get(self, request_id: str) -> CallRecord | None:
+        """The record of one call, by the call's own id."""
         return self._live.get(request_id) or self._finished.get(request_id)
+
+    def by_client_id(self, client_id: str) -> list[CallRecord]:
+        """Every known call whose client id is exactly ``client_id``, oldest first."""
+        self.expire()
+        records = [*self._live.values(), *self._finished.values()]
+        found = [record for record in records if record.client_id == client_id]
+        return sorted(found, key=lambda record: record.created_at)
 
     def by_state(self, state: CallState) -> list[CallRecord]:
         self.expire()

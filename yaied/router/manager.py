@@ -161,9 +161,16 @@ class EngineManager:
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
         request_id: str | None = None,
+        client_id: str | None = None,
     ) -> RequestHandle:
         """Validate, route and start one call. Bad input raises ValueError; no healthy engine
-        raises NoEngineAvailable. The call runs whether or not its stream is read."""
+        raises NoEngineAvailable. The call runs whether or not its stream is read.
+
+        ``request_id`` is the call's key (unique among live calls; a new uuid when not given):
+        the engine, the lifecycle and ``cancel_request`` know the call by it. ``client_id`` is
+        the caller's name for it (an HTTP request's X-Request-Id, shared by its choices and by
+        any other request that sent the same id): ``cancel_client_request`` and
+        ``lifecycle.by_client_id`` match it exactly. It defaults to ``request_id``."""
         if self.inputs is None:
             raise NoEngineAvailable("the engines have not started")
         params = self.inputs.sampling_params(sampling_params, {})
@@ -171,11 +178,12 @@ class EngineManager:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._calls:
             raise ValueError(f"request id {request_id!r} is already in use")
-        call = Call(request_id, session_id, prompt_ids, params, priority)
+        client_id = request_id if client_id is None else client_id
+        call = Call(request_id, session_id, prompt_ids, params, priority, client_id)
         engine = self._route(call, exclude=set())
         if engine is None:
             raise NoEngineAvailable("no healthy engine can take the request")
-        self.lifecycle.add(request_id, session_id, len(prompt_ids))
+        self.lifecycle.add(request_id, session_id, len(prompt_ids), client_id)
         self._calls[request_id] = call
         call.task = asyncio.get_running_loop().create_task(
             self._pump(call, engine), name=f"yaied-call-{request_id}"
@@ -295,16 +303,15 @@ class EngineManager:
             await self.handles[call.engine_id].abort(request_id)
         return True
 
-    def calls_of(self, request_id: str) -> list[str]:
-        """The running calls an HTTP request id names: itself, or its choices ``id-0``, ``id-1``...
-        (a request with n > 1 runs one call per choice)."""
-        prefix = f"{request_id}-"
-        return [
-            call_id
-            for call_id in self._calls
-            if call_id == request_id
-            or (call_id.startswith(prefix) and call_id[len(prefix) :].isdigit())
-        ]
+    def calls_of(self, client_id: str) -> list[str]:
+        """The running calls whose client id is exactly ``client_id``: every choice of an HTTP
+        request, and every request that sent that X-Request-Id. Never a prefix match."""
+        return [call.request_id for call in self._calls.values() if call.client_id == client_id]
+
+    async def cancel_client_request(self, client_id: str) -> int:
+        """Cancel every running call of ``calls_of(client_id)``; returns how many."""
+        results = await asyncio.gather(*(self.cancel_request(i) for i in self.calls_of(client_id)))
+        return sum(results)
 
     def cancel_nowait(self, request_id: str) -> None:
         """cancel_request from code that cannot await (a stream's finally)."""
