@@ -1,0 +1,38 @@
+"""Structured outputs: constrain generation to a JSON schema, JSON, a regex, a choice or a grammar.
+
+- `spec`: the request fields parsed into one canonical `GrammarSpec` (pure, no tokenizer);
+- `compiler`: one `GrammarCompiler` per model (xgrammar), a byte-bounded cache, off-loop compiles;
+- `matcher`: per-sequence grammar state and the persistent token bitmask applied to the logits.
+"""
+
+from yaied.structured.compiler import CompiledGrammar, CompileStats, GrammarCompiler
+from yaied.structured.matcher import (
+    SequenceMatcher,
+    TokenBitmask,
+    allocate_bitmask,
+    apply_bitmask,
+    fill_bitmasks,
+)
+from yaied.structured.spec import (
+    MAX_SPEC_BYTES,
+    GrammarSpec,
+    StructuredOutputError,
+    make_spec,
+    parse_structured_output,
+)
+
+__all__ = [
+    "MAX_SPEC_BYTES",
+    "CompileStats",
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarSpec",
+    "SequenceMatcher",
+    "StructuredOutputError",
+    "TokenBitmask",
+    "allocate_bitmask",
+    "apply_bitmask",
+    "fill_bitmasks",
+    "make_spec",
+    "parse_structured_output",
+]
