@@ -9,6 +9,7 @@ from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.errors import APIError, from_value_error
 from yaied.server.protocol import parse_chat, parse_completion, parse_prompts
 from yaied.server.responses import CompletionLogprobs, chat_logprobs, usage_body
+from yaied.server.token_text import TokenText, token_name
 
 
 @pytest.mark.parametrize(
@@ -82,9 +83,83 @@ def test_chat_content_parts_and_unimplemented_fields():
         parse_chat({"messages": image})
 
 
-def test_unknown_fields_are_ignored_with_a_warning(caplog):
-    parse_completion({"prompt": "x", "frobnicate": 1})
-    assert "frobnicate" in caplog.text
+M = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    "parse, body, param, words",
+    [
+        (parse_completion, {"prompt": "x", "frobnicate": 1}, "frobnicate", "Unrecognized"),
+        (parse_completion, {"prompt": "x", "b": 1, "a": 2}, "a", "arguments supplied: a, b"),
+        (parse_completion, {"prompt": "x", "store": True}, "store", "Unrecognized"),
+        (parse_completion, {"prompt": "x", "add_generation_prompt": True}, None, "Unrecognized"),
+        (parse_chat, {"messages": M, "guided_json": {}}, "guided_json", "not supported yet"),
+        (parse_completion, {"prompt": "x", "guided_choice": ["a"]}, None, "not supported yet"),
+        (
+            parse_completion,
+            {"prompt": "x", "response_format": {"type": "json_schema"}},
+            "response_format",
+            "not supported yet",
+        ),
+        (parse_chat, {"messages": M, "reasoning_effort": "low"}, None, "not supported"),
+        (parse_chat, {"messages": M, "audio": {}}, "audio", "not supported"),
+        (parse_chat, {"messages": M, "modalities": ["audio"]}, "modalities", "not supported"),
+        (parse_chat, {"messages": M, "store": "yes"}, "store", "must be bool"),
+        (parse_chat, {"messages": M, "metadata": []}, "metadata", "must be dict"),
+        (
+            parse_chat,
+            {"messages": M, "stream": True, "stream_options": {"include_usages": True}},
+            "stream_options.include_usages",
+            "not supported",
+        ),
+        (
+            parse_chat,
+            {"messages": M, "chat_template_kwargs": {"add_generation_prompt": False}},
+            "chat_template_kwargs.add_generation_prompt",
+            "may not set",
+        ),
+        (parse_chat, {"messages": M, "chat_template_kwargs": {"a-b": 1}}, None, "identifiers"),
+        (parse_chat, {"messages": M, "add_generation_prompt": "no"}, None, "must be bool"),
+    ],
+)
+def test_unknown_and_unimplemented_fields_are_refused_by_name(parse, body, param, words):
+    with pytest.raises(APIError) as info:
+        parse(body)
+    expected = param or next(k for k in body if k not in ("prompt", "messages"))
+    assert info.value.status == 400 and info.value.param == expected
+    assert words in info.value.message
+
+
+def test_openai_fields_that_change_nothing_are_accepted():
+    messages = [{"role": "user", "content": "hi"}]
+    parsed = parse_chat(
+        {
+            "messages": messages,
+            "store": True,
+            "metadata": {"k": "v"},
+            "service_tier": "default",
+            "parallel_tool_calls": True,
+            "prompt_cache_key": "x",
+            "safety_identifier": "y",
+            "modalities": ["text"],
+            "response_format": {"type": "text"},
+            "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False},
+        }
+    )
+    assert parsed.include_usage and parsed.add_generation_prompt
+    assert parsed.chat_template_kwargs == {}
+    options = parse_chat(
+        {
+            "messages": messages,
+            "add_generation_prompt": False,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
+    assert not options.add_generation_prompt
+    assert options.chat_template_kwargs == {"enable_thinking": False}
+    completion = parse_completion({"prompt": ["a", "b"], "response_format": {"type": "text"}})
+    assert completion.prompts == ["a", "b"]
 
 
 def test_value_errors_name_their_parameter():
@@ -96,19 +171,24 @@ def test_value_errors_name_their_parameter():
 
 
 def test_completion_logprobs_offsets_continue_across_takes():
-    lp = CompletionLogprobs(lambda t: f"<{t}>")
-    lp.add_prompt([1, 2], [None, TokenLogprobs(2, -1.0, [3], [-0.5])])
+    names = TokenText(None)  # no tokenizer: tokens are named token_id:N
+    lp = CompletionLogprobs(names, names.output_offsets([1, 2], True, base=20))
+    lp.add_prompt([1, 2], [None, TokenLogprobs(2, -1.0, [3], [-0.5])], [0, 10])
     first = lp.take()
-    assert first["tokens"] == ["<1>", "<2>"] and first["token_logprobs"] == [None, -1.0]
-    assert first["top_logprobs"] == [None, {"<3>": -0.5, "<2>": -1.0}]
-    assert first["text_offset"] == [0, 3]
+    assert first["tokens"] == ["token_id:1", "token_id:2"]
+    assert first["token_logprobs"] == [None, -1.0]
+    assert first["top_logprobs"] == [None, {"token_id:3": -0.5, "token_id:2": -1.0}]
+    assert first["text_offset"] == [0, 10]
     lp.add(4, TokenLogprobs(4, -2.0, [], []))
-    assert lp.take()["text_offset"] == [6]
+    lp.add(5, TokenLogprobs(5, -2.0, [], []))
+    assert lp.take()["text_offset"] == [20, 30]
 
 
 def test_chat_logprobs_and_usage():
-    out = chat_logprobs(lambda t: "é", [TokenLogprobs(1, -0.1, [1], [-0.1])])
-    assert out["content"][0]["bytes"] == [195, 169]
+    names = TokenText(None)
+    out = chat_logprobs(names, [TokenLogprobs(1, -0.1, [1], [-0.1])])
+    assert out["content"][0]["token"] == "token_id:1"
+    assert out["content"][0]["bytes"] == list(b"token_id:1")
     assert out["content"][0]["top_logprobs"][0]["logprob"] == -0.1
     assert usage_body(3, 2, 1) == {
         "prompt_tokens": 3,
@@ -116,6 +196,85 @@ def test_chat_logprobs_and_usage():
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
+
+
+def test_token_names_escape_pieces_of_a_character():
+    assert token_name(b" hi") == " hi"
+    assert token_name("é".encode()) == "é"
+    assert token_name(b"\xf0\x9f") == "bytes:\\xf0\\x9f"
+    assert token_name(b" \xe2") == "bytes:\\x20\\xe2"
+
+
+def sentencepiece_tokenizer():
+    """A Llama-2-style SentencePiece tokenizer in memory: Unigram with byte fallback, Metaspace
+    pre-tokenizer, the Replace/ByteFallback/Fuse/Strip decoder, a BOS added in front."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    vocab += [(f"<0x{i:02X}>", -20.0) for i in range(256)]
+    vocab += [("\u2581Hello", -1.0), ("\u2581world", -1.0), ("\u2581", -3.0), ("!", -2.0)]
+    backend = Tokenizer(models.Unigram(vocab, 0, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def test_sentencepiece_token_names_bytes_and_offsets_agree_with_the_text():
+    tokenizer = sentencepiece_tokenizer()
+    names = TokenText(tokenizer)
+    prompt = "Hello world \u2014 Hello!"  # the dash is three byte-fallback tokens
+    ids = tokenizer.encode(prompt)
+    assert tokenizer.convert_ids_to_tokens(ids)[:3] == ["<s>", "\u2581Hello", "\u2581world"]
+    # Echo: the prompt's own tokens, then generated ones, as a completions choice lists them.
+    output = tokenizer.encode(" world \u2014!", add_special_tokens=False)
+    text = prompt + tokenizer.decode(ids + output)[len(tokenizer.decode(ids)) :]
+    lp = CompletionLogprobs(names, names.output_offsets(ids, True, base=len(prompt)))
+    lp.add_prompt(ids, [None] * len(ids), names.prompt_offsets(ids, prompt))
+    for token_id in output:
+        lp.add(token_id, TokenLogprobs(token_id, -1.0, [], []))
+    out = lp.take()
+    assert out["tokens"][:6] == [
+        "<s>",
+        " Hello",
+        " world",
+        " ",
+        "bytes:\\xe2",
+        "bytes:\\x80",
+    ]
+    dash = text.index("\u2014")
+    assert out["text_offset"][:8] == [0, 0, 5, 11, dash, dash, dash, dash + 1]
+    assert out["text_offset"] == sorted(out["text_offset"])
+    for token, offset in zip(out["tokens"][2:], out["text_offset"][2:], strict=True):
+        if not token.startswith("bytes:"):
+            assert text[offset:].startswith(token), (token, offset, text)
+    # Every token's real bytes: together they are the text (the first token's space aside).
+    joined = b"".join(names.token_bytes(i) for i in ids[1:] + output)
+    assert joined == (" " + text).encode()
+    chat = chat_logprobs(names, [TokenLogprobs(ids[4], -1.0, [ids[2]], [-2.0])])["content"][0]
+    assert chat["bytes"] == [0xE2] and chat["token"] == "bytes:\\xe2"
+    assert chat["top_logprobs"][0] == {"token": " world", "logprob": -2.0, "bytes": list(b" world")}
+
+
+def test_a_token_id_prompt_is_echoed_as_its_offsets_count_it():
+    tokenizer = sentencepiece_tokenizer()
+    names = TokenText(tokenizer)
+    ids = tokenizer.encode("Hello world!")
+    text = names.decode_prompt(ids)
+    assert text == "<s> Hello world!"
+    assert names.prompt_offsets(ids, text) == [0, 3, 9, 15]
 
 
 def test_server_config_layers(tmp_path):

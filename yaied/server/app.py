@@ -26,7 +26,7 @@ from yaied.server import generate, router_routes
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.openapi import openapi_schema
-from yaied.server.protocol import parse_detokenize, parse_tokenize
+from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
 from yaied.server.serving import chat_prompt_text
 from yaied.server.state import EngineLoader, ServerState
 from yaied.systemd_notify import SystemdNotifier
@@ -127,7 +127,15 @@ async def tokenize(request: Request) -> Response:
         raise APIError(400, "this model has no tokenizer")
     prompts, messages = parse_tokenize(body)
     if messages:
-        text = chat_prompt_text(tokenizer, messages, server.config.chat_template, "messages")
+        add_generation_prompt, template_kwargs = parse_template_options(body)
+        text = chat_prompt_text(
+            tokenizer,
+            messages,
+            server.config.chat_template,
+            "messages",
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
+        )
         tokens = tokenizer.encode(text, add_special_tokens=False)
     else:
         tokens = tokenizer.encode(prompts[0], add_special_tokens=True)

@@ -1,9 +1,9 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-Both parse, build jobs (every 4xx is decided here, before the engine sees anything), then either
-stream SSE chunks or collect the events into one body. A non-streaming client that leaves is
-noticed by a watcher on the ASGI receive channel, which cancels the collection and so aborts its
-requests within one engine step.
+Both parse, build jobs and submit them (every refusal, 4xx or 503, is decided here, before the
+response starts), then either stream SSE chunks or collect the events into one body. A
+non-streaming client that leaves is noticed by a watcher on the ASGI receive channel, which
+cancels the collection and so aborts its requests within one engine step.
 """
 
 from __future__ import annotations
@@ -13,21 +13,33 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from yaied.request import FinishReason
 from yaied.server import responses as R
 from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
-from yaied.server.serving import ChoiceState, Job, build_jobs, new_choices, run_jobs, total_usage
+from yaied.server.serving import (
+    ChoiceState,
+    Job,
+    build_jobs,
+    cancel_unfinished,
+    new_choices,
+    request_key,
+    run_jobs,
+    submit_jobs,
+    total_usage,
+)
 from yaied.server.state import ServerState
+from yaied.server.token_text import TokenText
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -46,6 +58,7 @@ async def _generate(request: Request, kind: str) -> Response:
 
     server: ServerState = request.state.server
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    # The client's id names the response and is what cancel matches; calls are keyed apart.
     request_id = request.headers.get("x-request-id") or prefix + uuid.uuid4().hex
     request.state.request_id = request_id
     engine = server.ready_engine()
@@ -54,17 +67,31 @@ async def _generate(request: Request, kind: str) -> Response:
     server.check_model(parsed.model)
     limits = RequestLimits.from_config(server.config)
     limits.check_parsed(parsed, body)
-    jobs = build_jobs(engine, parsed, request_id, server.config.chat_template, limits)
+    key = request_key(request_id)
+    jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits)
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
-    events = run_jobs(engine, jobs, server.metrics, session_id=session_id, priority=parsed.priority)
-    choices = new_choices(jobs, parsed, R.token_text_fn(engine.tokenizer))
+    choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer))
     headers = {"X-Request-Id": request_id}
+    # The calls start here: from now on, however the response ends, cancel_unfinished runs.
+    started = await submit_jobs(
+        engine,
+        jobs,
+        server.metrics,
+        client_id=request_id,
+        session_id=session_id,
+        priority=parsed.priority,
+    )
+    events = run_jobs(started, request_id)
     if parsed.stream:
         stream = _sse(parsed, head, choices, events)
-        return EventSourceResponse(
-            stream, headers=headers, sep="\n", ping=server.config.sse_ping_seconds
+        return _EventStream(
+            stream,
+            lambda: cancel_unfinished(started),
+            headers=headers,
+            sep="\n",
+            ping=server.config.sse_ping_seconds,
         )
     collect = asyncio.create_task(_collect(parsed, head, choices, events))
     watch = asyncio.create_task(_wait_for_disconnect(request))
@@ -76,10 +103,28 @@ async def _generate(request: Request, kind: str) -> Response:
             collect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
+        await cancel_unfinished(started)  # collect may have been cancelled before it started
     if collect.cancelled():
         log.info("%s: client disconnected; aborted", request_id)
         return Response(status_code=499)  # nobody reads it; the access log shows why
     return json_response(collect.result(), headers=headers)
+
+
+class _EventStream(EventSourceResponse):
+    """SSE whose calls are cancelled however the response ends, even when its stream never
+    started (the client left before the headers went out, so nothing closed the stream)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -105,7 +150,7 @@ async def _collect(
         if parsed.kind == "chat":
             lps = None
             if parsed.logprobs is not None:
-                lps = R.chat_logprobs(c.token_text, c.chat_logprobs)
+                lps = R.chat_logprobs(c.names, c.chat_logprobs)
             out.append(R.chat_message_choice(index, text, lps, c.finish_reason, c.stop_reason))
         else:
             lps = None if c.completion_logprobs is None else c.completion_logprobs.take()
@@ -166,7 +211,7 @@ def _choice_chunk(parsed: ParsedRequest, choice: ChoiceState, event: Any) -> dic
         return None  # the detokenizer held text back: nothing to say yet
     index = choice.job.index
     if parsed.kind == "chat":
-        logprobs = R.chat_logprobs(choice.token_text, lps) if parsed.logprobs is not None else None
+        logprobs = R.chat_logprobs(choice.names, lps) if parsed.logprobs is not None else None
         delta = {"content": text} if text else {}
         return R.chat_delta_choice(index, delta, logprobs, finish)
     logprobs = None if choice.completion_logprobs is None else choice.completion_logprobs.take()

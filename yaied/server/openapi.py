@@ -17,7 +17,14 @@ _SAMPLING = {
     "min_p": {"type": "number"},
     "n": {"type": "integer", "minimum": 1},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {
+        "type": "object",
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "include_obfuscation": {"type": "boolean"},  # accepted, ignored
+        },
+        "additionalProperties": False,
+    },
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "seed": {"type": "integer"},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
@@ -29,6 +36,12 @@ _SAMPLING = {
     "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
     "priority": {"type": "integer"},
     "user": {"type": "string"},
+    "response_format": {  # structured outputs are not supported yet
+        "type": "object",
+        "properties": {"type": {"type": "string", "enum": ["text"]}},
+        "required": ["type"],
+        "additionalProperties": False,
+    },
 }
 _TOKENS = {"type": "array", "items": {"type": "integer"}}
 _COMPLETION = {
@@ -59,11 +72,26 @@ _CHAT = {
     "max_completion_tokens": {"type": "integer", "minimum": 1},
     "logprobs": {"type": "boolean"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "add_generation_prompt": {"type": "boolean"},
+    "chat_template_kwargs": {"type": "object"},
+    "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
+    # Accepted and ignored: they cannot change the output.
+    "store": {"type": "boolean"},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    "service_tier": {"type": "string"},
+    "parallel_tool_calls": {"type": "boolean"},
+    "prompt_cache_key": {"type": "string"},
+    "safety_identifier": {"type": "string"},
 }
 
 
-def _post(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    schema = {"type": "object", "properties": properties, "required": required}
+def _post(
+    summary: str, properties: dict[str, Any], required: list[str], *, closed: bool = False
+) -> dict[str, Any]:
+    """``closed``: other fields are refused (a 400 naming them), as the generation endpoints do."""
+    schema: dict[str, Any] = {"type": "object", "properties": properties, "required": required}
+    if closed:
+        schema["additionalProperties"] = False
     return {
         "post": {
             "summary": summary,
@@ -94,12 +122,18 @@ def openapi_schema(version: str) -> dict[str, Any]:
         "openapi": "3.0.3",
         "info": {"title": "yaied", "version": version},
         "paths": {
-            "/v1/completions": _post("Text completion", _COMPLETION, ["prompt"]),
-            "/v1/chat/completions": _post("Chat completion", _CHAT, ["messages"]),
+            "/v1/completions": _post("Text completion", _COMPLETION, ["prompt"], closed=True),
+            "/v1/chat/completions": _post("Chat completion", _CHAT, ["messages"], closed=True),
             "/v1/models": _get("The served model"),
             "/tokenize": _post(
                 "Prompt or messages to token ids",
-                {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES},
+                {
+                    "model": {"type": "string"},
+                    "prompt": {"type": "string"},
+                    "messages": _MESSAGES,
+                    "add_generation_prompt": {"type": "boolean"},
+                    "chat_template_kwargs": {"type": "object"},
+                },
                 [],
             ),
             "/detokenize": _post(
@@ -109,7 +143,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This schema"),
             "/v1/requests/{request_id}/cancel": _cancel(
-                "Cancel a request (its X-Request-Id)", "request_id"
+                "Cancel every running request whose X-Request-Id is exactly this", "request_id"
             ),
             "/v1/sessions/{session_id}/cancel": _cancel(
                 "Cancel every request of a session (its X-Session-Id)", "session_id"

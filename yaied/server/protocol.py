@@ -2,19 +2,18 @@
 
 Parsing checks shapes and JSON types and names the offending field; value ranges are
 SamplingParams' job (its ValueErrors become 400s in errors.from_value_error), so each rule lives
-in one place. Unknown fields are ignored with a warning, as OpenAI clients send extras freely;
-fields we do not implement are refused by name rather than silently ignored.
+in one place. Every field is either honoured, accepted because it cannot change the output
+(``store``, ``metadata``... : type-checked, then ignored), or refused with a 400 naming it:
+unknown fields as OpenAI refuses them, fields we know but do not implement (yet) with a message
+that says so. Nothing a client sends is silently dropped.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from yaied.server.errors import APIError
-
-log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -45,13 +44,33 @@ _COMMON_FIELDS = {
     "stop",
     "user",
     "priority",
+    "response_format",  # {"type": "text"} only, until structured outputs
 }
 COMPLETION_FIELDS = frozenset(
     {*_COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix", "return_token_ids"}
 )
+# OpenAI chat fields that cannot change the output: accepted (their JSON type checked), ignored.
+CHAT_NO_OP_FIELDS: dict[str, tuple[type, ...]] = {
+    "store": (bool,),
+    "metadata": (dict,),
+    "service_tier": (str,),
+    "parallel_tool_calls": (bool,),  # tools are refused, so there is nothing to parallelise
+    "prompt_cache_key": (str,),  # a routing hint; the prefix cache needs none
+    "safety_identifier": (str,),
+}
+# OpenAI chat fields we do not implement: a 400 saying so, not "unrecognized".
+_UNSUPPORTED_CHAT = {
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning_effort (this model does not reason)",
+    "verbosity": "verbosity",
+    "web_search_options": "web search",
+}
 CHAT_FIELDS = frozenset(
     {
         *_COMMON_FIELDS,
+        *CHAT_NO_OP_FIELDS,
+        *_UNSUPPORTED_CHAT,
         "messages",
         "max_completion_tokens",
         "logprobs",
@@ -60,8 +79,41 @@ CHAT_FIELDS = frozenset(
         "tool_choice",
         "functions",
         "function_call",
-        "response_format",
-        "parallel_tool_calls",
+        "modalities",  # ["text"] only
+        "chat_template_kwargs",  # vLLM's: extra variables for the chat template
+        "add_generation_prompt",  # vLLM's: end the prompt with the assistant's turn (default)
+    }
+)
+# Structured-output fields of vLLM and others, on either endpoint.
+_STRUCTURED_OUTPUT_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+)
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})  # the latter is ignored
+# apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "self",  # jinja's render(self, ...)
     }
 )
 
@@ -84,6 +136,8 @@ class ParsedRequest:
     priority: int = 0
     user: str | None = None
     return_token_ids: bool = False  # completions: each choice carries its sampled token ids
+    add_generation_prompt: bool = True  # chat
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -100,10 +154,30 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
     return value
 
 
-def _unknown_fields(body: dict[str, Any], known: frozenset[str], endpoint: str) -> None:
+def _refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """A 400 naming every field the endpoint does not know (as OpenAI: param is the first)."""
+    for name in _STRUCTURED_OUTPUT_FIELDS:
+        if name in body:
+            raise APIError(400, f"{name} is not supported yet (structured outputs)", param=name)
     unknown = sorted(set(body) - known)
     if unknown:
-        log.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+        plural = "s" if len(unknown) > 1 else ""
+        raise APIError(
+            400,
+            f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+
+
+def _refuse_structured_output(body: dict[str, Any]) -> None:
+    response_format = _get(body, "response_format", (dict,))
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(
+            400,
+            'response_format is not supported yet other than {"type": "text"} (structured outputs)',
+            param="response_format",
+        )
 
 
 def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
@@ -113,9 +187,16 @@ def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
         raise APIError(400, f"n must be at least 1, got {parsed.n}", param="n")
     parsed.stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
+    extra = sorted(set(options) - STREAM_OPTIONS)
+    if extra:
+        raise APIError(
+            400, f"stream_options.{extra[0]} is not supported", f"stream_options.{extra[0]}"
+        )
     parsed.include_usage = bool(_get(options, "include_usage", (bool,), False))
+    _get(options, "include_obfuscation", (bool,))
     if options and not parsed.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    _refuse_structured_output(body)
     parsed.user = _get(body, "user", (str,))
     parsed.priority = _get(body, "priority", (int,), 0)
     kinds: dict[str, tuple[type, ...]] = {
@@ -141,7 +222,7 @@ def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
-    _unknown_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    _refuse_unknown_fields(body, COMPLETION_FIELDS)
     if _get(body, "suffix", (str,)):
         raise APIError(400, "suffix is not supported", param="suffix")
     if _get(body, "best_of", (int,), 1) > 1:
@@ -177,11 +258,12 @@ def _is_token_id(value: Any) -> bool:
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
-    _unknown_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    _refuse_unknown_fields(body, CHAT_FIELDS)
     _refuse_unimplemented_chat(body)
     parsed = ParsedRequest("chat", None)
     _common(body, parsed)
     parsed.messages = parse_messages(body.get("messages"))
+    parsed.add_generation_prompt, parsed.chat_template_kwargs = parse_template_options(body)
     parsed.max_tokens = _get(body, "max_completion_tokens", (int,))
     if parsed.max_tokens is None:
         parsed.max_tokens = _get(body, "max_tokens", (int,))
@@ -199,13 +281,36 @@ def _refuse_unimplemented_chat(body: dict[str, Any]) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise APIError(400, f"{name} (tool calling) is not supported", param=name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise APIError(
-            400,
-            'response_format is not supported other than {"type": "text"}',
-            param="response_format",
-        )
+    for name, what in _UNSUPPORTED_CHAT.items():
+        if body.get(name) is not None:
+            raise APIError(400, f"{what} is not supported", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise APIError(400, 'modalities other than ["text"] are not supported', "modalities")
+    for name, kinds in CHAT_NO_OP_FIELDS.items():
+        _get(body, name, kinds)
+
+
+def parse_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """``add_generation_prompt`` (default true) and ``chat_template_kwargs``, vLLM's fields for
+    rendering the chat template; the kwargs become template variables."""
+    add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {})
+    for key in kwargs:
+        if not key.isidentifier():
+            raise APIError(
+                400,
+                f"chat_template_kwargs keys must be identifiers, got {key!r}",
+                param="chat_template_kwargs",
+            )
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {key!r}: it is a parameter of the template "
+                "renderer itself",
+                param=f"chat_template_kwargs.{key}",
+            )
+    return add_generation_prompt, dict(kwargs)
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -243,7 +348,8 @@ def _text_parts(parts: list[Any], where: str) -> str:
 
 
 def parse_tokenize(body: dict[str, Any]) -> tuple[list[Prompt] | None, list[dict[str, str]]]:
-    """/tokenize takes a prompt (string or ids) or chat messages."""
+    """/tokenize takes a prompt (a string) or chat messages (then also ``parse_template_options``
+    as the chat endpoint does)."""
     if body.get("messages") is not None:
         return None, parse_messages(body["messages"])
     prompt = body.get("prompt")

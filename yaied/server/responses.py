@@ -2,25 +2,18 @@
 
 Completions use the legacy format (parallel lists: tokens, token_logprobs, top_logprobs as
 {token: logprob} dicts, text_offset); chat uses ``logprobs.content``, one entry per token with its
-UTF-8 bytes and a list of top alternatives.
+UTF-8 bytes and a list of top alternatives. How tokens are named, their bytes and their offsets:
+token_text.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from yaied.request import TokenLogprobs
-
-TokenText = Callable[[int], str]
-
-
-def token_text_fn(tokenizer: Any) -> TokenText:
-    """Each token's own text; without a tokenizer, vLLM's ``token_id:N`` convention."""
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id])
+from yaied.server.token_text import TokenText
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -35,33 +28,37 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 @dataclass(slots=True)
 class CompletionLogprobs:
     """The legacy format, built incrementally; ``take`` returns what was added since the last
-    take, with text offsets continuing across takes (streaming sends one slice per chunk)."""
+    take (streaming sends one slice per chunk). ``offset_of`` gives each output token's text
+    offset in turn (TokenText.output_offsets); echoed prompt tokens bring their own."""
 
-    token_text: TokenText
-    offset: int = 0  # characters of text before the next token
+    names: TokenText
+    offset_of: Callable[[int], int]
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, token_id: int, lp: TokenLogprobs | None, sampled: bool = True) -> None:
-        text = self.token_text(token_id)
+    def add(self, token_id: int, lp: TokenLogprobs | None, offset: int | None = None) -> None:
+        text = self.names.name(token_id)
         self.tokens.append(text)
-        self.text_offset.append(self.offset)
-        self.offset += len(text)
+        self.text_offset.append(self.offset_of(token_id) if offset is None else offset)
         if lp is None:  # the first prompt token has no logprob: nothing precedes it
             self.token_logprobs.append(None)
             self.top_logprobs.append(None)
             return
         self.token_logprobs.append(lp.logprob)
-        top = {self.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-        if sampled:  # OpenAI's dict holds the sampled token too, even outside the top N
-            top.setdefault(text, lp.logprob)
+        top = {self.names.name(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+        top.setdefault(text, lp.logprob)  # OpenAI's dict holds the chosen token too
         self.top_logprobs.append(top)
 
-    def add_prompt(self, prompt_ids: list[int], scored: list[TokenLogprobs | None]) -> None:
-        for token_id, lp in zip(prompt_ids, scored, strict=False):
-            self.add(token_id, lp)
+    def add_prompt(
+        self,
+        prompt_ids: list[int],
+        scored: list[TokenLogprobs | None],
+        offsets: Sequence[int],
+    ) -> None:
+        for token_id, lp, offset in zip(prompt_ids, scored, offsets, strict=False):
+            self.add(token_id, lp, offset)
 
     def take(self) -> dict[str, Any]:
         out = {
@@ -74,10 +71,10 @@ class CompletionLogprobs:
         return out
 
 
-def chat_logprobs(token_text: TokenText, lps: list[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(names: TokenText, lps: list[TokenLogprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        data = names.token_bytes(token_id)
+        return {"token": names.name(token_id), "logprob": logprob, "bytes": list(data)}
 
     content = []
     for lp in lps:

@@ -1,6 +1,7 @@
 """The router's HTTP surface: cancel a request or a whole session, list the engines.
 
-    POST /v1/requests/{id}/cancel   the X-Request-Id of a running request (every choice of it)
+    POST /v1/requests/{id}/cancel   every running call whose X-Request-Id is exactly id: each
+                                    choice of it, and any other request that sent the same id
     POST /v1/sessions/{id}/cancel   every running request of an X-Session-Id (or `user`)
     GET  /v1/engines                id, kind, health, load and prefix-cache hit rate per engine
 
@@ -22,7 +23,7 @@ async def cancel_request(request: Request) -> Response:
     server: ServerState = request.state.server
     manager = server.ready_engine()
     request_id = request.path_params["request_id"]
-    cancelled = sum([await manager.cancel_request(i) for i in manager.calls_of(request_id)])
+    cancelled = await manager.cancel_client_request(request_id)
     if not cancelled:
         raise APIError(404, f"no running request {request_id!r}", code="request_not_found")
     return json_response({"id": request_id, "object": "request.cancel", "cancelled": cancelled})

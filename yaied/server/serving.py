@@ -1,29 +1,55 @@
 """Running a parsed request on the engine: prompts to jobs, jobs to events, events to responses.
 
-Each choice (prompt x n) is one engine request, run by its own pump task into one queue, so
-streaming interleaves choices as their tokens arrive. Closing the merged iterator cancels the
-pumps, which closes their engine streams and so aborts their requests: that is the only
-cancellation path, whether the client left, a choice failed or the response was complete.
+Each choice (prompt x n) is one engine call. Every call is submitted (validated and routed) by
+``submit_jobs`` before the response starts, so whatever refuses a call before its first token is
+an HTTP status; if one choice is refused, those already submitted are cancelled. Each call is
+then read by its own pump task into one queue, so streaming interleaves choices as their tokens
+arrive. Closing the merged iterator cancels the pumps, which closes their streams and so aborts
+their calls: that is the only cancellation path, whether the client left, a choice failed or the
+response was complete.
+
+Ids: the client's ``X-Request-Id`` (or one made for it) names the response and is what
+``POST /v1/requests/{id}/cancel`` matches, exactly. Calls are keyed by ``request_key``: the
+client's id made safe and cut short, then a fresh uuid, so no two requests collide whatever their
+clients send; choices add ``-<index>``.
+
+Seeds: choice k of a prompt runs with ``seed + k`` (as vLLM does), so the n choices differ and
+the whole response is reproducible; choice 0 is what the same request with n = 1 gives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.router.calls import RequestHandle
 from yaied.router.manager import EngineManager, NoEngineAvailable
 from yaied.server.errors import APIError, from_value_error
 from yaied.server.limits import RequestLimits
 from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
-from yaied.server.responses import CompletionLogprobs, TokenText
+from yaied.server.responses import CompletionLogprobs
+from yaied.server.token_text import TokenText
 
 log = logging.getLogger(__name__)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._~-]")
+_READABLE_LEN = 64
+
+
+def request_key(client_id: str) -> str:
+    """The server's key for one HTTP request: ``<client id>:<uuid4 hex>``, the client's id with
+    anything but ``[A-Za-z0-9._~-]`` turned to ``_`` and cut to 64 characters. Unique whatever
+    clients send; readable in logs and in the engine (which sees only keys)."""
+    return f"{_UNSAFE.sub('_', client_id)[:_READABLE_LEN]}:{uuid.uuid4().hex}"
 
 
 @dataclass(slots=True)
@@ -32,7 +58,7 @@ class Job:
 
     index: int
     prompt_index: int
-    request_id: str
+    request_id: str  # the call's key (request_key, plus -<index> when there are several)
     prompt_ids: list[int]
     prompt_text: str
     params: SamplingParams
@@ -45,7 +71,7 @@ class ChoiceState:
 
     job: Job
     echo: bool
-    token_text: TokenText
+    names: TokenText
     completion_logprobs: CompletionLogprobs | None = None
     text: list[str] = field(default_factory=list)
     chat_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -64,8 +90,9 @@ class ChoiceState:
             if self.echo:
                 prefix = self.job.prompt_text
                 if self.completion_logprobs is not None:
+                    offsets = self.names.prompt_offsets(self.job.prompt_ids, prefix)
                     self.completion_logprobs.add_prompt(
-                        self.job.prompt_ids, event.prompt_logprobs or []
+                        self.job.prompt_ids, event.prompt_logprobs or [], offsets
                     )
         text, lps = event.text, list(event.logprobs or [])
         if self.job.drop_generated:
@@ -92,8 +119,12 @@ def chat_prompt_text(
     messages: list[dict[str, Any]],
     chat_template: str = "",
     param: str | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The messages through ``chat_template`` (server.chat_template), else the tokenizer's own."""
+    """The messages through ``chat_template`` (server.chat_template), else the tokenizer's own;
+    ``template_kwargs`` (a request's chat_template_kwargs) are variables for the template."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, "this model has no chat template; use /v1/completions", param=param)
     from jinja2 import TemplateError  # transformers renders templates with jinja2
@@ -103,10 +134,17 @@ def chat_prompt_text(
             messages,
             chat_template=chat_template or None,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:  # a template's raise_exception, say for roles out of order
         raise APIError(400, f"chat template: {exc}", param="messages") from None
+    except (TypeError, ValueError) as exc:
+        if not template_kwargs:
+            raise  # the template itself is broken: a server error
+        # The template choked on a client's variable (say a string where it adds numbers).
+        message = f"chat template with chat_template_kwargs: {exc}"
+        raise APIError(400, message, param="chat_template_kwargs") from None
 
 
 def build_jobs(
@@ -129,9 +167,10 @@ def build_jobs(
             limits.check_prompt(len(ids), aliases["prompt"])
             params, drop = _params_for(engine, parsed, len(ids), limits)
             engine.inputs.prompt_token_ids(ids, params)  # the context-length check
-            for _ in range(parsed.n):
+            for k in range(parsed.n):
                 index = len(jobs)
-                jobs.append(Job(index, prompt_index, base_id, ids, text, params, drop))
+                own = params if params.seed is None else _with_seed(params, params.seed + k)
+                jobs.append(Job(index, prompt_index, base_id, ids, text, own, drop))
     except ValueError as exc:
         raise from_value_error(exc, aliases) from None
     if len(jobs) > 1:
@@ -140,22 +179,33 @@ def build_jobs(
     return jobs
 
 
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
 def _tokenized_prompts(
     engine: EngineManager, parsed: ParsedRequest, chat_template: str
 ) -> list[tuple[list[int], str]]:
     tokenizer = engine.tokenizer
     if parsed.kind == "chat":
-        text = chat_prompt_text(tokenizer, parsed.messages, chat_template)
+        text = chat_prompt_text(
+            tokenizer,
+            parsed.messages,
+            chat_template,
+            add_generation_prompt=parsed.add_generation_prompt,
+            template_kwargs=parsed.chat_template_kwargs,
+        )
         # The template wrote the special tokens already; adding them again doubles a BOS.
         return [(tokenizer.encode(text, add_special_tokens=False), text)]
     out = []
     probe = SamplingParams(max_tokens=1)  # the real max_tokens is checked once params exist
+    names = TokenText.of(tokenizer)
     for prompt in parsed.prompts:
         ids = engine.inputs.prompt_token_ids(prompt, probe)
         if isinstance(prompt, str):
             text = prompt
-        else:
-            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        else:  # echo shows it as logprobs' text offsets count it
+            text = names.decode_prompt(ids) if parsed.echo else ""
         out.append((ids, text))
     return out
 
@@ -184,52 +234,81 @@ def _params_for(
     return engine.inputs.sampling_params(None, sampling), drop
 
 
-async def run_jobs(
+async def submit_jobs(
     engine: EngineManager,
     jobs: list[Job],
     metrics: ServerMetrics,
     *,
+    client_id: str,
     session_id: str | None,
     priority: int,
-) -> AsyncIterator[tuple[Job, TokenEvent]]:
-    """The events of every job, interleaved as they come; closing this aborts the unfinished."""
-    queue: asyncio.Queue[tuple[Job, TokenEvent | BaseException]] = asyncio.Queue()
-
-    async def pump(job: Job) -> None:
-        timer = metrics.timer()
-        stream = None
-        try:
+) -> list[tuple[Job, RequestHandle, RequestTimer]]:
+    """Validate, route and start every job's call, before anything is sent to the client: a
+    refusal is an APIError (400 for bad input, 503 when no engine can take the call), and the
+    calls already started are cancelled."""
+    started: list[tuple[Job, RequestHandle, RequestTimer]] = []
+    try:
+        for job in jobs:
+            timer = metrics.timer()
             handle = await engine.submit_request(
                 session_id=session_id,
                 prompt=job.prompt_ids,
                 sampling_params=job.params,
                 priority=priority,
                 request_id=job.request_id,
+                client_id=client_id,
             )
-            stream = handle.stream()
+            started.append((job, handle, timer))
+    except BaseException as exc:
+        for _, handle, _ in started:
+            await handle.cancel()
+        if isinstance(exc, NoEngineAvailable):
+            raise APIError(503, str(exc), code="engine_not_ready") from None
+        if isinstance(exc, ValueError):
+            raise from_value_error(exc) from None
+        raise
+    return started
+
+
+async def cancel_unfinished(started: list[tuple[Job, RequestHandle, RequestTimer]]) -> None:
+    """Cancel every call of a response that has not finished (a no-op for those that have).
+    Run however the response ended: the guard for a stream that never started reading its
+    calls (a client gone before the headers went out)."""
+    for job, handle, timer in started:
+        await handle.cancel()
+        timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
+
+
+async def run_jobs(
+    started: list[tuple[Job, RequestHandle, RequestTimer]], client_id: str
+) -> AsyncIterator[tuple[Job, TokenEvent]]:
+    """The events of every submitted call, interleaved as they come; closing this aborts the
+    unfinished."""
+    queue: asyncio.Queue[tuple[Job, TokenEvent | BaseException]] = asyncio.Queue()
+
+    async def pump(job: Job, handle: RequestHandle, timer: RequestTimer) -> None:
+        stream = handle.stream()
+        try:
             async for event in stream:
                 timer.engine = handle.engine_id  # routed (or retried) there
                 timer.on_event(event)
                 queue.put_nowait((job, event))
                 if event.finished:
-                    _log_request(job.request_id, event, timer)
-        except Exception as exc:  # e.g. a request id already in use: report, don't hang
+                    _log_request(client_id, job.request_id, event, timer)
+        except Exception as exc:  # report, don't hang
             queue.put_nowait((job, exc))
         finally:
-            if stream is not None:
-                await stream.aclose()  # cancels the call unless it finished
+            await stream.aclose()  # cancels the call unless it finished
             timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
 
-    tasks = [asyncio.create_task(pump(job), name=f"yaied-{job.request_id}") for job in jobs]
+    tasks = [
+        asyncio.create_task(pump(*item), name=f"yaied-{item[0].request_id}") for item in started
+    ]
     try:
-        remaining = len(jobs)
+        remaining = len(started)
         while remaining:
             job, item = await queue.get()
             if isinstance(item, BaseException):
-                if isinstance(item, ValueError):
-                    raise from_value_error(item)
-                if isinstance(item, NoEngineAvailable):
-                    raise APIError(503, str(item), code="engine_not_ready")
                 raise item
             remaining -= item.finished
             yield job, item
@@ -239,13 +318,14 @@ async def run_jobs(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _log_request(request_id: str, event: TokenEvent, timer: RequestTimer) -> None:
-    """The one log line per finished request."""
+def _log_request(client_id: str, key: str, event: TokenEvent, timer: RequestTimer) -> None:
+    """The one log line per finished call: the client's id, then the call's key."""
     now = time.monotonic()
     ttft = "-" if timer.first is None else f"{timer.first - timer.start:.3f}s"
     log.info(
-        "request %s: %s, prompt %d tokens (%d cached), output %d, ttft %s, total %.3fs%s",
-        request_id,
+        "request %s (%s): %s, prompt %d tokens (%d cached), output %d, ttft %s, total %.3fs%s",
+        client_id,
+        key,
         event.finish_reason,
         event.num_prompt_tokens,
         event.num_cached_tokens,
@@ -269,11 +349,14 @@ def total_usage(choices: list[ChoiceState]) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
-def new_choices(jobs: list[Job], parsed: ParsedRequest, token_text: TokenText) -> list[ChoiceState]:
+def new_choices(jobs: list[Job], parsed: ParsedRequest, names: TokenText) -> list[ChoiceState]:
     legacy = parsed.kind == "completion" and parsed.logprobs is not None
-    return [
-        ChoiceState(
-            job, parsed.echo, token_text, CompletionLogprobs(token_text) if legacy else None
-        )
-        for job in jobs
-    ]
+    choices = []
+    for job in jobs:
+        logprobs = None
+        if legacy:
+            base = len(job.prompt_text) if parsed.echo else 0
+            offsets = names.output_offsets(job.prompt_ids, job.params.skip_special_tokens, base)
+            logprobs = CompletionLogprobs(names, offsets)
+        choices.append(ChoiceState(job, parsed.echo, names, logprobs))
+    return choices
