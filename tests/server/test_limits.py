@@ -54,6 +54,10 @@ def test_queue_full_is_429_with_retry_after(tiny):
         r = httpx.post(url, json={"prompt": [1], "max_tokens": 1}, headers=KEY)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
+        # Streaming too: a status before any byte of the stream, not a 200 and an error chunk.
+        stream = {"prompt": [1], "max_tokens": 1, "stream": True}
+        r = httpx.post(url, json=stream, headers=KEY)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert running.result().status_code == waiting.result().status_code == 200
 
 
