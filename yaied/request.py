@@ -33,8 +33,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Same seed, same tokens, whatever else shares the batch: each seeded draw gets its own
-    # generator, seeded from (seed, number of output tokens so far).
+    # Same seed, same tokens, whatever else shares the batch: a seeded draw's noise is a hash
+    # of (seed, number of output tokens so far, token id), computed on the device.
     seed: int | None = None
     # OpenAI penalties on the counts of OUTPUT tokens:
     # logit -= frequency_penalty * count + presence_penalty * (count > 0).

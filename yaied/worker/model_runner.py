@@ -106,11 +106,10 @@ class ModelRunner:
         their logits (an overflow in the head); amax propagates NaN, and -inf alone is a
         legitimate mask and passes."""
         last_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs]
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
-        finite = torch.isfinite(hidden[rows]).all(dim=-1)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
+        rows, index = _upload([last_rows, sampled], hidden.device)
+        finite = torch.isfinite(hidden[rows]).all(dim=-1)
         if sampled:
-            index = torch.tensor(sampled, dtype=torch.int64, device=hidden.device)
             finite[index] = finite[index] & torch.isfinite(logits.amax(dim=-1))
         return finite
 
@@ -265,6 +264,15 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
+
+
+def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors of ``lists`` on ``device``: on CUDA one pinned, non-blocking copy, so the
+    step does not wait for the device here."""
+    flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([len(values) for values in lists]))
 
 
 def _needs_processing(seq: ScheduledSeq) -> bool:
