@@ -29,8 +29,8 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     port_number,
     setting_flags,
 )
-from yaied.config import EngineConfig
-from yaied.request import SamplingParams
+from yaied.core.config import EngineConfig
+from yaied.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine

@@ -11,9 +11,9 @@ import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from yaied.config import EngineConfig, load_config
+from yaied.core.config import EngineConfig, load_config
+from yaied.core.request import RequestOutput, SamplingParams
 from yaied.engine.async_engine import AsyncEngine
-from yaied.request import RequestOutput, SamplingParams
 
 
 class LLM:

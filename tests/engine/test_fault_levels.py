@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from yaied.cache.radix_cache import TreeNode
-from yaied.config import load_config
+from yaied.core.config import load_config
+from yaied.core.request import FinishReason, TokenEvent
 from yaied.engine.async_engine import AsyncEngine, RequestStream
 from yaied.engine.faults import EngineDeadError, InvariantError, check_invariants
-from yaied.request import FinishReason, TokenEvent
 
 PLAIN = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 

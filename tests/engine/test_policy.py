@@ -9,14 +9,14 @@ import pytest
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import SchedulerConfig, load_config
+from yaied.core.config import SchedulerConfig, load_config
+from yaied.core.request import Request, RequestStatus, SamplingParams
 from yaied.core.step import StepOutput
 from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.policy import POLICIES, MultiLevelPolicy, make_policy, queue_bounds, queue_level
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.sim_workloads import CallSpec, ProgramSpec
 from yaied.engine.simulator import CostModel, EngineShape, Simulator
-from yaied.request import Request, RequestStatus, SamplingParams
 
 # One step costs one time unit; a call of n units prompts 1 token and outputs n.
 UNIT = CostModel(overhead_s=1.0, per_token_s=0.0)

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tests.server.conftest import LiveServer, engine_loader, start_server, stop_server
-from yaied.config import load_config
+from yaied.core.config import load_config
 from yaied.router.build import build_manager
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.config import ServerConfig

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.engine.validation import InputProcessor
-from yaied.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import RouterConfig
 from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo
 from yaied.router.lifecycle import CallState

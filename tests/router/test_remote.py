@@ -7,7 +7,7 @@ import httpx
 import orjson
 import pytest
 
-from yaied.request import FinishReason, SamplingParams
+from yaied.core.request import FinishReason, SamplingParams
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config
 from yaied.router.remote import CircuitBreaker, _sse_events, request_body
 from yaied.router.remote_metrics import stats_from_metrics

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from yaied.config import load_config
+from yaied.core.config import load_config
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 

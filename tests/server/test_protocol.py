@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from yaied.request import TokenLogprobs
+from yaied.core.request import TokenLogprobs
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.errors import APIError, from_value_error
 from yaied.server.protocol import parse_chat, parse_completion, parse_prompts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from yaied.request import SamplingParams, TokenLogprobs
+from yaied.core.request import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -26,7 +26,8 @@ from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
+from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.faults import (
@@ -37,7 +38,6 @@ from yaied.engine.faults import (
 )
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.validation import InputProcessor
-from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.worker.worker import Worker, WorkerInfo
 
 log = logging.getLogger(__name__)

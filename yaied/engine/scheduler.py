@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Callable
 
 from yaied.cache.cache_manager import KVCacheManager
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
+from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
-from yaied.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:

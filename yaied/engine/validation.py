@@ -6,8 +6,8 @@ and never reaches the scheduler or the worker.
 
 from __future__ import annotations
 
+from yaied.core.request import Request, SamplingParams
 from yaied.engine.detokenizer import IncrementalDetokenizer
-from yaied.request import Request, SamplingParams
 from yaied.worker import model_files
 from yaied.worker.loader import LoadedModel
 from yaied.worker.worker import WorkerInfo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.manager import EngineManager
 

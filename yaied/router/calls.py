@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from yaied.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
 
 
 @dataclass(slots=True)

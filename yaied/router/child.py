@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from yaied.config import EngineConfig
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.config import EngineConfig
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.handle import ModelInfo
 
 if TYPE_CHECKING:

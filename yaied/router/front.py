@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from yaied.config import ModelConfig
+from yaied.core.config import ModelConfig
 from yaied.router.handle import ModelInfo
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from yaied.request import SamplingParams, TokenEvent
+from yaied.core.request import SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine

@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from yaied.config import DeviceConfig, EngineConfig
-from yaied.request import SamplingParams, TokenEvent
+from yaied.core.config import DeviceConfig, EngineConfig
+from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.child import ChildSpec, Sender, child_main
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import EngineHandle, EngineUnavailable, Health, Stats

@@ -21,7 +21,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.calls import Call, RequestHandle
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.front import front_inputs
@@ -40,7 +40,7 @@ from yaied.router.lifecycle import CallState, LifecycleTracker
 from yaied.router.policy import EngineLoad, route
 
 if TYPE_CHECKING:
-    from yaied.config import EngineConfig
+    from yaied.core.config import EngineConfig
     from yaied.engine.async_engine import AsyncEngine
     from yaied.engine.validation import InputProcessor
 

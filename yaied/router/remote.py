@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo, Stats
 from yaied.router.remote_metrics import stats_from_metrics

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from yaied.request import FinishReason
+from yaied.core.request import FinishReason
 from yaied.server import responses as R
 from yaied.server.errors import APIError, error_body, json_response
 from yaied.server.limits import RequestLimits

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from yaied.request import TokenEvent
+from yaied.core.request import TokenEvent
 
 # Engine id -> that engine's stats() (the engines that report them); None while none is loaded.
 StatsFn = Callable[[], dict[str, dict[str, int | float]] | None]

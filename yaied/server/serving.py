@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.router.calls import RequestHandle
 from yaied.router.manager import EngineManager, NoEngineAvailable
 from yaied.server.errors import APIError, from_value_error

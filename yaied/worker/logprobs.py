@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from yaied.request import TokenLogprobs
+from yaied.core.request import TokenLogprobs
 
 # Prompt rows are scored this many at a time, so a long chunk never holds a [rows, vocab]
 # logits tensor for all of its rows at once (2,048 rows x 49k vocab would be 400 MB in fp32).

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
-from yaied.request import TokenLogprobs
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
+from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
-from yaied.request import TokenLogprobs
 from yaied.worker.cpu_linear import can_pack, pack_linears
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
