@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.engine.validation import InputProcessor
 from yaied.router.config import RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo
+from yaied.router.handle import EngineHandle, EngineUnavailable, Health
 from yaied.router.lifecycle import CallState
 from yaied.router.manager import EngineManager, NoEngineAvailable
 

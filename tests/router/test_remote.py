@@ -110,7 +110,7 @@ def test_router_config_errors(tmp_path, toml, message):
 
 
 def test_shipped_toml_router_section_equals_the_defaults():
-    from tests.test_config import SHIPPED_TOML
+    from tests.core.test_config import SHIPPED_TOML
 
     config, engines = load_router_config(SHIPPED_TOML, env={})
     assert config == RouterConfig() and engines == ()

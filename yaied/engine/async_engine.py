@@ -27,6 +27,7 @@ from typing import Any
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.engine.detokenizer import IncrementalDetokenizer
@@ -38,7 +39,7 @@ from yaied.engine.faults import (
 )
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.validation import InputProcessor
-from yaied.worker.worker import Worker, WorkerInfo
+from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class AsyncEngine:
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
-        self.info: WorkerInfo = self.worker.info
+        self.info: ModelInfo = self.worker.info
         self.inputs = InputProcessor(self.worker.loaded, self.info)
         self._new_bookkeeping()
         self._streams: dict[str, RequestStream] = {}

@@ -6,15 +6,15 @@ and never reaches the scheduler or the worker.
 
 from __future__ import annotations
 
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
 from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.worker import model_files
 from yaied.worker.loader import LoadedModel
-from yaied.worker.worker import WorkerInfo
 
 
 class InputProcessor:
-    def __init__(self, loaded: LoadedModel, info: WorkerInfo) -> None:
+    def __init__(self, loaded: LoadedModel, info: ModelInfo) -> None:
         self.info = info
         self.tokenizer = None
         self.eos_token_ids: frozenset[int] = frozenset()

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
-from yaied.router.handle import ModelInfo
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
@@ -88,7 +87,7 @@ def child_main(
         sender.close()
         sender.join(10)
         return
-    sender.put(("ready", ModelInfo(engine.info.max_model_len, engine.info.vocab_size)))
+    sender.put(("ready", engine.info))
     asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
     sender.close()
     sender.join(10)

@@ -1,7 +1,8 @@
 """The `[router]` section and the `[[engines]]` entries of config/yaied.toml.
 
 yaied/core/config.py owns the engine's sections and skips these, as it does `[server]`.
-Precedence is the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit overrides (`--engines`, ...).
+Precedence is the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit overrides
+(`--engines`, ...).
 
 Engines: with no `[[engines]]` entry and ``router.engines = 1`` the daemon runs one engine in its
 own process, as it always did. ``router.engines = N > 1`` starts N local engine processes (one per

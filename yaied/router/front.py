@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from yaied.core.config import ModelConfig
-from yaied.router.handle import ModelInfo
+from yaied.core.model_info import ModelInfo
 
 if TYPE_CHECKING:
     from yaied.engine.validation import InputProcessor

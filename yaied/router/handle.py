@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
@@ -41,14 +42,6 @@ class Health(enum.StrEnum):
 
 class EngineUnavailable(Exception):
     """The engine itself cannot serve (its process died, its daemon does not answer)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the router's front end needs to validate a request: the engine's limits."""
-
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -140,7 +133,7 @@ class InProcessHandle(EngineHandle):
     def __init__(self, engine_id: str, engine: AsyncEngine) -> None:
         super().__init__(engine_id)
         self.engine = engine
-        self.info = ModelInfo(engine.info.max_model_len, engine.info.vocab_size)
+        self.info = engine.info
         engine.step_observer = self._observe_step
 
     def _observe_step(self, num_tokens: int) -> None:

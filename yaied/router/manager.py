@@ -21,6 +21,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.calls import Call, RequestHandle
 from yaied.router.config import EngineEntry, RouterConfig
@@ -31,7 +32,6 @@ from yaied.router.handle import (
     EngineUnavailable,
     Health,
     InProcessHandle,
-    ModelInfo,
     Stats,
     StepObserver,
 )

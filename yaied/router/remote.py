@@ -23,9 +23,10 @@ from typing import Any
 import httpx
 import orjson
 
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo, Stats
+from yaied.router.handle import EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
 
 log = logging.getLogger(__name__)
