@@ -71,7 +71,9 @@ def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> 
     """A 400 naming the parameter the message is about; ``aliases`` maps our sampling names to
     the request's (chat's ``max_completion_tokens``, ``top_logprobs``)."""
     message = str(exc)
-    param = next((p for p in _PARAMS if message.startswith(p)), None)
+    param = getattr(exc, "param", None)  # an InputError names its field itself
+    if param is None:
+        param = next((p for p in _PARAMS if message.startswith(p)), None)
     if param is None and ("context length" in message or "prompt" in message):
         param = "prompt"
     if param is not None and aliases:
