@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
+from yaied.core import sampling_fields
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
@@ -228,33 +229,19 @@ class RemoteHandle(EngineHandle):
 
 
 def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -> dict[str, Any]:
-    """The OpenAI body that asks the remote daemon for exactly these parameters."""
+    """The OpenAI body that asks the remote daemon for exactly these parameters: every sampling
+    field the table sends a remote engine, under its completions name, defaults included (the
+    remote's model defaults must not replace ours)."""
     body: dict[str, Any] = {
         "prompt": prompt_ids,
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
         "priority": priority,
-        "logit_bias": {str(token): bias for token, bias in params.logit_bias},
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
     }
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_tokens",
-    ):
-        body[name] = getattr(params, name)
+    for spec in sampling_fields.FIELDS:
+        if spec.remote:
+            body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
     return body
 
 
