@@ -1,11 +1,15 @@
 """The engine: one asyncio task that schedules, hands each batch to the worker thread, and streams.
 
-    generate() --inbox--> [engine task: drain inbox/aborts -> schedule -> worker.execute -> update]
-                                                                   |
-    async for event in generate(...)  <--  per-request queue  <----+ (detokenised TokenEvents)
+    add_request(ids, params, sink) --inbox--> [engine task: drain inbox/aborts -> schedule
+                                               -> worker.execute -> update -> detokenize]
+    sink(event)  <-----------------------------------------------+ (one call per TokenEvent)
+
+The caller provides the sink (yaied/core/stream.py): the router's, the offline generate()'s or a
+test's, so an event crosses one queue, the reader's, on its way out.
 
 Only the engine task touches the scheduler, the page pool and the detokenizers, so they need no
-locks; only the worker thread touches the model and KV tensors. Closing a stream aborts its request.
+locks; only the worker thread touches the model and KV tensors. Aborting a request ends it with
+a final event within one step.
 Faults follow one escalation order (yaied/engine/faults.py): a request, then the bookkeeping
 (rebuilt in-process), then the engine itself (EngineDeadError: its process must restart).
 Tests and the engine fuzzer drive the same code synchronously through add_request() and step().
@@ -30,6 +34,7 @@ from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
+from yaied.core.stream import EventSink, EventStream
 from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.faults import (
     RESTART_REASONS,
@@ -37,8 +42,8 @@ from yaied.engine.faults import (
     check_invariants,
     restart_reason,
 )
+from yaied.engine.inputs import InputProcessor
 from yaied.engine.scheduler import Scheduler
-from yaied.engine.validation import InputProcessor
 from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -46,10 +51,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class RequestStream:
-    """One request and the queue its events go to (read by generate(), or by a test)."""
+    """One request in flight and the sink its events go to."""
 
     request: Request
-    queue: asyncio.Queue[TokenEvent]
+    sink: EventSink
     detokenizer: IncrementalDetokenizer | None
     # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -68,7 +73,8 @@ class AsyncEngine:
             self._executor.shutdown(wait=False)
             raise
         self.info: ModelInfo = self.worker.info
-        self.inputs = InputProcessor(self.worker.loaded, self.info)
+        loaded = self.worker.loaded
+        self.inputs = InputProcessor(loaded.folder, loaded.hf_config, self.info)
         self._new_bookkeeping()
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[RequestStream] = deque()
@@ -111,64 +117,62 @@ class AsyncEngine:
         priority: int = 0,
         **sampling: object,
     ) -> AsyncIterator[TokenEvent]:
-        """Stream the events of one request. Bad input raises ValueError before anything is queued;
-        closing the iterator (break, cancellation, client gone) aborts the request."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine has stopped: {self.dead}")
-        stream = self.add_request(
-            prompt,
+        """Stream the events of one request (the offline API's path). Bad input raises
+        ValueError before anything is queued; closing the iterator (break, cancellation, client
+        gone) aborts the request."""
+        params = self.inputs.sampling_params(params, sampling)
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        request_id = request_id or uuid.uuid4().hex
+        events: EventStream[None] = EventStream(on_close=lambda: self.abort(request_id))
+        self.add_request(
+            prompt_ids,
             params,
+            sink=events.sink(None),
             request_id=request_id,
             session_id=session_id,
             priority=priority,
-            **sampling,
         )
-        self._ensure_started()
-        finished = False
-        try:
-            while not finished:
-                event = await stream.queue.get()
-                finished = event.finished
+        async with contextlib.aclosing(events.events()) as stream:
+            async for _, event in stream:
                 yield event
-        finally:
-            if not finished:
-                self.abort(stream.request.request_id)
 
     def add_request(
         self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
+        prompt_ids: list[int],
+        params: SamplingParams,
         *,
+        sink: EventSink,
         request_id: str | None = None,
         session_id: str | None = None,
         priority: int = 0,
-        **sampling: object,
-    ) -> RequestStream:
-        """Queue a request; its events go to the returned stream's queue. generate() wraps this;
-        tests that step the engine themselves (step()) call it directly."""
+    ) -> str:
+        """Queue a request whose prompt and parameters have been through ``self.inputs`` (the
+        router's front end or generate() did that: the engine does not check them again). Its
+        events go to ``sink``, on the event loop, the last with a finish reason. Returns its id.
+        Starts the loop task when called from a running event loop; tests that step the engine
+        themselves (step()) call it from plain code."""
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
-        params = self.inputs.sampling_params(params, sampling)
-        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
             request_id,
-            prompt_ids,
+            list(prompt_ids),
             params,
             session_id=session_id,
             priority=priority,
             eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
         )
-        stream = RequestStream(request, asyncio.Queue(), self.inputs.detokenizer(request))
+        stream = RequestStream(request, sink, self.inputs.detokenizer(request))
         if not self._streams:
             self._last_progress = time.monotonic()  # idle until now: nothing was stalled
         self._streams[request_id] = stream
         self._inbox.append(stream)
-        if self._wake is not None:
+        if _in_event_loop():
+            self._ensure_started()
             self._wake.set()
-        return stream
+        return request_id
 
     def step(self) -> bool:
         """Run one step in the calling thread: schedule, execute, update, with the same fault
@@ -453,7 +457,7 @@ class AsyncEngine:
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> None:
         request = stream.request
-        stream.queue.put_nowait(
+        stream.sink(
             TokenEvent(
                 request.request_id,
                 token_ids,
@@ -473,3 +477,11 @@ class AsyncEngine:
         )
         if reason is not None:
             del self._streams[request.request_id]  # nothing is ever emitted after the last event
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

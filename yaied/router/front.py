@@ -12,13 +12,13 @@ from yaied.core.config import ModelConfig
 from yaied.core.model_info import ModelInfo
 
 if TYPE_CHECKING:
-    from yaied.engine.validation import InputProcessor
+    from yaied.engine.inputs import InputProcessor
 
 
 def front_inputs(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:
     """An InputProcessor for ``model`` under the tightest limits any engine reported."""
-    from yaied.engine.validation import InputProcessor
-    from yaied.worker.loader import LoadedModel, resolve_model_config
+    from yaied.engine.inputs import InputProcessor
+    from yaied.worker.loader import resolve_model_config  # reads the config, not the weights
 
     folder, hf_config = resolve_model_config(model)
     vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
@@ -27,6 +27,4 @@ def front_inputs(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:
         max_len or model.max_model_len or hf_config.max_position_embeddings,
         vocab or hf_config.vocab_size,
     )
-    # The processor reads only the folder and the config of a loaded model.
-    loaded = LoadedModel(None, hf_config, folder, None, info.max_model_len)  # type: ignore[arg-type]
-    return InputProcessor(loaded, info)  # type: ignore[arg-type]
+    return InputProcessor(folder, hf_config, info)

@@ -27,7 +27,7 @@ from yaied.core import sampling_fields
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, Stats
+from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
 
 log = logging.getLogger(__name__)
@@ -144,37 +144,27 @@ class RemoteHandle(EngineHandle):
         # The OpenAI logprobs format names tokens by text; the router could not map them back.
         return params.logprobs is None and params.prompt_logprobs is None
 
-    async def generate(
+    def submit(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        request_id: str,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[TokenEvent]:
+        sink: CallSink,
+    ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
         headers = {"X-Request-Id": request_id}
         if session_id is not None:
             headers["X-Session-Id"] = session_id
         body = request_body(prompt_ids, params, priority)
-        queue: asyncio.Queue[TokenEvent | EngineUnavailable] = asyncio.Queue()
         reader = asyncio.get_running_loop().create_task(
-            self._read(request_id, len(prompt_ids), body, headers, queue)
+            self._read(request_id, len(prompt_ids), body, headers, sink)
         )
         self._readers[request_id] = reader
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineUnavailable):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._readers.pop(request_id, None)
-            reader.cancel()  # closing the connection aborts the call on the remote daemon
+        reader.add_done_callback(lambda _: self._readers.pop(request_id, None))
 
     async def abort(self, request_id: str) -> None:
         reader = self._readers.get(request_id)
@@ -187,25 +177,31 @@ class RemoteHandle(EngineHandle):
         num_prompt_tokens: int,
         body: dict[str, Any],
         headers: dict[str, str],
-        queue: asyncio.Queue[TokenEvent | EngineUnavailable],
+        sink: CallSink,
     ) -> None:
+        """One call's SSE stream into its sink. Cancelling this task (an abort) closes the
+        connection, which aborts the call on the remote daemon."""
         assert self._client is not None
         try:
             async with self._client.stream(
                 "POST", "/v1/completions", json=body, headers=headers
             ) as response:
                 if response.status_code != 200:
-                    queue.put_nowait(await self._refused(request_id, response))
+                    refused = await self._refused(request_id, response)
+                    if isinstance(refused, EngineUnavailable):
+                        sink.lost(str(refused))
+                    else:
+                        sink.deliver(refused)
                     return
                 self._record(True)
                 async for event in _sse_events(response, request_id, num_prompt_tokens):
-                    queue.put_nowait(event)
+                    sink.deliver(event)
         except asyncio.CancelledError:
-            queue.put_nowait(TokenEvent(request_id, [], "", FinishReason.ABORT))
+            sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
             raise
         except (httpx.HTTPError, EngineUnavailable) as exc:
             self._record(False)
-            queue.put_nowait(EngineUnavailable(f"remote engine {self.engine_id}: {exc!r}"))
+            sink.lost(f"remote engine {self.engine_id}: {exc!r}")
 
     async def _refused(
         self, request_id: str, response: httpx.Response

@@ -24,10 +24,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from yaied.server import generate, router_routes
 from yaied.server.config import ServerConfig
-from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
-from yaied.server.serving import chat_prompt_text
 from yaied.server.state import EngineLoader, ServerState
 from yaied.systemd_notify import SystemdNotifier
 
@@ -128,15 +127,15 @@ async def tokenize(request: Request) -> Response:
     prompts, messages = parse_tokenize(body)
     if messages:
         add_generation_prompt, template_kwargs = parse_template_options(body)
-        text = chat_prompt_text(
-            tokenizer,
-            messages,
-            server.config.chat_template,
-            "messages",
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=template_kwargs,
-        )
-        tokens = tokenizer.encode(text, add_special_tokens=False)
+        try:
+            tokens, _ = engine.inputs.chat_prompt(
+                messages,
+                server.config.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                template_kwargs=template_kwargs,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
     else:
         tokens = tokenizer.encode(prompts[0], add_special_tokens=True)
     max_len = engine.info.max_model_len

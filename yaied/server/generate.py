@@ -31,10 +31,8 @@ from yaied.server.serving import (
     ChoiceState,
     Job,
     build_jobs,
-    cancel_unfinished,
     new_choices,
     request_key,
-    run_jobs,
     submit_jobs,
     total_usage,
 )
@@ -75,7 +73,7 @@ async def _generate(request: Request, kind: str) -> Response:
     choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer))
     headers = {"X-Request-Id": request_id}
     # The calls start here: from now on, however the response ends, cancel_unfinished runs.
-    started = await submit_jobs(
+    started = submit_jobs(
         engine,
         jobs,
         server.metrics,
@@ -83,12 +81,12 @@ async def _generate(request: Request, kind: str) -> Response:
         session_id=session_id,
         priority=parsed.priority,
     )
-    events = run_jobs(started, request_id)
+    events = started.events.events()
     if parsed.stream:
         stream = _sse(parsed, head, choices, events)
         return _EventStream(
             stream,
-            lambda: cancel_unfinished(started),
+            started.cancel_unfinished,
             headers=headers,
             sep="\n",
             ping=server.config.sse_ping_seconds,
@@ -103,7 +101,7 @@ async def _generate(request: Request, kind: str) -> Response:
             collect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
-        await cancel_unfinished(started)  # collect may have been cancelled before it started
+        await started.cancel_unfinished()  # collect may have been cancelled before it started
     if collect.cancelled():
         log.info("%s: client disconnected; aborted", request_id)
         return Response(status_code=499)  # nobody reads it; the access log shows why

@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
-
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -87,6 +85,9 @@ def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool
     folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
     if (folder / "config.json").is_file():
         return folder
+    # Deferred: gguf and numpy load only when a GGUF file is converted, not for reading a folder.
+    from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
+
     return convert_gguf_to_hf_folder(gguf_path, folder, show_progress=show_progress)
 
 
