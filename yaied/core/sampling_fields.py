@@ -195,6 +195,12 @@ FIELDS: tuple[SamplingField, ...] = (
     ),
 )
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
+# SamplingParams fields without a row, and why: each travels its own way.
+NOT_IN_TABLE: dict[str, str] = {
+    # Several request fields (response_format, structured_outputs, guided_*) make one value,
+    # parsed by core/grammar_spec.py; a remote engine is sent it as structured_outputs.
+    "structured": "the output constraint (core/grammar_spec.py)",
+}
 # generation_config.json keys that set a sampling default, and the Python type each is read as.
 GENERATION_CONFIG_KEYS: dict[str, type] = {
     f.name: int if f.schema["type"] == "integer" else float for f in FIELDS if f.model_default
