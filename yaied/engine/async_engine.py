@@ -13,6 +13,12 @@ a final event within one step.
 Faults follow one escalation order (yaied/engine/faults.py): a request, then the bookkeeping
 (rebuilt in-process), then the engine itself (EngineDeadError: its process must restart).
 Tests and the engine fuzzer drive the same code synchronously through add_request() and step().
+
+Structured outputs (engine/grammar.py): a constrained request gets its matcher at add_request
+from the compile cache, where its caller's compile put it. An engine in another process compiles
+again in its own cache: such a request waits, off the queue, until a compile task finishes, then
+enters the inbox (or fails alone if the spec does not compile). Each step fills the rows of the
+persistent token bitmask just before the batch goes to the worker.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from yaied.engine.faults import (
     check_invariants,
     restart_reason,
 )
+from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
 from yaied.engine.scheduler import Scheduler
 from yaied.worker.worker import Worker
@@ -75,10 +82,15 @@ class AsyncEngine:
         self.info: ModelInfo = self.worker.info
         loaded = self.worker.loaded
         self.inputs = InputProcessor(loaded.folder, loaded.hf_config, self.info)
+        self.masks = StepMasks(
+            config.scheduler.max_num_seqs, self.info.vocab_size, self.worker.device
+        )
         self._new_bookkeeping()
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[RequestStream] = deque()
         self._aborts: deque[str] = deque()
+        # Constrained requests whose grammar is compiling: in _streams, not yet in the inbox.
+        self._compiling: dict[str, asyncio.Task] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None  # set when the engine stopped for good
@@ -122,6 +134,8 @@ class AsyncEngine:
         gone) aborts the request."""
         params = self.inputs.sampling_params(params, sampling)
         prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        if params.structured is not None:  # a bad spec raises here, before anything is queued
+            await self.inputs.grammars.compile(params.structured)
         request_id = request_id or uuid.uuid4().hex
         events: EventStream[None] = EventStream(on_close=lambda: self.abort(request_id))
         self.add_request(
@@ -150,7 +164,10 @@ class AsyncEngine:
         router's front end or generate() did that: the engine does not check them again). Its
         events go to ``sink``, on the event loop, the last with a finish reason. Returns its id.
         Starts the loop task when called from a running event loop; tests that step the engine
-        themselves (step()) call it from plain code."""
+        themselves (step()) call it from plain code.
+
+        A constrained request whose grammar is not in the compile cache waits for its compile
+        (in the loop), or compiles here (from plain code, where a bad spec raises)."""
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
         request_id = request_id or uuid.uuid4().hex
@@ -164,15 +181,43 @@ class AsyncEngine:
             priority=priority,
             eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
         )
+        spec, grammars = params.structured, self.inputs.grammars
+        if spec is not None:
+            request.grammar = grammars.matcher(spec)
+            if request.grammar is None and not _in_event_loop():
+                request.grammar = grammars.matcher_of(grammars.compile_sync(spec))
         stream = RequestStream(request, sink, self.inputs.detokenizer(request))
         if not self._streams:
             self._last_progress = time.monotonic()  # idle until now: nothing was stalled
         self._streams[request_id] = stream
-        self._inbox.append(stream)
+        if spec is not None and request.grammar is None:
+            task = asyncio.get_running_loop().create_task(self._compile_then_queue(stream))
+            self._compiling[request_id] = task
+        else:
+            self._inbox.append(stream)
         if _in_event_loop():
             self._ensure_started()
             self._wake.set()
         return request_id
+
+    async def _compile_then_queue(self, stream: RequestStream) -> None:
+        """Compile a request's grammar in this process's cache, then queue it; a spec that does
+        not compile fails that request alone. An abort meanwhile cancels this task."""
+        request = stream.request
+        assert request.params.structured is not None
+        grammars = self.inputs.grammars
+        try:
+            compiled = await grammars.compile(request.params.structured)
+        except ValueError as exc:  # StructuredOutputError: invalid, or past the compile timeout
+            if self._compiling.pop(request.request_id, None) is not None:
+                self._end_stream(stream, FinishReason.ERROR, str(exc))
+            return
+        if self._compiling.pop(request.request_id, None) is None:
+            return  # ended meanwhile (the engine stopped)
+        request.grammar = grammars.matcher_of(compiled)
+        self._inbox.append(stream)
+        self._ensure_started()
+        self._wake.set()
 
     def step(self) -> bool:
         """Run one step in the calling thread: schedule, execute, update, with the same fault
@@ -195,6 +240,11 @@ class AsyncEngine:
                 self._wake.set()
 
     @property
+    def _num_queued(self) -> int:
+        """Requests not handed to the scheduler yet: in the inbox, or compiling their grammar."""
+        return len(self._inbox) + len(self._compiling)
+
+    @property
     def num_requests_in_flight(self) -> int:
         """Requests whose stream has not ended yet."""
         return len(self._streams)
@@ -206,7 +256,7 @@ class AsyncEngine:
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = {
             "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "num_requests_waiting": len(self.scheduler.waiting) + self._num_queued,
             # Cached pages that no running request uses count as free (they are evicted on demand).
             "num_free_pages": self.kv.num_free_pages,
             "num_pages": self.pool.num_pages,
@@ -215,6 +265,9 @@ class AsyncEngine:
             "prefix_cache_hits": self.kv.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            # Filling and applying grammar masks, over the steps that had a constrained row.
+            "structured_output_mask_seconds": self.masks.seconds,
+            "structured_output_masked_steps": self.masks.steps,
         }
         for reason, count in self.restarts.items():
             stats[f"engine_restarts_{reason}"] = count
@@ -274,7 +327,10 @@ class AsyncEngine:
     def _next_batch(self) -> Batch | None:
         self._drain_inbox()
         self._drain_aborts()
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            self.masks.fill(batch, self.scheduler.requests)
+        return batch
 
     def _finish_step(self, batch: Batch, output: StepOutput) -> None:
         self.num_steps += 1
@@ -287,8 +343,9 @@ class AsyncEngine:
             self._fail_step(batch, output.error)
             return
         self._failed_steps = 0
+        self.masks.seconds += output.mask_time
         self._apply(batch, output)
-        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+        check_invariants(self.scheduler, len(self._streams), self._num_queued)
         self._rebuilds_in_a_row = 0
 
     def _fail_step(self, batch: Batch, error: str) -> None:
@@ -329,12 +386,12 @@ class AsyncEngine:
         self.restarts[reason] += 1
         error = f"the engine failed ({reason}: {exc}) and restarted; retry the request"
         queued = {id(stream) for stream in self._inbox}
-        for stream in list(self._streams.values()):
-            if id(stream) not in queued:
+        for request_id, stream in list(self._streams.items()):
+            if id(stream) not in queued and request_id not in self._compiling:
                 self._end_stream(stream, FinishReason.ERROR, error)
         self._failed_steps = 0
         self._new_bookkeeping()
-        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+        check_invariants(self.scheduler, len(self._streams), self._num_queued)
 
     def _die(self, exc: BaseException) -> None:
         """Level 3: fail every request, refuse new ones, tell on_dead (once)."""
@@ -343,6 +400,9 @@ class AsyncEngine:
         log.critical("engine stopped: %s", exc)
         self.dead = exc
         self._inbox.clear()
+        for task in self._compiling.values():
+            task.cancel()
+        self._compiling.clear()
         for stream in list(self._streams.values()):
             self._end_stream(stream, FinishReason.ERROR, f"the engine stopped: {exc}")
         if self.on_dead is not None:
@@ -391,6 +451,11 @@ class AsyncEngine:
 
     def _emit_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> None:
         stream = self._streams[request.request_id]
+        if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
+            error = request.grammar.error if request.grammar is not None else None
+            log.error("request %s failed: %s", request.request_id, error)
+            self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
+            return
         token = request.output_token_ids[-1]
         text, stop_string = "", None
         if stream.detokenizer is not None:
@@ -432,7 +497,10 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if stream in self._inbox:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling.cancel()  # its compile goes on for the cache unless nobody else waits
+        elif stream in self._inbox:
             self._inbox.remove(stream)
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)

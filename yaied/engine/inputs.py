@@ -8,6 +8,10 @@ and never reaches the scheduler or the worker; the engine trusts what it is then
 
 It reads the model's folder (tokenizer, generation defaults, EOS ids) and config, never its
 weights, so the router builds one for engines that run in other processes or machines.
+
+A constrained request's grammar is compiled through ``grammars`` (engine/grammar.py) before it is
+queued: the caller awaits ``grammars.compile``, so an invalid or too slow spec is a ValueError
+naming its field, and the engine then finds the grammar in the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from yaied.core.errors import InputError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
 from yaied.engine.detokenizer import IncrementalDetokenizer
+from yaied.engine.grammar import Grammars
 from yaied.worker import model_files
 
 
@@ -39,6 +44,8 @@ class InputProcessor:
             eos = getattr(hf_config, "eos_token_id", None)
             eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
             self.eos_token_ids = frozenset(eos_ids)
+        # The compiler is built on the first constrained request (it needs the tokenizer).
+        self.grammars = Grammars(self.tokenizer, info.vocab_size, self.eos_token_ids)
 
     # -- sampling parameters -------------------------------------------------------------------
 

@@ -208,7 +208,8 @@ class Worker:
         logprobs: list[TokenLogprobs | None] = []
         for seq in batch.seqs:
             try:
-                out = self._execute(Batch([seq], len(seq.token_ids)))
+                alone = Batch([seq], len(seq.token_ids), grammar_bitmask=batch.grammar_bitmask)
+                out = self._execute(alone)
             except Exception as exc:
                 if is_fatal(exc):
                     return StepOutput([], error=_describe(exc), fatal=True)
@@ -220,6 +221,7 @@ class Worker:
             merged.failed.update(out.failed)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.model_time += out.model_time
+            merged.mask_time += out.mask_time
         if len(merged.failed) == len(batch.seqs):
             return StepOutput([], error=error)  # nothing ran: the step failed as a whole
         if any(lp is not None for lp in logprobs):
