@@ -12,7 +12,13 @@ import orjson
 import pytest
 
 from yaied.core.request import SamplingParams
-from yaied.core.sampling_fields import ENDPOINTS, FIELDS, GENERATION_CONFIG_KEYS, Endpoint
+from yaied.core.sampling_fields import (
+    ENDPOINTS,
+    FIELDS,
+    GENERATION_CONFIG_KEYS,
+    NOT_IN_TABLE,
+    Endpoint,
+)
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.remote import RemoteHandle, request_body
 from yaied.server.errors import APIError, from_value_error, request_aliases
@@ -87,7 +93,9 @@ def request_schema(endpoint: Endpoint) -> dict[str, Any]:
 
 
 def test_the_table_has_every_sampling_params_field_in_order():
-    assert [f.name for f in FIELDS] == [f.name for f in fields(SamplingParams)]
+    listed = [f.name for f in fields(SamplingParams) if f.name not in NOT_IN_TABLE]
+    assert [f.name for f in FIELDS] == listed
+    assert set(NOT_IN_TABLE) <= {f.name for f in fields(SamplingParams)}
     assert set(EXAMPLES) == {f.name for f in FIELDS}, "add an example for the new field"
     defaults = SamplingParams()
     for spec in FIELDS:
@@ -185,3 +193,22 @@ def test_generation_config_defaults_are_the_table_s():
     from yaied.worker import model_files
 
     assert model_files._SAMPLING_DEFAULT_KEYS == GENERATION_CONFIG_KEYS
+
+
+def test_an_output_constraint_travels_to_a_remote_daemon_as_structured_outputs():
+    from yaied.core.grammar_spec import make_spec, parse_structured_output
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    specs = [
+        make_spec("json_schema", schema, "guided_json"),
+        make_spec("json_object", None, "response_format"),
+        make_spec("regex", r"\d+", "guided_regex"),
+        make_spec("choice", ["yes", "no"], "guided_choice"),
+        make_spec("grammar", 'root ::= "a"', "guided_grammar"),
+    ]
+    for spec in specs:
+        body = orjson.loads(orjson.dumps(request_body([1], SamplingParams(structured=spec), 0)))
+        assert parse_structured_output(body) == spec
+        assert params_of(parse_completion(body)) == SamplingParams()  # the rest: defaults
+        assert parse_completion(body).structured == spec
+    assert "structured_outputs" not in request_body([1], SamplingParams(), 0)

@@ -174,6 +174,8 @@ class EngineManager:
             raise NoEngineAvailable("the engines have not started")
         params = self.inputs.sampling_params(sampling_params, {})
         prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        if params.structured is not None:  # compiled before admission: a bad spec raises here
+            await self.inputs.grammars.compile(params.structured)
         request_id = request_id or uuid.uuid4().hex
         events: EventStream[None] = EventStream(on_close=lambda: self.cancel_nowait(request_id))
         call = self.start_call(

@@ -1,10 +1,11 @@
 """A remote engine: another yaied daemon, reached through its public OpenAI API.
 
-Each call is a streaming POST /v1/completions with the prompt as token ids, the session and
-request ids as ``X-Session-Id`` / ``X-Request-Id``, ``return_token_ids`` for the sampled ids and
-``stream_options.include_usage`` for the cached tokens (``usage.prompt_tokens_details``). The
-stream is read by a task of its own; aborting cancels that task, which closes the connection, and
-the remote daemon aborts the call within one step as for any client that leaves.
+Each call is a streaming POST /v1/completions with the prompt as token ids, the output constraint
+(if any) as ``structured_outputs``, the session and request ids as ``X-Session-Id`` /
+``X-Request-Id``, ``return_token_ids`` for the sampled ids and ``stream_options.include_usage``
+for the cached tokens (``usage.prompt_tokens_details``). The stream is read by a task of its
+own; aborting cancels that task, which closes the connection, and the remote daemon aborts the
+call within one step as for any client that leaves.
 
 Health: a circuit breaker over /health probes and the calls themselves. ``failure_threshold``
 failures in a row mark the engine down (its pins are cleared); it is then probed every
@@ -24,6 +25,7 @@ import httpx
 import orjson
 
 from yaied.core import sampling_fields
+from yaied.core.grammar_spec import request_field
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
@@ -238,6 +240,8 @@ def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -
     for spec in sampling_fields.FIELDS:
         if spec.remote:
             body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
+    if params.structured is not None:  # the remote daemon compiles it again, in its own cache
+        body["structured_outputs"] = request_field(params.structured)
     return body
 
 

@@ -1,7 +1,8 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-Both parse, build jobs and submit them (every refusal, 4xx or 503, is decided here, before the
-response starts), then either stream SSE chunks or collect the events into one body. A
+Both parse, build jobs, compile the request's grammar if it has one, and submit the jobs (every
+refusal, 4xx or 503, is decided here, before the response starts), then either stream SSE chunks
+or collect the events into one body. A
 non-streaming client that leaves is noticed by a watcher on the ASGI receive channel, which
 cancels the collection and so aborts its requests within one engine step.
 """
@@ -23,8 +24,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from yaied.core.request import FinishReason
+from yaied.router.manager import EngineManager
 from yaied.server import responses as R
-from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
 from yaied.server.serving import (
@@ -67,6 +69,9 @@ async def _generate(request: Request, kind: str) -> Response:
     limits.check_parsed(parsed, body)
     key = request_key(request_id)
     jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits)
+    if not await _compile_grammar(engine, parsed, request):
+        log.info("%s: client disconnected while its grammar compiled", request_id)
+        return Response(status_code=499)  # nothing was queued
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
@@ -123,6 +128,34 @@ class _EventStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._on_close()
+
+
+async def _compile_grammar(engine: EngineManager, parsed: ParsedRequest, request: Request) -> bool:
+    """Compile the request's grammar before anything is queued, off the event loop (at once on a
+    cache hit): a spec that does not compile, or not within the compile timeout, is a 400 naming
+    its field. False when the client left first: then no call starts, and the compile is
+    dropped unless it runs already or another request waits for it (then it lands in the cache)."""
+    spec, grammars = parsed.structured, engine.inputs.grammars
+    if spec is None or grammars.cached(spec) is not None:
+        return True
+    compiling = asyncio.ensure_future(grammars.compile(spec))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({compiling, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not compiling.done():
+            compiling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await compiling
+    if compiling.cancelled():
+        return False
+    exc = compiling.exception()
+    if isinstance(exc, ValueError):  # StructuredOutputError: names the field at fault
+        raise from_value_error(exc) from None
+    if exc is not None:
+        raise exc
+    return True
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -26,12 +26,56 @@ _COMMON = {
     },
     "priority": {"type": "integer"},
     "user": {"type": "string"},
-    "response_format": {  # structured outputs are not supported yet
+}
+# Structured outputs (core/grammar_spec.py): at most one constraint per request.
+_SCHEMA_VALUE = {"oneOf": [{"type": "object"}, {"type": "string"}]}  # a schema, or its JSON text
+_STRINGS = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_STRUCTURED = {
+    "response_format": {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+                "required": ["type"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"type": "string", "enum": ["json_schema"]},
+                    "json_schema": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "description": {"type": "string"},
+                            "strict": {"type": "boolean"},
+                            "schema": {"type": "object"},
+                        },
+                        "required": ["schema"],
+                    },
+                },
+                "required": ["type", "json_schema"],
+                "additionalProperties": False,
+            },
+        ],
+    },
+    "structured_outputs": {
         "type": "object",
-        "properties": {"type": {"type": "string", "enum": ["text"]}},
-        "required": ["type"],
+        "description": "vLLM's field: exactly one of json, regex, choice, grammar, json_object.",
+        "properties": {
+            "json": _SCHEMA_VALUE,
+            "regex": {"type": "string"},
+            "choice": _STRINGS,
+            "grammar": {"type": "string", "description": "EBNF (xgrammar's dialect)"},
+            "json_object": {"type": "boolean"},
+        },
         "additionalProperties": False,
     },
+    "guided_json": _SCHEMA_VALUE,
+    "guided_regex": {"type": "string"},
+    "guided_choice": _STRINGS,
+    "guided_grammar": {"type": "string"},
+    "guided_decoding_backend": {"type": "string", "enum": ["xgrammar", "auto"]},
 }
 
 
@@ -47,6 +91,7 @@ def sampling_properties(endpoint: Endpoint) -> dict[str, Any]:
 _TOKENS = {"type": "array", "items": {"type": "integer"}}
 _COMPLETION = {
     **_COMMON,
+    **_STRUCTURED,
     **sampling_properties("completion"),
     "prompt": {
         "oneOf": [
@@ -69,6 +114,7 @@ _MESSAGES = {
 }
 _CHAT = {
     **_COMMON,
+    **_STRUCTURED,
     **sampling_properties("chat"),
     "messages": _MESSAGES,
     "logprobs": {"type": "boolean"},  # whether to return them; top_logprobs: how many others

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from yaied.core import sampling_fields
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, parse_structured_output
 from yaied.core.sampling_fields import request_names
 from yaied.server.errors import APIError
 
@@ -27,7 +28,16 @@ _COMMON_FIELDS = {
     "stream_options",
     "user",
     "priority",
-    "response_format",  # {"type": "text"} only, until structured outputs
+    # Structured outputs (core/grammar_spec.py parses them into one GrammarSpec): OpenAI's field,
+    # vLLM's current one and its older aliases, on both endpoints.
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",  # "xgrammar" or "auto" only: the one backend there is
+    "guided_whitespace_pattern",  # refused: JSON whitespace is fixed (see the README)
 }
 COMPLETION_FIELDS = frozenset(
     {
@@ -70,16 +80,7 @@ CHAT_FIELDS = frozenset(
         "add_generation_prompt",  # vLLM's: end the prompt with the assistant's turn (default)
     }
 )
-# Structured-output fields of vLLM and others, on either endpoint.
-_STRUCTURED_OUTPUT_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-    "structured_outputs",
-)
+_GRAMMAR_BACKENDS = ("xgrammar", "auto")
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})  # the latter is ignored
 # apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -124,6 +125,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # completions: each choice carries its sampled token ids
     add_generation_prompt: bool = True  # chat
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
+    structured: GrammarSpec | None = None  # the output constraint; None: free text
 
 
 # The sampling fields ParsedRequest holds itself rather than in ``sampling``: max_tokens, logprobs.
@@ -146,9 +148,6 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
 
 def _refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
     """A 400 naming every field the endpoint does not know (as OpenAI: param is the first)."""
-    for name in _STRUCTURED_OUTPUT_FIELDS:
-        if name in body:
-            raise APIError(400, f"{name} is not supported yet (structured outputs)", param=name)
     unknown = sorted(set(body) - known)
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
@@ -160,14 +159,23 @@ def _refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
         )
 
 
-def _refuse_structured_output(body: dict[str, Any]) -> None:
-    response_format = _get(body, "response_format", (dict,))
-    if response_format is not None and response_format != {"type": "text"}:
+def _structured_output(body: dict[str, Any]) -> GrammarSpec | None:
+    """The output constraint, checked for shape here; whether it compiles is decided (with its
+    own 400) when the server compiles it, before anything is queued."""
+    backend = _get(body, "guided_decoding_backend", (str,))
+    if backend is not None and backend not in _GRAMMAR_BACKENDS:
+        message = f"guided_decoding_backend must be one of {', '.join(_GRAMMAR_BACKENDS)}"
+        raise APIError(400, message, param="guided_decoding_backend")
+    if body.get("guided_whitespace_pattern") is not None:
         raise APIError(
             400,
-            'response_format is not supported yet other than {"type": "text"} (structured outputs)',
-            param="response_format",
+            "guided_whitespace_pattern is not supported: JSON is written on one line",
+            param="guided_whitespace_pattern",
         )
+    try:
+        return parse_structured_output(body)
+    except StructuredOutputError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
 
 
 def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
@@ -186,7 +194,7 @@ def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
     _get(options, "include_obfuscation", (bool,))
     if options and not parsed.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
-    _refuse_structured_output(body)
+    parsed.structured = _structured_output(body)
     parsed.user = _get(body, "user", (str,))
     parsed.priority = _get(body, "priority", (int,), 0)
     _sampling(body, parsed)

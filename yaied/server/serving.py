@@ -188,6 +188,8 @@ def _params_for(
     sampling: dict[str, Any] = dict(parsed.sampling, max_tokens=1 if drop else max_tokens)
     if drop and sampling.get("min_tokens"):
         raise ValueError("min_tokens must be 0 when max_tokens is 0")
+    if parsed.structured is not None:
+        sampling["structured"] = parsed.structured
     if parsed.logprobs is not None:
         sampling["logprobs"] = parsed.logprobs
         if parsed.echo:

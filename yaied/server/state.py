@@ -30,10 +30,14 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name, self._stats)
+        self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
 
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
+
+    def _grammar_stats(self) -> dict[str, int | float] | None:
+        inputs = None if self.manager is None else self.manager.inputs
+        return None if inputs is None else inputs.grammars.stats()
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -48,6 +52,7 @@ class ServerState:
             manager = EngineManager.single(loaded) if single else loaded
             manager.step_observer = self.metrics.observe_step
             await manager.start()
+            manager.inputs.grammars.on_compile = self.metrics.observe_compile
         except Exception as exc:
             log.exception("loading the engine failed")
             self.load_error = exc
