@@ -204,6 +204,7 @@ async def generate_all(policy: str, folder, prompts) -> tuple[list[list[int]], i
         await engine.shutdown()
 
 
+@pytest.mark.slow  # every policy over the same batch: 15 s or more
 @pytest.mark.timeout(120)
 async def test_every_policy_gives_the_same_tokens(tiny_model_dirs):
     prompts = [[(7 * i + j) % 250 + 1 for j in range(60 + 4 * i)] for i in range(6)]
