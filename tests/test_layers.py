@@ -10,15 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-
-# The request path is being straightened (issue 16): until then the server still imports the
-# engine (server/state.py, server/token_text.py), the router the worker's loader (router/front.py),
-# and server/ and router/ hold import cycles.
-RESTRUCTURE_PENDING = "the request path still crosses the layers; issue 16 removes the crossings"
-
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     # In the repository root, so that the yaied analysed and imported is this checkout's.
@@ -27,7 +19,6 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.xfail(reason=RESTRUCTURE_PENDING, strict=False)
 def test_import_contracts_are_kept():
     result = run_python(
         "import sys; from importlinter.cli import lint_imports; "
@@ -36,7 +27,6 @@ def test_import_contracts_are_kept():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.xfail(reason=RESTRUCTURE_PENDING, strict=False)
 def test_importing_the_server_leaves_torch_unimported():
     result = run_python(
         "import sys, yaied.server.app\n"

@@ -37,11 +37,11 @@ from typing import Any
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
+from yaied.core.detokenizer import IncrementalDetokenizer
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.core.stream import EventSink, EventStream
-from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.faults import (
     RESTART_REASONS,
     EngineDeadError,

@@ -19,10 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from yaied.core.config import ModelConfig
+from yaied.core.detokenizer import IncrementalDetokenizer
 from yaied.core.errors import InputError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
-from yaied.engine.detokenizer import IncrementalDetokenizer
 from yaied.engine.grammar import Grammars
 from yaied.worker import model_files
 
@@ -163,3 +164,19 @@ class InputProcessor:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
+
+
+def inputs_for_model(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:
+    """An InputProcessor for ``model`` under the tightest limits the engines reported: the
+    router's front end for engines that run in other processes or on other machines. It reads
+    the model's folder and config, never its weights."""
+    from yaied.worker.loader import resolve_model_config  # deferred: it imports torch
+
+    folder, hf_config = resolve_model_config(model)
+    vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
+    max_len = min((i.max_model_len for i in infos if i.max_model_len), default=0)
+    info = ModelInfo(
+        max_len or model.max_model_len or hf_config.max_position_embeddings,
+        vocab or hf_config.vocab_size,
+    )
+    return InputProcessor(folder, hf_config, info)

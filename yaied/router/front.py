@@ -17,14 +17,6 @@ if TYPE_CHECKING:
 
 def front_inputs(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:
     """An InputProcessor for ``model`` under the tightest limits any engine reported."""
-    from yaied.engine.inputs import InputProcessor
-    from yaied.worker.loader import resolve_model_config  # reads the config, not the weights
+    from yaied.engine.inputs import inputs_for_model  # deferred: the engine layer loads torch
 
-    folder, hf_config = resolve_model_config(model)
-    vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
-    max_len = min((i.max_model_len for i in infos if i.max_model_len), default=0)
-    info = ModelInfo(
-        max_len or model.max_model_len or hf_config.max_position_embeddings,
-        vocab or hf_config.vocab_size,
-    )
-    return InputProcessor(folder, hf_config, info)
+    return inputs_for_model(model, infos)

@@ -75,8 +75,6 @@ class LocalProcessHandle(EngineHandle):
 
     def child_spec(self) -> ChildSpec:
         """The engine config for the child, and the CUDA device it may see."""
-        from yaied.router.build import default_threads
-
         device, visible = self.entry.device, None
         if device == "auto":
             device = self.engine_config.device.device
@@ -251,3 +249,9 @@ class LocalProcessHandle(EngineHandle):
 
     def describe(self) -> dict[str, Any]:
         return {"device": self.entry.device, "pid": self.pid, "restarts": self.num_restarts}
+
+
+def default_threads(num_local_engines: int) -> int:
+    """CPU threads per local engine: the cores this process may use, shared evenly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_local_engines))

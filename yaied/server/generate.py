@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from yaied.core.request import FinishReason
 from yaied.router.manager import EngineManager
 from yaied.server import responses as R
+from yaied.server.body import read_json
 from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
@@ -54,7 +55,6 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: str) -> Response:
-    from yaied.server.app import read_json  # the body reader shared with the other routes
 
     server: ServerState = request.state.server
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

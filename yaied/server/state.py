@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from yaied.engine.async_engine import AsyncEngine
 from yaied.router.manager import EngineManager
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 # Blocking: run in a thread while the server listens. An engine is served alone (engine id "0");
 # a manager is started on the event loop, then routes across its engines.
-EngineLoader = Callable[[], AsyncEngine | EngineManager]
+EngineLoader = Callable[[], Any]  # an EngineManager, or one AsyncEngine to serve alone
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class ServerState:
         return None if inputs is None else inputs.grammars.stats()
 
     @property
-    def engine(self) -> AsyncEngine | None:
+    def engine(self) -> Any:
         """The in-process engine when the daemon runs one (tests reach the worker through it)."""
         handle = None if self.manager is None else self.manager.handles.get("0")
         return getattr(handle, "engine", None)
