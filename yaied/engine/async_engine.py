@@ -208,7 +208,7 @@ class AsyncEngine:
         grammars = self.inputs.grammars
         try:
             compiled = await grammars.compile(request.params.structured)
-        except ValueError as exc:  # StructuredOutputError: invalid, or past the compile timeout
+        except Exception as exc:  # StructuredOutputError: invalid, or past the compile timeout
             if self._compiling.pop(request.request_id, None) is not None:
                 self._end_stream(stream, FinishReason.ERROR, str(exc))
             return
