@@ -18,7 +18,7 @@ import asyncio
 import random
 import time
 
-from yaied.config import load_config
+from yaied.core.config import load_config
 from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.policy import POLICIES
 from yaied.engine.sim_workloads import WORKLOADS, ProgramSpec, make_workload

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from yaied.config import load_config
-from yaied.request import SamplingParams
+from yaied.core.config import load_config
+from yaied.core.request import SamplingParams
 from yaied.router.build import build_manager
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.manager import EngineManager

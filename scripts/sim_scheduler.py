@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import time
 
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
 from yaied.engine.policy import POLICIES
 from yaied.engine.sim_workloads import LENGTHS, WORKLOADS, make_workload
 from yaied.engine.simulator import CostModel, EngineShape, Simulator, latency_stats

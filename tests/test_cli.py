@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from yaied import cli
-from yaied.config import SECTIONS
+from yaied.core.config import SECTIONS
+from yaied.core.request import FinishReason, TokenEvent
 from yaied.engine.async_engine import AsyncEngine
-from yaied.request import FinishReason, TokenEvent
 
 SAMPLE_VALUES = {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x")}
 

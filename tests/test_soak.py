@@ -15,6 +15,7 @@ from tests.server.conftest import default_model_available
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
+@pytest.mark.slow  # a daemon on the default model under load for about a minute
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not default_model_available(), reason="needs the default model's tokenizer")
 def test_short_soak_loses_nothing_and_returns_every_page():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from yaied.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine

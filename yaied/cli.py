@@ -29,8 +29,8 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     port_number,
     setting_flags,
 )
-from yaied.config import EngineConfig
-from yaied.request import SamplingParams
+from yaied.core.config import EngineConfig
+from yaied.core.request import SamplingParams
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
@@ -156,16 +156,6 @@ def _with_engine(config: EngineConfig, session: Session) -> int:
             runner.run(engine.shutdown())
 
 
-def _has_chat_template(tokenizer: Any) -> bool:
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
-
-
-def _chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # The template already wrote the special tokens; adding them again would double a Llama BOS.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 @dataclass(slots=True)
 class Reply:
     text: str
@@ -245,8 +235,8 @@ def _answer_one_prompt(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise UsageError(f"model {config.model.model!r} has no tokenizer; --prompt needs one")
         prompt: str | list[int] = args.prompt
-        if _has_chat_template(tokenizer):
-            prompt = _chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+        if engine.inputs.has_chat_template():
+            prompt, _ = engine.inputs.chat_prompt([{"role": "user", "content": args.prompt}])
         started = time.perf_counter()
         reply = runner.run(stream_reply(engine, prompt, sampling))
         seconds = time.perf_counter() - started
@@ -304,12 +294,11 @@ def _chat(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
 
     def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
-        tokenizer = engine.tokenizer
-        if not _has_chat_template(tokenizer):
+        if not engine.inputs.has_chat_template():
             raise UsageError(f"model {config.model.model!r} has no chat template; chat needs one")
 
         def respond(messages: list[dict[str, str]]) -> str | None:
-            prompt = _chat_prompt_ids(tokenizer, messages)
+            prompt, _ = engine.inputs.chat_prompt(messages)
             try:
                 return runner.run(stream_reply(engine, prompt, sampling)).text
             except ValueError as exc:  # the conversation outgrew the context: let the user go on

@@ -1,6 +1,6 @@
 """Command-line settings: one flag per config setting, and the errors the CLI reports.
 
-Every config setting gets a flag generated from the dataclasses in ``yaied.config``
+Every config setting gets a flag generated from the dataclasses in ``yaied.core.config``
 (``--page-size``, ``--enable-prefix-caching/--no-enable-prefix-caching``), so a new setting is a
 new flag with no edit here. Only the flags a user gave become overrides: an unset flag must not
 mask the TOML file or a ``YAIED_*`` variable.
@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, NoReturn, get_type_hints
 
-from yaied.config import SECTIONS, EngineConfig, load_config
+from yaied.core.config import SECTIONS, EngineConfig, load_config
 
 # A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
 _SETTING_PREFIX = "cfg:"

@@ -24,7 +24,7 @@ import signal
 
 import uvicorn
 
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig

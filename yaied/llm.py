@@ -11,9 +11,9 @@ import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from yaied.config import EngineConfig, load_config
+from yaied.core.config import EngineConfig, load_config
+from yaied.core.request import RequestOutput, SamplingParams
 from yaied.engine.async_engine import AsyncEngine
-from yaied.request import RequestOutput, SamplingParams
 
 
 class LLM:
@@ -78,6 +78,9 @@ class LLM:
         prompt_ids = [
             inputs.prompt_token_ids(prompt, p) for prompt, p in zip(prompts, resolved, strict=True)
         ]
+        # Grammars compile here (a bad spec raises), so the engine finds them in the cache.
+        for spec in dict.fromkeys(p.structured for p in resolved if p.structured is not None):
+            inputs.grammars.compile_sync(spec)
         return self._loop.run_until_complete(self._generate_all(prompt_ids, resolved))
 
     async def _generate_all(

@@ -11,7 +11,7 @@ import pytest
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.request import Request, SamplingParams
+from yaied.core.request import Request, SamplingParams
 
 PAGE = 4
 

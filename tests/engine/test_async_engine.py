@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from yaied import SamplingParams
-from yaied.config import load_config
+from yaied.core.config import load_config
+from yaied.core.request import FinishReason
 from yaied.engine.async_engine import AsyncEngine
-from yaied.request import FinishReason
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,17 @@ bookkeeping; level 3 stops the engine for good.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from yaied.cache.radix_cache import TreeNode
-from yaied.config import load_config
+from yaied.core.config import load_config
+from yaied.core.request import FinishReason, TokenEvent
+from yaied.core.stream import EventStream
 from yaied.engine.async_engine import AsyncEngine, RequestStream
 from yaied.engine.faults import EngineDeadError, InvariantError, check_invariants
-from yaied.request import FinishReason, TokenEvent
 
 PLAIN = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -38,11 +40,27 @@ def engine(tiny_model_dirs):
     eng._executor.shutdown(wait=False)
 
 
-def events(stream: RequestStream) -> list[TokenEvent]:
-    out = []
-    while not stream.queue.empty():
-        out.append(stream.queue.get_nowait())
-    return out
+@dataclass(slots=True)
+class Submitted:
+    live: RequestStream  # the engine's own record of the request
+    events: EventStream
+
+    @property
+    def request(self):
+        return self.live.request
+
+
+def submit(engine: AsyncEngine, prompt: list[int], request_id: str | None = None, **sampling):
+    """Validate as every caller does (engine.inputs), then queue with a stream to read."""
+    params = engine.inputs.sampling_params(None, sampling)
+    ids = engine.inputs.prompt_token_ids(prompt, params)
+    events: EventStream[None] = EventStream()
+    rid = engine.add_request(ids, params, sink=events.sink(None), request_id=request_id)
+    return Submitted(engine._streams[rid], events)
+
+
+def events(submitted: Submitted) -> list[TokenEvent]:
+    return [event for _, event in submitted.events.drain()]
 
 
 def run(engine: AsyncEngine, max_steps: int = 200) -> None:
@@ -71,9 +89,9 @@ def output_of(got: list[TokenEvent]) -> list[int]:
 
 
 def test_a_detokenizer_failure_ends_only_its_request(engine):
-    good = engine.add_request([1, 2, 3], **PLAIN)
-    bad = engine.add_request([4, 5, 6], **PLAIN)
-    bad.detokenizer = BrokenDetokenizer()
+    good = submit(engine, [1, 2, 3], **PLAIN)
+    bad = submit(engine, [4, 5, 6], **PLAIN)
+    bad.live.detokenizer = BrokenDetokenizer()
     run(engine)
     assert final(events(good)).finish_reason is FinishReason.LENGTH
     last = final(events(bad))
@@ -95,8 +113,8 @@ def test_a_row_the_worker_cannot_run_fails_alone(engine):
             raise RuntimeError("bad row")
 
     engine.worker.fault_hook = hook
-    good = engine.add_request([1, 2, 3], request_id="good", **PLAIN)
-    bad = engine.add_request([4, 5, 6], request_id="bad", **PLAIN)
+    good = submit(engine, [1, 2, 3], request_id="good", **PLAIN)
+    bad = submit(engine, [4, 5, 6], request_id="bad", **PLAIN)
     run(engine)
     assert final(events(good)).finish_reason is FinishReason.LENGTH
     assert "bad row" in final(events(bad)).error
@@ -134,16 +152,16 @@ def test_a_non_finite_prefill_chunk_is_never_cached(engine):
         return execute(batch)
 
     runner.execute = poisoned
-    bad = engine.add_request(prompt, request_id="bad", **PLAIN)
+    bad = submit(engine, prompt, request_id="bad", **PLAIN)
     run(engine)
     runner.execute = execute
     assert "non-finite" in final(events(bad)).error
     assert engine.kv.tree.num_cached_pages == 0
-    good = engine.add_request(prompt, request_id="good", **PLAIN)
+    good = submit(engine, prompt, request_id="good", **PLAIN)
     run(engine)
     got = events(good)
     assert final(got).finish_reason is FinishReason.LENGTH and final(got).num_cached_tokens == 0
-    again = engine.add_request(prompt, **PLAIN)  # now served from good's (finite) pages
+    again = submit(engine, prompt, **PLAIN)  # now served from good's (finite) pages
     run(engine)
     second = events(again)
     assert final(second).num_cached_tokens > 0 and output_of(second) == output_of(got)
@@ -154,16 +172,16 @@ def test_a_non_finite_prefill_chunk_is_never_cached(engine):
 
 
 def test_an_exception_inside_the_cache_rebuilds_and_serves_again(engine):
-    victim = engine.add_request(list(range(1, 30)), **PLAIN)
+    victim = submit(engine, list(range(1, 30)), **PLAIN)
     engine.step()  # its first chunk is cached, so it locks a node of the tree
     victim.request.prefix_node = TreeNode(tokens=(), pages=[], parent=None)  # detached: corrupt
-    bystander = engine.add_request([7, 8, 9], **PLAIN)  # in flight when the fault hits
+    bystander = submit(engine, [7, 8, 9], **PLAIN)  # in flight when the fault hits
     run(engine)
     for stream in (victim, bystander):
         last = final(events(stream))
         assert last.finish_reason is FinishReason.ERROR and "restarted" in last.error
     assert engine.restarts["cache_error"] == 1
-    after = engine.add_request([1, 2, 3], **PLAIN)
+    after = submit(engine, [1, 2, 3], **PLAIN)
     run(engine)
     assert final(events(after)).finish_reason is FinishReason.LENGTH
     assert idle_and_whole(engine)
@@ -171,7 +189,7 @@ def test_an_exception_inside_the_cache_rebuilds_and_serves_again(engine):
 
 
 def test_a_failed_invariant_rebuilds(engine):
-    stream = engine.add_request(list(range(1, 30)), **PLAIN)
+    stream = submit(engine, list(range(1, 30)), **PLAIN)
     engine.step()
     page = stream.request.page_ids[-1]
     engine.pool.free([page])  # the pool now hands out a page a running request owns
@@ -190,12 +208,12 @@ def test_steps_failing_in_a_row_rebuild(engine):
     engine.worker.fault_hook = hook
     limit = engine.config.engine.max_failed_steps
     for i in range(limit):
-        stream = engine.add_request([1 + i, 2, 3], **PLAIN)
+        stream = submit(engine, [1 + i, 2, 3], **PLAIN)
         run(engine)
         assert "the device is unhappy" in final(events(stream)).error
     assert engine.restarts["failed_steps"] == 1
     engine.worker.fault_hook = None
-    stream = engine.add_request([1, 2, 3], **PLAIN)
+    stream = submit(engine, [1, 2, 3], **PLAIN)
     run(engine)
     assert final(events(stream)).finish_reason is FinishReason.LENGTH
     assert idle_and_whole(engine)
@@ -207,7 +225,7 @@ def test_steps_failing_in_a_row_rebuild(engine):
 def test_a_failed_rebuild_stops_the_engine(engine):
     told = []
     engine.on_dead = told.append
-    stream = engine.add_request(list(range(1, 30)), **PLAIN)
+    stream = submit(engine, list(range(1, 30)), **PLAIN)
     engine.step()
     stream.request.prefix_node = TreeNode(tokens=(), pages=[], parent=None)
 
@@ -220,7 +238,7 @@ def test_a_failed_rebuild_stops_the_engine(engine):
     assert engine.dead is not None and len(told) == 1
     assert final(events(stream)).finish_reason is FinishReason.ERROR
     with pytest.raises(RuntimeError, match="stopped"):
-        engine.add_request([1, 2], **PLAIN)
+        submit(engine, [1, 2], **PLAIN)
     assert not engine.progressing()
 
 
@@ -229,7 +247,7 @@ def test_a_cuda_error_stops_the_engine(engine):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     engine.worker.fault_hook = hook
-    streams = [engine.add_request([i, 2, 3], **PLAIN) for i in range(1, 4)]
+    streams = [submit(engine, [i, 2, 3], **PLAIN) for i in range(1, 4)]
     with pytest.raises(EngineDeadError, match="illegal memory access"):
         run(engine)
     for stream in streams:
@@ -245,7 +263,7 @@ def test_rebuilds_with_no_good_step_between_stop_the_engine(engine):
     limit = engine.config.engine.max_failed_steps
     with pytest.raises(EngineDeadError, match="rebuilds"):
         for i in range(limit * (limit + 2)):
-            engine.add_request([1 + i, 2], **PLAIN)
+            submit(engine, [1 + i, 2], **PLAIN)
             run(engine)
     assert engine.restarts["failed_steps"] == limit
 

@@ -9,14 +9,14 @@ import pytest
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import SchedulerConfig, load_config
+from yaied.core.config import SchedulerConfig, load_config
+from yaied.core.request import Request, RequestStatus, SamplingParams
 from yaied.core.step import StepOutput
 from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.policy import POLICIES, MultiLevelPolicy, make_policy, queue_bounds, queue_level
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.sim_workloads import CallSpec, ProgramSpec
 from yaied.engine.simulator import CostModel, EngineShape, Simulator
-from yaied.request import Request, RequestStatus, SamplingParams
 
 # One step costs one time unit; a call of n units prompts 1 token and outputs n.
 UNIT = CostModel(overhead_s=1.0, per_token_s=0.0)
@@ -204,6 +204,7 @@ async def generate_all(policy: str, folder, prompts) -> tuple[list[list[int]], i
         await engine.shutdown()
 
 
+@pytest.mark.slow  # every policy over the same batch: 15 s or more
 @pytest.mark.timeout(120)
 async def test_every_policy_gives_the_same_tokens(tiny_model_dirs):
     prompts = [[(7 * i + j) % 250 + 1 for j in range(60 + 4 * i)] for i in range(6)]

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
+from yaied.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from yaied.core.step import StepOutput
 from yaied.engine.scheduler import Scheduler
-from yaied.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
 def make(num_pages=64, page_size=4, budget=32, max_seqs=8, max_len=1024, caching=False):

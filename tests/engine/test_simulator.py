@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
 from yaied.engine.sim_workloads import SHAPES, CallSpec, ProgramSpec, make_workload
 from yaied.engine.simulator import CostModel, EngineShape, Simulator, latency_stats
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from yaied import LLM
-from yaied.request import FinishReason
+from yaied.core.request import FinishReason
 from yaied.worker.model_files import DEFAULT_MODEL_NAME
 
 PROMPT = "The three primary colours are red, yellow and"

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from yaied.config import load_config
-from yaied.request import FinishReason, SamplingParams
+from yaied.core.config import load_config
+from yaied.core.request import FinishReason, SamplingParams
 from yaied.router.child import EXIT_ENGINE_DEAD, ChildSpec, child_main
 
 

@@ -14,12 +14,12 @@ import orjson
 import pytest
 
 from tests.server.conftest import LiveServer, engine_loader, start_server, stop_server
-from yaied.config import load_config
+from yaied.core.config import load_config
 from yaied.router.build import build_manager
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.config import ServerConfig
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # engine processes and a daemon
 LONG_CALL = 64  # the test router's long_call_threshold, so that short prompts count as long
 
 

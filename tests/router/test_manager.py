@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from yaied.engine.validation import InputProcessor
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
+from yaied.engine.inputs import InputProcessor
 from yaied.router.config import RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo
+from yaied.router.handle import EngineHandle, EngineUnavailable, Health
 from yaied.router.lifecycle import CallState
 from yaied.router.manager import EngineManager, NoEngineAvailable
 
@@ -29,7 +30,8 @@ class FakeEngine(EngineHandle):
         self.aborted: set[str] = set()
         self.running: set[str] = set()
         self.seen: list[str] = []
-        self.die_after: int | None = None  # tokens to stream before EngineUnavailable
+        self.die_after: int | None = None  # tokens to stream before the engine is lost
+        self.tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.health = Health.UP
@@ -37,28 +39,40 @@ class FakeEngine(EngineHandle):
     async def stop(self) -> None:
         self.health = Health.STOPPED
 
-    async def generate(self, prompt_ids, params, *, request_id, session_id, priority):
+    def submit(self, request_id, prompt_ids, params, *, session_id, priority, sink):
+        if self.health is not Health.UP:
+            raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
         self.seen.append(request_id)
         self.running.add(request_id)
+        task = asyncio.get_running_loop().create_task(
+            self._run(request_id, prompt_ids, params, sink)
+        )
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, request_id, prompt_ids, params, sink) -> None:
         try:
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.tick)
                 if self.die_after is not None and i >= self.die_after:
                     self.health = Health.DOWN
                     self._lost()
-                    raise EngineUnavailable(f"engine {self.engine_id} died")
+                    sink.lost(f"engine {self.engine_id} died")
+                    return
                 if request_id in self.aborted:
-                    yield TokenEvent(request_id, [], "", FinishReason.ABORT)
+                    sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
                     return
                 last = i == params.max_tokens - 1
-                yield TokenEvent(
-                    request_id,
-                    [i],
-                    "x",
-                    FinishReason.LENGTH if last else None,
-                    num_prompt_tokens=len(prompt_ids),
-                    num_output_tokens=i + 1,
-                    num_cached_tokens=len(prompt_ids) // 2 if last else 0,
+                sink.deliver(
+                    TokenEvent(
+                        request_id,
+                        [i],
+                        "x",
+                        FinishReason.LENGTH if last else None,
+                        num_prompt_tokens=len(prompt_ids),
+                        num_output_tokens=i + 1,
+                        num_cached_tokens=len(prompt_ids) // 2 if last else 0,
+                    )
                 )
         finally:
             self.running.discard(request_id)
@@ -75,8 +89,8 @@ async def started(n: int = 2, **router: object) -> tuple[EngineManager, list[Fak
     engines = [FakeEngine(str(i)) for i in range(n)]
     for engine in engines:
         manager.add_engine(engine)
-    loaded = SimpleNamespace(folder=None, hf_config=SimpleNamespace(eos_token_id=None))
-    manager.inputs = InputProcessor(loaded, ModelInfo(8192, 256))  # no model files needed
+    hf_config = SimpleNamespace(eos_token_id=None)
+    manager.inputs = InputProcessor(None, hf_config, ModelInfo(8192, 256))  # no model files
     await manager.start()
     return manager, engines
 

@@ -3,11 +3,13 @@ router's config section."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import orjson
 import pytest
 
-from yaied.request import FinishReason, SamplingParams
+from yaied.core.request import FinishReason, SamplingParams
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config
 from yaied.router.remote import CircuitBreaker, _sse_events, request_body
 from yaied.router.remote_metrics import stats_from_metrics
@@ -110,7 +112,7 @@ def test_router_config_errors(tmp_path, toml, message):
 
 
 def test_shipped_toml_router_section_equals_the_defaults():
-    from tests.test_config import SHIPPED_TOML
+    from tests.core.test_config import SHIPPED_TOML
 
     config, engines = load_router_config(SHIPPED_TOML, env={})
     assert config == RouterConfig() and engines == ()
@@ -148,6 +150,25 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
     raise AssertionError("timed out")
 
 
+async def run_call(handle, request_id: str, prompt: list[int], session_id: str | None = None):
+    """Submit one call to a handle and collect its events (EngineUnavailable if lost)."""
+    from yaied.core.stream import EventStream
+    from yaied.router.handle import CallSink, EngineUnavailable
+
+    events: EventStream[None] = EventStream()
+    lost: list[str] = []
+    sink = CallSink(events.sink(None), lost.append)
+    handle.submit(request_id, prompt, SamplingParams(), session_id=session_id, priority=0,
+                  sink=sink)  # fmt: skip
+    out = []
+    while not events.done and not lost:
+        out += [event for _, event in events.drain()]
+        await asyncio.sleep(0.001)
+    if lost:
+        raise EngineUnavailable(lost[0])
+    return out + [event for _, event in events.drain()]
+
+
 @pytest.mark.timeout(20)
 async def test_a_remote_engine_goes_down_is_probed_and_comes_back():
     from yaied.router.handle import EngineUnavailable, Health
@@ -162,15 +183,13 @@ async def test_a_remote_engine_goes_down_is_probed_and_comes_back():
     await handle.start()
     assert handle.health is Health.UP and handle.info.max_model_len == 512
     assert handle.stats()["num_requests_waiting"] == 4
-    events = [e async for e in handle.generate([1, 2], SamplingParams(), request_id="r",
-                                                 session_id="s", priority=0)]  # fmt: skip
+    events = await run_call(handle, "r", [1, 2], session_id="s")
     assert events[-1].finish_reason is FinishReason.STOP and events[-1].num_cached_tokens == 1
     daemon.up = False
     await wait_until(lambda: handle.health is Health.DOWN)
     assert lost == ["2"] and handle.stats() is None
     with pytest.raises(EngineUnavailable):
-        await anext(handle.generate([1], SamplingParams(), request_id="x", session_id=None,
-                                    priority=0))  # fmt: skip
+        await run_call(handle, "x", [1])
     daemon.up = True
     probes = daemon.probes
     await wait_until(lambda: handle.health is Health.UP)

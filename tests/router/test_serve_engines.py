@@ -25,6 +25,7 @@ def test_bad_router_flags(capsys, tiny_model_dirs, flags, pattern):
     assert_one_line_error(*run_main(capsys, *argv), pattern)
 
 
+@pytest.mark.slow  # a daemon and two engine processes
 @pytest.mark.timeout(240)
 def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
     port = free_port()

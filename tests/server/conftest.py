@@ -1,7 +1,10 @@
-"""A real server on a loopback port: uvicorn in a thread, the app as the daemon builds it."""
+"""The app as the daemon builds it, served two ways: on a loopback port (uvicorn in a thread, for
+what needs a socket: streaming, disconnects, the openai client) or in-process through Starlette's
+TestClient (no socket; the fuzzers, which only need answers)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -11,12 +14,21 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from starlette.testclient import TestClient
 
-from yaied.config import load_config
+from yaied.core.config import load_config
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 
 MODEL = "smollm2-135m-instruct"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the `live` server load the real default model: they are slow."""
+    for item in items:
+        if "live" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @dataclass(slots=True)
@@ -59,6 +71,25 @@ def start_server(config: ServerConfig, load_engine: Callable, model_name: str) -
 def stop_server(live: LiveServer) -> None:
     live.server.should_exit = True
     live.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def in_process_server(
+    config: ServerConfig, load_engine: Callable, model_name: str
+) -> Iterator[TestClient]:
+    """The app without a socket: a sync httpx client whose requests go straight into the app.
+
+    The TestClient runs the app's lifespan (which loads the engine and later stops it) on an event
+    loop of its own, in a thread, for as long as the block lasts; every request runs on that loop,
+    beside the engine task. A 5xx comes back as a response, not as the exception behind it."""
+    app = build_app(config, load_engine, model_name)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the in-process app did not become healthy")
+            time.sleep(0.05)
+        yield client
 
 
 def engine_loader(**overrides: object) -> Callable:

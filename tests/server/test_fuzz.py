@@ -1,7 +1,10 @@
 """Fuzzing: generated junk against every route never gets a 5xx, and every error is an OpenAI error
 body. Junk JSON bodies on the POST endpoints; any method, query string, headers and raw bytes on
 every route; unicode, empty and enormous text prompts and chat messages through a real tokenizer
-and chat template. (Schema-driven cases are in test_schemathesis.py.)"""
+and chat template. (Schema-driven cases are in test_schemathesis.py.)
+
+The junk goes to a tiny model's app in-process (no socket: the answers are what is tested); the
+text prompts go to the default model's live server (slow, as every test on it: conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import engine_loader, start_server, stop_server
+from tests.server.conftest import engine_loader, in_process_server
 from yaied.server.config import ServerConfig
 
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
@@ -69,9 +72,8 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), junk, max_size=6)
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dirs):
     loader = engine_loader(model=str(tiny_model_dirs["llama"]), max_model_len=0, threads=1)
-    server = start_server(ServerConfig(served_model_name="tiny"), loader, "ignored")
-    yield server
-    stop_server(server)
+    with in_process_server(ServerConfig(served_model_name="tiny"), loader, "ignored") as client:
+        yield client
 
 
 @settings(
@@ -83,12 +85,7 @@ def test_junk_bodies_never_get_a_5xx(tiny, endpoint, body):
         body["max_tokens"] = min(body["max_tokens"], 8)  # keep valid requests short
     body.pop("stream", None)  # streaming junk is covered by the live tests
     content = json.dumps(body)  # stdlib: huge integers and NaN go out as written
-    response = httpx.post(
-        tiny.url + endpoint,
-        content=content,
-        headers={"Content-Type": "application/json"},
-        timeout=30,
-    )
+    response = tiny.post(endpoint, content=content, headers={"Content-Type": "application/json"})
     assert response.status_code < 500, (endpoint, body, response.text)
     if response.status_code >= 400:
         error = response.json()["error"]
@@ -98,7 +95,7 @@ def test_junk_bodies_never_get_a_5xx(tiny, endpoint, body):
 
 def test_engine_still_serves_after_fuzzing(tiny):
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
-    response = httpx.post(tiny.v1 + "/completions", json=body, timeout=30)
+    response = tiny.post("/v1/completions", json=body)
     assert response.status_code == 200
 
 
@@ -161,14 +158,7 @@ def test_any_route_method_query_and_headers_never_get_a_5xx(
     content = body if method in ("POST", "PUT", "PATCH") else None
     if content is not None and b'"max_tokens"' in content:
         return  # the bodies' own fuzz (above) keeps max_tokens short; skip long generations
-    response = httpx.request(
-        method,
-        tiny.url + route,
-        params=params,
-        headers=headers,
-        content=content,
-        timeout=30,
-    )
+    response = tiny.request(method, route, params=params, headers=headers, content=content)
     assert_openai_error(response, method)
 
 

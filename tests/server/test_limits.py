@@ -121,7 +121,7 @@ def test_cors_only_for_configured_origins(limited, tiny):
 
 
 def test_secure_defaults():
-    from yaied.config import ModelConfig
+    from yaied.core.config import ModelConfig
 
     config = ServerConfig()
     assert config.host == "127.0.0.1" and config.cors_allow_origins == ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from yaied.request import TokenLogprobs
+from yaied.core.request import TokenLogprobs
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.errors import APIError, from_value_error
 from yaied.server.protocol import parse_chat, parse_completion, parse_prompts
@@ -73,7 +73,7 @@ def test_chat_content_parts_and_unimplemented_fields():
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_objects"}}, "response_format.type"),
     ]:
         with pytest.raises(APIError) as info:
             parse_chat({"messages": messages, **extra})
@@ -93,13 +93,31 @@ M = [{"role": "user", "content": "x"}]
         (parse_completion, {"prompt": "x", "b": 1, "a": 2}, "a", "arguments supplied: a, b"),
         (parse_completion, {"prompt": "x", "store": True}, "store", "Unrecognized"),
         (parse_completion, {"prompt": "x", "add_generation_prompt": True}, None, "Unrecognized"),
-        (parse_chat, {"messages": M, "guided_json": {}}, "guided_json", "not supported yet"),
-        (parse_completion, {"prompt": "x", "guided_choice": ["a"]}, None, "not supported yet"),
+        (parse_chat, {"messages": M, "guided_json": []}, "guided_json", "JSON object"),
+        (parse_completion, {"prompt": "x", "guided_choice": []}, None, "non-empty list"),
         (
             parse_completion,
             {"prompt": "x", "response_format": {"type": "json_schema"}},
-            "response_format",
-            "not supported yet",
+            "response_format.json_schema",
+            "must be an object",
+        ),
+        (
+            parse_completion,
+            {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+            "guided_choice",
+            "only one output constraint",
+        ),
+        (
+            parse_chat,
+            {"messages": M, "guided_json": {}, "guided_decoding_backend": "outlines"},
+            "guided_decoding_backend",
+            "xgrammar",
+        ),
+        (
+            parse_chat,
+            {"messages": M, "guided_json": {}, "guided_whitespace_pattern": " "},
+            "guided_whitespace_pattern",
+            "not supported",
         ),
         (parse_chat, {"messages": M, "reasoning_effort": "low"}, None, "not supported"),
         (parse_chat, {"messages": M, "audio": {}}, "audio", "not supported"),

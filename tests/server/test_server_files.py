@@ -13,9 +13,9 @@ from tests.server.conftest import (
     start_server,
     stop_server,
 )
+from yaied.core.model_info import ModelInfo
+from yaied.engine.inputs import InputProcessor
 from yaied.server.config import ServerConfig, load_server_config
-from yaied.server.errors import APIError
-from yaied.server.serving import chat_prompt_text
 
 TEMPLATE = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
 
@@ -53,18 +53,27 @@ class StubTokenizer:
         template = jinja2.Environment().from_string(chat_template or self.chat_template)
         return template.render(messages=messages)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def chat_text(tokenizer: StubTokenizer, messages, chat_template: str = "") -> str:
+    inputs = InputProcessor(None, None, ModelInfo(1024, 256))
+    inputs.tokenizer = tokenizer
+    return inputs.chat_prompt(messages, chat_template)[1]
+
 
 def test_the_override_replaces_the_tokenizers_template():
     messages = [{"role": "user", "content": "hi"}]
-    assert chat_prompt_text(StubTokenizer("own:{{ messages[0].content }}"), messages) == "own:hi"
-    assert chat_prompt_text(StubTokenizer("own"), messages, TEMPLATE) == "<<hi>>"
-    assert chat_prompt_text(StubTokenizer(None), messages, TEMPLATE) == "<<hi>>"
-    with pytest.raises(APIError) as info:
-        chat_prompt_text(StubTokenizer(None), messages)  # no template at all: still a 400
-    assert info.value.status == 400
-    with pytest.raises(APIError) as info:  # a template's own error is the client's 400
-        chat_prompt_text(StubTokenizer(None), messages, "{{ raise_me( }}")
-    assert info.value.status == 400 and info.value.param == "messages"
+    assert chat_text(StubTokenizer("own:{{ messages[0].content }}"), messages) == "own:hi"
+    assert chat_text(StubTokenizer("own"), messages, TEMPLATE) == "<<hi>>"
+    assert chat_text(StubTokenizer(None), messages, TEMPLATE) == "<<hi>>"
+    with pytest.raises(ValueError) as info:  # no template at all: a 400 naming messages
+        chat_text(StubTokenizer(None), messages)
+    assert info.value.param == "messages"
+    with pytest.raises(ValueError) as info:  # a template's own error is the client's 400
+        chat_text(StubTokenizer(None), messages, "{{ raise_me( }}")
+    assert info.value.param == "messages"
 
 
 @pytest.mark.skipif(not default_model_available(), reason="needs the default model package")

@@ -1,6 +1,7 @@
 """Realistic JSON schemas for structured-output tests, each with valid and invalid instances.
 
-Pure data, reused by the compiler/matcher tests here and by end-to-end tests through the server.
+Pure data (and the few-shot chat that asks for an instance), reused by the compiler/matcher tests
+here, by end-to-end tests through the engine and the server, and by scripts/bench_structured.py.
 The schemas are what clients send: hand-written ones and pydantic v2's `model_json_schema()`
 output (``$defs``/``$ref``, ``title``, ``anyOf`` with null for Optional, ``additionalProperties:
 false`` as the openai SDK's ``parse()`` adds). Valid instances list their properties in the
@@ -12,6 +13,7 @@ property, a bound on items or string length, a pattern), and fails `jsonschema` 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,3 +447,20 @@ SCHEMA_CASES: list[SchemaCase] = [
         [{"event_id": "123", "date": "2024-05-17", "attendees": []}],
     ),
 ]
+
+
+def example_messages(case: SchemaCase) -> list[dict[str, str]]:
+    """A chat asking for another instance of the case, shown its first valid one: the few-shot
+    prompt a client writes. The grammar fixes the shape either way; the example keeps a small
+    model's values short (asked with no example, SmolLM2-135M runs a string or an array on to
+    max_tokens for a third of the schemas, greedy)."""
+    example = json.dumps(case.valid[0])
+    what = case.name.replace("_", " ")
+    return [
+        {"role": "system", "content": "You reply with one JSON value and nothing else."},
+        {
+            "role": "user",
+            "content": f"Here is an example of a {what}: {example}\nWrite another one with "
+            "different values.",
+        },
+    ]

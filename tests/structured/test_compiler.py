@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.structured.schemas import SCHEMA_CASES, SchemaCase
+from yaied.core.grammar_spec import GrammarSpec
 from yaied.structured import GrammarCompiler, SequenceMatcher, StructuredOutputError, make_spec
 from yaied.structured.compiler import CompiledGrammar
-from yaied.structured.spec import GrammarSpec
 
 
 def runs_to_stop(compiled: CompiledGrammar, token_ids: list[int], eos: int) -> bool:

@@ -20,6 +20,7 @@ from yaied.structured import (
     apply_bitmask,
     fill_bitmasks,
     make_spec,
+    row_allows_only,
 )
 
 
@@ -165,3 +166,14 @@ def test_cuda_matches_cpu(sentiment: Any, vocab_size: int, encode: Callable) -> 
         apply_bitmask(logits, cpu_mask, [2])
         apply_bitmask(on_gpu, gpu_mask, [2])
         assert torch.equal(on_gpu.cpu(), logits)
+
+
+def test_row_allows_only(vocab_size: int) -> None:
+    bitmask = allocate_bitmask(2, vocab_size)
+    bitmask.host.zero_()
+    for token in (2, 31, 63):  # bit 31: the int32 sign bit
+        bitmask.host[0, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    assert row_allows_only(bitmask, 0, [2, 31, 63]) and row_allows_only(bitmask, 0, [2, 31, 63, 7])
+    assert not row_allows_only(bitmask, 0, [2, 31])
+    assert row_allows_only(bitmask, 1, [])  # nothing allowed at all
+    assert allowed_ids(bitmask.host[0], vocab_size) == {2, 31, 63}  # the row is left unchanged

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from yaied.structured.spec import (
+from yaied.core.grammar_spec import (
     MAX_SCHEMA_DEPTH,
     MAX_SPEC_BYTES,
     GrammarSpec,

@@ -13,6 +13,8 @@ from tests.conftest import assert_greedy_equal, hf_greedy
 from yaied import LLM, SamplingParams
 from yaied.worker.model_files import DEFAULT_MODEL_NAME, find_default_model_gguf
 
+pytestmark = pytest.mark.slow  # the default model, and transformers over its GGUF file
+
 NEW_TOKENS = 20
 TEXTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

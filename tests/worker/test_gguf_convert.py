@@ -42,6 +42,7 @@ def reference_tokenizer(default_gguf: Path):
     )
 
 
+@pytest.mark.slow  # transformers loads the default model from its GGUF file
 def test_default_weights_equal_transformers_gguf_loader(
     default_model_folder: Path, reference_state_dict: dict[str, torch.Tensor]
 ) -> None:
@@ -78,6 +79,7 @@ def test_default_config(default_model_folder: Path) -> None:
     assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
 
 
+@pytest.mark.slow  # transformers reads the default model's tokenizer from its GGUF file
 def test_default_tokenizer_matches_gguf_tokenizer(
     default_model_folder: Path, reference_tokenizer
 ) -> None:

@@ -72,7 +72,7 @@ def test_unknown_model_name_is_a_clear_error():
 
 def test_a_bf16_model_is_built_in_bf16_with_the_values_of_an_fp32_load_cast_after(tmp_path):
     """Building in the final dtype (no fp32 copy while loading) must not change any weight."""
-    from yaied.config import ModelConfig
+    from yaied.core.config import ModelConfig
     from yaied.worker.loader import _load_native, _resolve_config
 
     folder = make_tiny_model("qwen2", tmp_path / "qwen2")  # biases and tied weights too

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from yaied import LLM, SamplingParams
+from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq
-from yaied.request import TokenLogprobs
 
 TOL = 1e-3
 

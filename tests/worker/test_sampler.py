@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from yaied.request import SamplingParams
+from yaied.core.request import SamplingParams
 from yaied.worker.sampler import SamplingTensors, process_logits, sample
 
 VOCAB = 8

@@ -216,6 +216,7 @@ def test_the_sliding_window_changes_the_output(hf_dirs):
     assert hf_greedy(reference, prompt, NEW_TOKENS) != windowed
 
 
+@pytest.mark.slow  # loads the default model twice
 @pytest.mark.timeout(120)
 def test_default_model_same_tokens_as_native():
     prompt = "The three primary colours are"

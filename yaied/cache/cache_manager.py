@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from yaied.cache.page_pool import PagePool
 from yaied.cache.radix_cache import RadixCache
-from yaied.request import Request
+from yaied.core.request import Request
 
 
 class KVCacheManager:

@@ -11,8 +11,9 @@ Both sides import this module and nothing of each other: the worker never sees a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from yaied.request import SamplingParams, TokenLogprobs
+from yaied.core.request import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -36,12 +37,20 @@ class ScheduledSeq:
     # that does not finish the prompt scores the next chunk's first token; the last prompt row
     # scores nothing (it samples). None when not asked for.
     prompt_logprob_targets: list[int] | None = None
+    # A constrained sequence that samples: the row of batch.grammar_bitmask that holds the
+    # tokens its grammar allows next (the engine filled it before handing the batch over). The
+    # worker masks this sequence's logits with it before any other processing. None: free text.
+    grammar_row: int | None = None
 
 
 @dataclass(slots=True)
 class Batch:
     seqs: list[ScheduledSeq]  # single-token sequences first, then multi-token prefill chunks
     num_tokens: int
+    # The engine's persistent token bitmask (a yaied.structured.TokenBitmask, opaque here),
+    # when a sequence of the step has a grammar_row. One host buffer serves every step: the
+    # engine fills it only between steps, never while the worker runs one.
+    grammar_bitmask: Any = None
 
     @property
     def num_sampled(self) -> int:
@@ -69,3 +78,4 @@ class StepOutput:
     # position 0 when the chunk starts there, then one entry per prompt_logprob_targets item.
     # Concatenated over a prompt's chunks: one entry per prompt token.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    mask_time: float = 0.0  # seconds the worker spent applying grammar masks (metrics)

@@ -1,14 +1,24 @@
 """The engine: one asyncio task that schedules, hands each batch to the worker thread, and streams.
 
-    generate() --inbox--> [engine task: drain inbox/aborts -> schedule -> worker.execute -> update]
-                                                                   |
-    async for event in generate(...)  <--  per-request queue  <----+ (detokenised TokenEvents)
+    add_request(ids, params, sink) --inbox--> [engine task: drain inbox/aborts -> schedule
+                                               -> worker.execute -> update -> detokenize]
+    sink(event)  <-----------------------------------------------+ (one call per TokenEvent)
+
+The caller provides the sink (yaied/core/stream.py): the router's, the offline generate()'s or a
+test's, so an event crosses one queue, the reader's, on its way out.
 
 Only the engine task touches the scheduler, the page pool and the detokenizers, so they need no
-locks; only the worker thread touches the model and KV tensors. Closing a stream aborts its request.
+locks; only the worker thread touches the model and KV tensors. Aborting a request ends it with
+a final event within one step.
 Faults follow one escalation order (yaied/engine/faults.py): a request, then the bookkeeping
 (rebuilt in-process), then the engine itself (EngineDeadError: its process must restart).
 Tests and the engine fuzzer drive the same code synchronously through add_request() and step().
+
+Structured outputs (engine/grammar.py): a constrained request gets its matcher at add_request
+from the compile cache, where its caller's compile put it. An engine in another process compiles
+again in its own cache: such a request waits, off the queue, until a compile task finishes, then
+enters the inbox (or fails alone if the spec does not compile). Each step fills the rows of the
+persistent token bitmask just before the batch goes to the worker.
 """
 
 from __future__ import annotations
@@ -26,29 +36,32 @@ from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
+from yaied.core.detokenizer import IncrementalDetokenizer
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
-from yaied.engine.detokenizer import IncrementalDetokenizer
+from yaied.core.stream import EventSink, EventStream
 from yaied.engine.faults import (
     RESTART_REASONS,
     EngineDeadError,
     check_invariants,
     restart_reason,
 )
+from yaied.engine.grammar import StepMasks
+from yaied.engine.inputs import InputProcessor
 from yaied.engine.scheduler import Scheduler
-from yaied.engine.validation import InputProcessor
-from yaied.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
-from yaied.worker.worker import Worker, WorkerInfo
+from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
 class RequestStream:
-    """One request and the queue its events go to (read by generate(), or by a test)."""
+    """One request in flight and the sink its events go to."""
 
     request: Request
-    queue: asyncio.Queue[TokenEvent]
+    sink: EventSink
     detokenizer: IncrementalDetokenizer | None
     # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -66,12 +79,18 @@ class AsyncEngine:
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
-        self.info: WorkerInfo = self.worker.info
-        self.inputs = InputProcessor(self.worker.loaded, self.info)
+        self.info: ModelInfo = self.worker.info
+        loaded = self.worker.loaded
+        self.inputs = InputProcessor(loaded.folder, loaded.hf_config, self.info)
+        self.masks = StepMasks(
+            config.scheduler.max_num_seqs, self.info.vocab_size, self.worker.device
+        )
         self._new_bookkeeping()
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[RequestStream] = deque()
         self._aborts: deque[str] = deque()
+        # Constrained requests whose grammar is compiling: in _streams, not yet in the inbox.
+        self._compiling: dict[str, asyncio.Task] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None  # set when the engine stopped for good
@@ -110,64 +129,95 @@ class AsyncEngine:
         priority: int = 0,
         **sampling: object,
     ) -> AsyncIterator[TokenEvent]:
-        """Stream the events of one request. Bad input raises ValueError before anything is queued;
-        closing the iterator (break, cancellation, client gone) aborts the request."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine has stopped: {self.dead}")
-        stream = self.add_request(
-            prompt,
+        """Stream the events of one request (the offline API's path). Bad input raises
+        ValueError before anything is queued; closing the iterator (break, cancellation, client
+        gone) aborts the request."""
+        params = self.inputs.sampling_params(params, sampling)
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        if params.structured is not None:  # a bad spec raises here, before anything is queued
+            await self.inputs.grammars.compile(params.structured)
+        request_id = request_id or uuid.uuid4().hex
+        events: EventStream[None] = EventStream(on_close=lambda: self.abort(request_id))
+        self.add_request(
+            prompt_ids,
             params,
+            sink=events.sink(None),
             request_id=request_id,
             session_id=session_id,
             priority=priority,
-            **sampling,
         )
-        self._ensure_started()
-        finished = False
-        try:
-            while not finished:
-                event = await stream.queue.get()
-                finished = event.finished
+        async with contextlib.aclosing(events.events()) as stream:
+            async for _, event in stream:
                 yield event
-        finally:
-            if not finished:
-                self.abort(stream.request.request_id)
 
     def add_request(
         self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
+        prompt_ids: list[int],
+        params: SamplingParams,
         *,
+        sink: EventSink,
         request_id: str | None = None,
         session_id: str | None = None,
         priority: int = 0,
-        **sampling: object,
-    ) -> RequestStream:
-        """Queue a request; its events go to the returned stream's queue. generate() wraps this;
-        tests that step the engine themselves (step()) call it directly."""
+    ) -> str:
+        """Queue a request whose prompt and parameters have been through ``self.inputs`` (the
+        router's front end or generate() did that: the engine does not check them again). Its
+        events go to ``sink``, on the event loop, the last with a finish reason. Returns its id.
+        Starts the loop task when called from a running event loop; tests that step the engine
+        themselves (step()) call it from plain code.
+
+        A constrained request whose grammar is not in the compile cache waits for its compile
+        (in the loop), or compiles here (from plain code, where a bad spec raises)."""
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
-        params = self.inputs.sampling_params(params, sampling)
-        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
             request_id,
-            prompt_ids,
+            list(prompt_ids),
             params,
             session_id=session_id,
             priority=priority,
             eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
         )
-        stream = RequestStream(request, asyncio.Queue(), self.inputs.detokenizer(request))
+        spec, grammars = params.structured, self.inputs.grammars
+        if spec is not None:
+            request.grammar = grammars.matcher(spec)
+            if request.grammar is None and not _in_event_loop():
+                request.grammar = grammars.matcher_of(grammars.compile_sync(spec))
+        stream = RequestStream(request, sink, self.inputs.detokenizer(request))
         if not self._streams:
             self._last_progress = time.monotonic()  # idle until now: nothing was stalled
         self._streams[request_id] = stream
-        self._inbox.append(stream)
-        if self._wake is not None:
+        if spec is not None and request.grammar is None:
+            task = asyncio.get_running_loop().create_task(self._compile_then_queue(stream))
+            self._compiling[request_id] = task
+        else:
+            self._inbox.append(stream)
+        if _in_event_loop():
+            self._ensure_started()
             self._wake.set()
-        return stream
+        return request_id
+
+    async def _compile_then_queue(self, stream: RequestStream) -> None:
+        """Compile a request's grammar in this process's cache, then queue it; a spec that does
+        not compile fails that request alone. An abort meanwhile cancels this task."""
+        request = stream.request
+        assert request.params.structured is not None
+        grammars = self.inputs.grammars
+        try:
+            compiled = await grammars.compile(request.params.structured)
+        except Exception as exc:  # StructuredOutputError: invalid, or past the compile timeout
+            if self._compiling.pop(request.request_id, None) is not None:
+                self._end_stream(stream, FinishReason.ERROR, str(exc))
+            return
+        if self._compiling.pop(request.request_id, None) is None:
+            return  # ended meanwhile (the engine stopped)
+        request.grammar = grammars.matcher_of(compiled)
+        self._inbox.append(stream)
+        self._ensure_started()
+        self._wake.set()
 
     def step(self) -> bool:
         """Run one step in the calling thread: schedule, execute, update, with the same fault
@@ -190,6 +240,11 @@ class AsyncEngine:
                 self._wake.set()
 
     @property
+    def _num_queued(self) -> int:
+        """Requests not handed to the scheduler yet: in the inbox, or compiling their grammar."""
+        return len(self._inbox) + len(self._compiling)
+
+    @property
     def num_requests_in_flight(self) -> int:
         """Requests whose stream has not ended yet."""
         return len(self._streams)
@@ -201,7 +256,7 @@ class AsyncEngine:
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = {
             "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "num_requests_waiting": len(self.scheduler.waiting) + self._num_queued,
             # Cached pages that no running request uses count as free (they are evicted on demand).
             "num_free_pages": self.kv.num_free_pages,
             "num_pages": self.pool.num_pages,
@@ -210,6 +265,9 @@ class AsyncEngine:
             "prefix_cache_hits": self.kv.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            # Filling and applying grammar masks, over the steps that had a constrained row.
+            "structured_output_mask_seconds": self.masks.seconds,
+            "structured_output_masked_steps": self.masks.steps,
         }
         for reason, count in self.restarts.items():
             stats[f"engine_restarts_{reason}"] = count
@@ -269,7 +327,10 @@ class AsyncEngine:
     def _next_batch(self) -> Batch | None:
         self._drain_inbox()
         self._drain_aborts()
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            self.masks.fill(batch, self.scheduler.requests)
+        return batch
 
     def _finish_step(self, batch: Batch, output: StepOutput) -> None:
         self.num_steps += 1
@@ -282,8 +343,9 @@ class AsyncEngine:
             self._fail_step(batch, output.error)
             return
         self._failed_steps = 0
+        self.masks.seconds += output.mask_time
         self._apply(batch, output)
-        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+        check_invariants(self.scheduler, len(self._streams), self._num_queued)
         self._rebuilds_in_a_row = 0
 
     def _fail_step(self, batch: Batch, error: str) -> None:
@@ -324,12 +386,12 @@ class AsyncEngine:
         self.restarts[reason] += 1
         error = f"the engine failed ({reason}: {exc}) and restarted; retry the request"
         queued = {id(stream) for stream in self._inbox}
-        for stream in list(self._streams.values()):
-            if id(stream) not in queued:
+        for request_id, stream in list(self._streams.items()):
+            if id(stream) not in queued and request_id not in self._compiling:
                 self._end_stream(stream, FinishReason.ERROR, error)
         self._failed_steps = 0
         self._new_bookkeeping()
-        check_invariants(self.scheduler, len(self._streams), len(self._inbox))
+        check_invariants(self.scheduler, len(self._streams), self._num_queued)
 
     def _die(self, exc: BaseException) -> None:
         """Level 3: fail every request, refuse new ones, tell on_dead (once)."""
@@ -338,6 +400,9 @@ class AsyncEngine:
         log.critical("engine stopped: %s", exc)
         self.dead = exc
         self._inbox.clear()
+        for task in self._compiling.values():
+            task.cancel()
+        self._compiling.clear()
         for stream in list(self._streams.values()):
             self._end_stream(stream, FinishReason.ERROR, f"the engine stopped: {exc}")
         if self.on_dead is not None:
@@ -386,6 +451,11 @@ class AsyncEngine:
 
     def _emit_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> None:
         stream = self._streams[request.request_id]
+        if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
+            error = request.grammar.error if request.grammar is not None else None
+            log.error("request %s failed: %s", request.request_id, error)
+            self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
+            return
         token = request.output_token_ids[-1]
         text, stop_string = "", None
         if stream.detokenizer is not None:
@@ -427,7 +497,10 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if stream in self._inbox:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling.cancel()  # its compile goes on for the cache unless nobody else waits
+        elif stream in self._inbox:
             self._inbox.remove(stream)
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)
@@ -452,7 +525,7 @@ class AsyncEngine:
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> None:
         request = stream.request
-        stream.queue.put_nowait(
+        stream.sink(
             TokenEvent(
                 request.request_id,
                 token_ids,
@@ -472,3 +545,11 @@ class AsyncEngine:
         )
         if reason is not None:
             del self._streams[request.request_id]  # nothing is ever emitted after the last event
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import bisect
 
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
+from yaied.core.request import Request
 from yaied.engine.sessions import CallStats, SessionStats, SessionTable
-from yaied.request import Request
 
 Rank = tuple[float, ...]
 

@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Callable
 
 from yaied.cache.cache_manager import KVCacheManager
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
+from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
-from yaied.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
@@ -217,7 +217,8 @@ class Scheduler:
 
     def update(self, batch: Batch, output: StepOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that received a token, in batch order;
-        those that finished (EOS, stop token, length) are already released."""
+        those that finished (EOS, stop token, length, a terminated grammar, or ERROR for a token
+        the grammar refused) are already released."""
         sampled = iter(output.sampled_token_ids)
         got_token: list[Request] = []
         now = self.clock()
@@ -245,6 +246,16 @@ class Scheduler:
         return got_token
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        # The grammar advances where the token is appended, so it has accepted exactly the
+        # output (a preemption keeps both). A refused token fails this request alone (the engine
+        # reports the matcher's error); a terminated grammar (it accepted EOS where it may end)
+        # is a stop, whatever min_tokens or ignore_eos say: the output is complete.
+        grammar = request.grammar
+        if grammar is not None:
+            if not grammar.accept(token):
+                return FinishReason.ERROR
+            if grammar.is_terminated:
+                return FinishReason.STOP
         # min_tokens holds off EOS and stop token ids (the sampler also bans them until then).
         may_stop = len(request.output_token_ids) >= request.params.min_tokens
         if may_stop and (token in request.eos_token_ids or token in request.params.stop_token_ids):

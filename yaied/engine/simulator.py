@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
-from yaied.config import SchedulerConfig
+from yaied.core.config import SchedulerConfig
+from yaied.core.request import Request, SamplingParams
 from yaied.core.step import Batch, StepOutput
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.sim_workloads import ProgramSpec
-from yaied.request import Request, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

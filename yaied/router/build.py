@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.manager import EngineManager
 
@@ -33,9 +31,3 @@ def local_entries(count: int, device: str) -> tuple[EngineEntry, ...]:
             raise ValueError(f"router.engines = {count} asks for more GPUs than the {gpus} here")
         device = "cpu"
     return tuple(EngineEntry(device=device) for _ in range(count))
-
-
-def default_threads(num_local_engines: int) -> int:
-    """CPU threads per local engine: the cores this process may use, shared evenly."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_engines))

@@ -1,17 +1,19 @@
-"""One call as the manager holds it, and the handle its caller gets back.
+"""One call as the manager holds it, and the handle a Python caller gets back.
 
-The manager's pump task moves the engine's events into ``_Call.queue``; the caller reads them
-through ``RequestHandle``, as a stream or as one collected result. Closing the stream before its
-final event cancels the call: the one cancellation path, as in AsyncEngine.generate.
+The engine's events reach ``Call.sink`` through the manager's ``_deliver`` (lifecycle, KV
+coordinator), with no queue or task in between. ``submit_request`` makes that sink one end of an
+EventStream and wraps the other in a ``RequestHandle``, read as a stream or as one collected
+result; leaving the stream before its final event cancels the call (core/stream.py).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from yaied.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
+from yaied.core.stream import EventSink, EventStream
 
 
 @dataclass(slots=True)
@@ -21,10 +23,9 @@ class Call:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    sink: EventSink  # where its events go, after the manager has recorded them
     client_id: str = ""  # the caller's name for it (X-Request-Id): shared by choices, not unique
     engine_id: str = ""
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-    task: asyncio.Task | None = None
     cancelled: bool = False
     retried: bool = False
     streamed: bool = False  # an event with tokens reached the caller: no retry elsewhere
@@ -52,10 +53,12 @@ class Call:
 class RequestHandle:
     """What ``EngineManager.submit_request`` returns: iterate it, or await ``result()``."""
 
-    def __init__(self, call: Call, cancel: Callable[[str], object]) -> None:
+    def __init__(
+        self, call: Call, events: EventStream[None], cancel: Callable[[str], object]
+    ) -> None:
         self._call = call
+        self._events = events
         self._cancel = cancel
-        self._consumed = False
 
     @property
     def request_id(self) -> str:
@@ -79,18 +82,9 @@ class RequestHandle:
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """The call's events, the last with a finish reason. Closing early cancels the call."""
-        if self._consumed:
-            raise RuntimeError(f"the stream of request {self.request_id!r} was already read")
-        self._consumed = True
-        finished = False
-        try:
-            while not finished:
-                event = await self._call.queue.get()
-                finished = event.finished
+        async with contextlib.aclosing(self._events.events()) as events:
+            async for _, event in events:
                 yield event
-        finally:
-            if not finished:
-                self._cancel(self.request_id)
 
     async def result(self) -> RequestOutput:
         """Every event collected into one output."""

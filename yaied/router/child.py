@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from yaied.config import EngineConfig
-from yaied.request import FinishReason, SamplingParams, TokenEvent
-from yaied.router.handle import ModelInfo
+from yaied.core.config import EngineConfig
+from yaied.core.request import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
@@ -88,7 +87,7 @@ def child_main(
         sender.close()
         sender.join(10)
         return
-    sender.put(("ready", ModelInfo(engine.info.max_model_len, engine.info.vocab_size)))
+    sender.put(("ready", engine.info))
     asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
     sender.close()
     sender.join(10)
@@ -104,8 +103,7 @@ class ChildServer:
     def __init__(self, engine: AsyncEngine, sender: Sender) -> None:
         self.engine = engine
         self.sender = sender
-        self._pumps: dict[str, asyncio.Task] = {}
-        self._aborting: set[str] = set()
+        self._live: set[str] = set()  # calls in the engine whose final event is not sent yet
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._steps: list[int] = []
         self._done: asyncio.Event | None = None
@@ -122,7 +120,10 @@ class ChildServer:
         await self._done.wait()
         reporter.cancel()
         self.engine.abort_all()
-        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        for _ in range(1000):  # each abort ends its call with a final event within a step
+            if not self._live:
+                break
+            await asyncio.sleep(0.01)
         await self.engine.shutdown()
 
     def _on_submit(self, message: tuple[Any, ...] | None) -> None:
@@ -134,44 +135,35 @@ class ChildServer:
             del self._early_aborts[request_id]
             self.sender.put(("event", _final(request_id, FinishReason.ABORT, None)))
             return
-        self._pumps[request_id] = asyncio.get_running_loop().create_task(
-            self._pump(request_id, prompt_ids, params, session_id, priority)
-        )
+        try:
+            self.engine.add_request(
+                prompt_ids,
+                params,
+                sink=self._send,
+                request_id=request_id,
+                session_id=session_id,
+                priority=priority,
+            )
+        except Exception as exc:  # a duplicate id or a dead engine: the call fails, not the process
+            self.sender.put(("event", _final(request_id, FinishReason.ERROR, str(exc))))
+            return
+        self._live.add(request_id)
+
+    def _send(self, event: TokenEvent) -> None:
+        """The engine's sink for every call: straight onto the event pipe."""
+        if event.finished:
+            self._live.discard(event.request_id)
+        self.sender.put(("event", event))
 
     def _on_abort(self, request_id: str | None) -> None:
         if request_id is None:
             return
-        if request_id in self._pumps:
-            self._aborting.add(request_id)  # in case its pump has not reached the engine yet
+        if request_id in self._live:
             self.engine.abort(request_id)
             return
         self._early_aborts[request_id] = None  # it overtook its submission on the other pipe
         while len(self._early_aborts) > _MAX_EARLY_ABORTS:
             self._early_aborts.popitem(last=False)
-
-    async def _pump(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        session_id: str | None,
-        priority: int,
-    ) -> None:
-        try:
-            if request_id in self._aborting:
-                self.sender.put(("event", _final(request_id, FinishReason.ABORT, None)))
-                return
-            stream = self.engine.generate(
-                prompt_ids, params, request_id=request_id, session_id=session_id, priority=priority
-            )
-            async with contextlib.aclosing(stream):
-                async for event in stream:
-                    self.sender.put(("event", event))
-        except Exception as exc:  # bad input or a dead loop: the call fails, the process goes on
-            self.sender.put(("event", _final(request_id, FinishReason.ERROR, str(exc))))
-        finally:
-            self._pumps.pop(request_id, None)
-            self._aborting.discard(request_id)
 
     async def _report_stats(self) -> None:
         while True:

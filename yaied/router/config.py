@@ -1,7 +1,8 @@
 """The `[router]` section and the `[[engines]]` entries of config/yaied.toml.
 
-yaied/config.py owns the engine's sections and skips these, as it does `[server]`. Precedence is
-the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit overrides (`--engines`, ...).
+yaied/core/config.py owns the engine's sections and skips these, as it does `[server]`.
+Precedence is the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit overrides
+(`--engines`, ...).
 
 Engines: with no `[[engines]]` entry and ``router.engines = 1`` the daemon runs one engine in its
 own process, as it always did. ``router.engines = N > 1`` starts N local engine processes (one per
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from yaied.config import load_section, read_toml
+from yaied.core.config import load_section, read_toml
 from yaied.router.policy import POLICIES, RoutingThresholds
 
 ENGINE_KINDS = ("local", "remote")

@@ -8,25 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from yaied.config import ModelConfig
-from yaied.router.handle import ModelInfo
+from yaied.core.config import ModelConfig
+from yaied.core.model_info import ModelInfo
 
 if TYPE_CHECKING:
-    from yaied.engine.validation import InputProcessor
+    from yaied.engine.inputs import InputProcessor
 
 
 def front_inputs(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:
     """An InputProcessor for ``model`` under the tightest limits any engine reported."""
-    from yaied.engine.validation import InputProcessor
-    from yaied.worker.loader import LoadedModel, resolve_model_config
+    from yaied.engine.inputs import inputs_for_model  # deferred: the engine layer loads torch
 
-    folder, hf_config = resolve_model_config(model)
-    vocab = min((i.vocab_size for i in infos if i.vocab_size), default=0)
-    max_len = min((i.max_model_len for i in infos if i.max_model_len), default=0)
-    info = ModelInfo(
-        max_len or model.max_model_len or hf_config.max_position_embeddings,
-        vocab or hf_config.vocab_size,
-    )
-    # The processor reads only the folder and the config of a loaded model.
-    loaded = LoadedModel(None, hf_config, folder, None, info.max_model_len)  # type: ignore[arg-type]
-    return InputProcessor(loaded, info)  # type: ignore[arg-type]
+    return inputs_for_model(model, infos)

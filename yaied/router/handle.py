@@ -2,33 +2,45 @@
 
 A handle is all the manager knows of an engine, wherever it runs:
 
-    generate(prompt ids, params, ids) -> async stream of TokenEvents (closing it aborts)
-    abort(request id)    stats() -> the engine's counters    health    start() / stop()
+    submit(call id, prompt ids, params, ..., sink)   events -> sink.deliver, on the event loop
+    abort(call id)    stats() -> the engine's counters    health    start() / stop()
 
 Three kinds implement it: ``InProcessHandle`` (here: an AsyncEngine on the router's event loop,
 the single-engine daemon), ``LocalProcessHandle`` (router/local_process.py: an engine process per
 device) and ``RemoteHandle`` (router/remote.py: another yaied daemon over HTTP).
 
-A stream that cannot go on because the ENGINE is gone (process died, daemon unreachable) raises
-``EngineUnavailable``; the manager then retries a call that streamed nothing, or fails it. A
-failure of the request itself arrives as a final event with ``FinishReason.ERROR``, as from a
-single engine.
+An engine that cannot take a call raises ``EngineUnavailable`` from submit; one lost with calls
+in flight (process died, daemon unreachable) tells each of them ``sink.lost(reason)`` instead of
+a final event. The manager then retries a call that streamed nothing, or fails it. A failure of
+the request itself arrives as a final event with ``FinishReason.ERROR``, as from one engine.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from yaied.request import SamplingParams, TokenEvent
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
 
 Stats = dict[str, int | float]
+
+
+@dataclass(frozen=True, slots=True)
+class CallSink:
+    """Where a handle sends one call's events, on the event loop: every event to ``deliver``, the
+    last with a finish reason; or, if the engine is lost first, one ``lost(reason)`` instead."""
+
+    deliver: Callable[[TokenEvent], None]
+    lost: Callable[[str], None]
+
+
 StepObserver = Callable[[str, int], None]  # (engine id, tokens in one step)
 
 
@@ -41,14 +53,6 @@ class Health(enum.StrEnum):
 
 class EngineUnavailable(Exception):
     """The engine itself cannot serve (its process died, its daemon does not answer)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the router's front end needs to validate a request: the engine's limits."""
-
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -94,17 +98,18 @@ class EngineHandle(abc.ABC):
         """Abort what runs (each stream gets its final event) and release the engine."""
 
     @abc.abstractmethod
-    def generate(
+    def submit(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        request_id: str,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[TokenEvent]:
-        """The call's events; the last one has a finish reason. Closing the iterator early
-        aborts the call. Raises EngineUnavailable when the engine is lost."""
+        sink: CallSink,
+    ) -> None:
+        """Start a call (prompt and params validated by the router's front end); its events go
+        to ``sink``. Raises EngineUnavailable when the engine cannot take it now."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -140,7 +145,7 @@ class InProcessHandle(EngineHandle):
     def __init__(self, engine_id: str, engine: AsyncEngine) -> None:
         super().__init__(engine_id)
         self.engine = engine
-        self.info = ModelInfo(engine.info.max_model_len, engine.info.vocab_size)
+        self.info = engine.info
         engine.step_observer = self._observe_step
 
     def _observe_step(self, num_tokens: int) -> None:
@@ -164,25 +169,28 @@ class InProcessHandle(EngineHandle):
         self.health = Health.STOPPED
         await self.engine.shutdown()
 
-    async def generate(
+    def submit(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        request_id: str,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[TokenEvent]:
+        sink: CallSink,
+    ) -> None:
         if self.engine.dead is not None:
             raise EngineUnavailable(f"engine {self.engine_id} has stopped: {self.engine.dead}")
-        stream = self.engine.generate(
-            prompt_ids, params, request_id=request_id, session_id=session_id, priority=priority
+        # The engine calls the sink itself: nothing in between. Its death fails each call with
+        # a final error event, so `lost` is never needed here.
+        self.engine.add_request(
+            prompt_ids,
+            params,
+            sink=sink.deliver,
+            request_id=request_id,
+            session_id=session_id,
+            priority=priority,
         )
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            await stream.aclose()  # aborts the request unless it finished
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

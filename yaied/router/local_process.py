@@ -1,15 +1,15 @@
 """A local engine PROCESS: one AsyncEngine per device, spawned, behind three pipes.
 
     router process                                   engine process (spawned)
-    submit sender thread --submit pipe--> reader thread -> loop: engine.generate -> pump task
+    submit sender thread --submit pipe--> reader thread -> loop: engine.add_request(sink)
     abort sender thread  --abort pipe---> reader thread -> loop: engine.abort        |
     reader thread <---------------------------event pipe-------- sender thread <-----+ events,
-      -> loop: the call's queue                                                        stats
+      -> loop: the call's sink                                                         stats
 
 Aborts travel on their own pipe, so a cancel never waits behind queued submissions. Both sides
 write through a thread, so neither event loop blocks on a full pipe. The router closes its copies
 of the child's pipe ends, so the child's death reaches the reader thread at once as end-of-file:
-every stream then raises EngineUnavailable, pins are cleared (``on_lost``), and the engine is
+every call in flight is told ``sink.lost``, pins are cleared (``on_lost``), and the engine is
 restarted after a backoff that doubles while restarts keep failing.
 
 ``CUDA_VISIBLE_DEVICES`` is set first thing in the child, before torch can initialise CUDA.
@@ -25,15 +25,14 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from yaied.config import DeviceConfig, EngineConfig
-from yaied.request import SamplingParams, TokenEvent
+from yaied.core.config import DeviceConfig, EngineConfig
+from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.child import ChildSpec, Sender, child_main
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, Stats
+from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 
 log = logging.getLogger(__name__)
 _STABLE_SECONDS = 60.0  # a process that lived this long resets the restart backoff
@@ -57,7 +56,7 @@ class LocalProcessHandle(EngineHandle):
         self.num_local_engines = num_local_engines  # the manager updates it before start()
         self.process: multiprocessing.process.BaseProcess | None = None
         self.num_restarts = 0
-        self._streams: dict[str, asyncio.Queue[TokenEvent | EngineUnavailable]] = {}
+        self._sinks: dict[str, CallSink] = {}  # calls in flight in the process, by id
         self._submit: Sender | None = None
         self._aborts: Sender | None = None
         self._stats: Stats | None = None
@@ -76,8 +75,6 @@ class LocalProcessHandle(EngineHandle):
 
     def child_spec(self) -> ChildSpec:
         """The engine config for the child, and the CUDA device it may see."""
-        from yaied.router.build import default_threads
-
         device, visible = self.entry.device, None
         if device == "auto":
             device = self.engine_config.device.device
@@ -150,11 +147,11 @@ class LocalProcessHandle(EngineHandle):
         kind = message[0]
         if kind == "event":
             event: TokenEvent = message[1]
-            queue = self._streams.get(event.request_id)
-            if queue is not None:
-                queue.put_nowait(event)
+            sink = self._sinks.get(event.request_id)
+            if sink is not None:
                 if event.finished:
-                    del self._streams[event.request_id]
+                    del self._sinks[event.request_id]
+                sink.deliver(event)
         elif kind == "stats":
             self._stats = message[1]
             if self.step_observer is not None:
@@ -178,15 +175,15 @@ class LocalProcessHandle(EngineHandle):
         for sender in (self._submit, self._aborts):
             if sender is not None:
                 sender.close()
-        streams, self._streams = self._streams, {}
-        for queue in streams.values():
-            queue.put_nowait(EngineUnavailable(reason))
+        lost, self._sinks = self._sinks, {}
+        for sink in lost.values():
+            sink.lost(reason)
         self._stats = None
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"{reason} while loading"))
         if self._stopping:
             return
-        log.error("%s; %d calls lost", reason, len(streams))
+        log.error("%s; %d calls lost", reason, len(lost))
         if was_up:
             self._lost()
             lived = time.monotonic() - self._started_at
@@ -214,7 +211,7 @@ class LocalProcessHandle(EngineHandle):
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
-        for request_id in list(self._streams):
+        for request_id in list(self._sinks):
             await self.abort(request_id)
         if self._submit is not None:
             self._submit.put(None)  # the child aborts what runs, sends the final events, exits
@@ -228,34 +225,23 @@ class LocalProcessHandle(EngineHandle):
 
     # -- calls ------------------------------------------------------------------------------
 
-    async def generate(
+    def submit(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        request_id: str,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[TokenEvent]:
+        sink: CallSink,
+    ) -> None:
         if self.health is not Health.UP or self._submit is None:
             raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
-        queue: asyncio.Queue[TokenEvent | EngineUnavailable] = asyncio.Queue()
-        self._streams[request_id] = queue
+        self._sinks[request_id] = sink
         self._submit.put(("submit", request_id, prompt_ids, params, session_id, priority))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineUnavailable):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished and self._streams.pop(request_id, None) is not None:
-                self._aborts.put(request_id)  # the caller left: the child frees its pages
 
     async def abort(self, request_id: str) -> None:
-        if request_id in self._streams and self._aborts is not None:
+        if request_id in self._sinks and self._aborts is not None:
             self._aborts.put(request_id)
 
     def stats(self) -> Stats | None:
@@ -263,3 +249,9 @@ class LocalProcessHandle(EngineHandle):
 
     def describe(self) -> dict[str, Any]:
         return {"device": self.entry.device, "pid": self.pid, "restarts": self.num_restarts}
+
+
+def default_threads(num_local_engines: int) -> int:
+    """CPU threads per local engine: the cores this process may use, shared evenly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_local_engines))

@@ -1,8 +1,8 @@
 """EngineManager: one router in front of several engines (Autellix's resource manager).
 
-    submit_request --route (policy.py)--> engine handle --events--> pump task --> RequestHandle
-          |                                                             |
-      lifecycle PENDING            RUNNING on the first event, then COMPLETED | CANCELLED | FAILED
+    start_call --route (policy.py)--> engine handle --events--> _deliver --> the caller's sink
+        |                                                          |
+    lifecycle PENDING          RUNNING on the first event, then COMPLETED | CANCELLED | FAILED
 
 The manager owns the router-side view: outstanding calls and tokens per engine (the load the
 policy reads), the session pins and hit rates (kv_coordinator.py), and each call's lifecycle. All
@@ -16,22 +16,24 @@ one in-process engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call, RequestHandle
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.front import front_inputs
 from yaied.router.handle import (
+    CallSink,
     EngineHandle,
     EngineStatus,
     EngineUnavailable,
     Health,
     InProcessHandle,
-    ModelInfo,
     Stats,
     StepObserver,
 )
@@ -40,9 +42,9 @@ from yaied.router.lifecycle import CallState, LifecycleTracker
 from yaied.router.policy import EngineLoad, route
 
 if TYPE_CHECKING:
-    from yaied.config import EngineConfig
+    from yaied.core.config import EngineConfig
     from yaied.engine.async_engine import AsyncEngine
-    from yaied.engine.validation import InputProcessor
+    from yaied.engine.inputs import InputProcessor
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +138,12 @@ class EngineManager:
 
     async def stop(self) -> None:
         self.abort_all()
-        calls = [c.task for c in self._calls.values() if c.task is not None]
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=5)
+        deadline = asyncio.get_running_loop().time() + 5
+        while self._calls and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)  # each abort ends its call with a final event
         await asyncio.gather(*(h.stop() for h in self.handles.values()), return_exceptions=True)
+        for call in list(self._calls.values()):  # an engine that never answered: end it here
+            self._deliver(call, call.final_event(FinishReason.ABORT))
         for task in self._background:
             task.cancel()
 
@@ -163,8 +167,43 @@ class EngineManager:
         request_id: str | None = None,
         client_id: str | None = None,
     ) -> RequestHandle:
-        """Validate, route and start one call. Bad input raises ValueError; no healthy engine
-        raises NoEngineAvailable. The call runs whether or not its stream is read.
+        """Validate, route and start one call, for a caller that wants a handle to read (the
+        Python API, benchmarks). Bad input raises ValueError; no healthy engine raises
+        NoEngineAvailable. The call runs whether or not its stream is read."""
+        if self.inputs is None:
+            raise NoEngineAvailable("the engines have not started")
+        params = self.inputs.sampling_params(sampling_params, {})
+        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
+        if params.structured is not None:  # compiled before admission: a bad spec raises here
+            await self.inputs.grammars.compile(params.structured)
+        request_id = request_id or uuid.uuid4().hex
+        events: EventStream[None] = EventStream(on_close=lambda: self.cancel_nowait(request_id))
+        call = self.start_call(
+            prompt_ids,
+            params,
+            sink=events.sink(None),
+            session_id=session_id,
+            priority=priority,
+            request_id=request_id,
+            client_id=client_id,
+        )
+        return RequestHandle(call, events, self.cancel_nowait)
+
+    def start_call(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        sink: EventSink,
+        session_id: str | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+        client_id: str | None = None,
+    ) -> Call:
+        """Route and start one call whose prompt and parameters have been through
+        ``self.inputs`` (the one input path: they are not checked again). Its events go to
+        ``sink`` on the event loop, the last with a finish reason. No healthy engine raises
+        NoEngineAvailable, before anything started.
 
         ``request_id`` is the call's key (unique among live calls; a new uuid when not given):
         the engine, the lifecycle and ``cancel_request`` know the call by it. ``client_id`` is
@@ -173,22 +212,57 @@ class EngineManager:
         ``lifecycle.by_client_id`` match it exactly. It defaults to ``request_id``."""
         if self.inputs is None:
             raise NoEngineAvailable("the engines have not started")
-        params = self.inputs.sampling_params(sampling_params, {})
-        prompt_ids = self.inputs.prompt_token_ids(prompt, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._calls:
             raise ValueError(f"request id {request_id!r} is already in use")
         client_id = request_id if client_id is None else client_id
-        call = Call(request_id, session_id, prompt_ids, params, priority, client_id)
+        call = Call(request_id, session_id, prompt_ids, params, priority, sink, client_id)
         engine = self._route(call, exclude=set())
         if engine is None:
             raise NoEngineAvailable("no healthy engine can take the request")
         self.lifecycle.add(request_id, session_id, len(prompt_ids), client_id)
         self._calls[request_id] = call
-        call.task = asyncio.get_running_loop().create_task(
-            self._pump(call, engine), name=f"yaied-call-{request_id}"
-        )
-        return RequestHandle(call, self.cancel_nowait)
+        self._dispatch(call, engine)
+        return call
+
+    def _dispatch(self, call: Call, engine: EngineHandle | None) -> None:
+        """Hand the call to ``engine``; one that cannot take it passes it on (see _give_up_on)."""
+        while engine is not None:
+            sink = CallSink(
+                functools.partial(self._deliver, call),
+                functools.partial(self._lost, call, engine.engine_id),
+            )
+            try:
+                engine.submit(
+                    call.request_id,
+                    call.prompt_ids,
+                    call.params,
+                    session_id=call.session_id,
+                    priority=call.priority,
+                    sink=sink,
+                )
+                return
+            except EngineUnavailable as exc:
+                engine = self._give_up_on(call, engine.engine_id, str(exc))
+
+    def _lost(self, call: Call, engine_id: str, reason: str) -> None:
+        """The engine running the call was lost before its final event."""
+        if call.finished or call.engine_id != engine_id:
+            return  # already retried elsewhere, or finished
+        self._dispatch(call, self._give_up_on(call, engine_id, reason))
+
+    def _give_up_on(self, call: Call, engine_id: str, reason: str) -> EngineHandle | None:
+        """The engine cannot run the call: another engine for it (a call that streamed nothing
+        is retried once), or None after failing it with an error event."""
+        self._outstanding[engine_id].pop(call.request_id, None)
+        retry = not (call.streamed or call.retried or call.cancelled)
+        next_engine = self._route(call, {engine_id}) if retry else None
+        if next_engine is None:
+            self._deliver(call, call.final_event(FinishReason.ERROR, reason))
+            return None
+        log.warning("%s: %s; retrying on engine %s", call.request_id, reason, next_engine.engine_id)
+        call.retried = True
+        return next_engine
 
     def _route(self, call: Call, exclude: set[str]) -> EngineHandle | None:
         loads = [
@@ -219,49 +293,6 @@ class EngineManager:
         self._outstanding[decision.engine_id][call.request_id] = call.num_tokens
         return self.handles[decision.engine_id]
 
-    async def _pump(self, call: Call, engine: EngineHandle) -> None:
-        try:
-            while True:
-                try:
-                    await self._run_on(call, engine)
-                    return
-                except EngineUnavailable as exc:
-                    self._outstanding[engine.engine_id].pop(call.request_id, None)
-                    retry = not (call.streamed or call.retried or call.cancelled)
-                    next_engine = self._route(call, {engine.engine_id}) if retry else None
-                    if next_engine is None:
-                        self._deliver(call, call.final_event(FinishReason.ERROR, str(exc)))
-                        return
-                    log.warning(
-                        "%s: %s; retrying on engine %s", call.request_id, exc, next_engine.engine_id
-                    )
-                    call.retried, engine = True, next_engine
-        except Exception as exc:  # a bug: the caller still gets its final event
-            log.exception("%s: the router failed", call.request_id)
-            self._deliver(call, call.final_event(FinishReason.ERROR, f"router failed: {exc}"))
-        finally:
-            if not call.finished:  # the pump was cancelled (stop)
-                self._deliver(call, call.final_event(FinishReason.ABORT))
-            self._outstanding[engine.engine_id].pop(call.request_id, None)
-
-    async def _run_on(self, call: Call, engine: EngineHandle) -> None:
-        if call.cancelled:  # cancelled before it reached an engine
-            self._deliver(call, call.final_event(FinishReason.ABORT))
-            return
-        stream = engine.generate(
-            call.prompt_ids,
-            call.params,
-            request_id=call.request_id,
-            session_id=call.session_id,
-            priority=call.priority,
-        )
-        async with contextlib.aclosing(stream):
-            async for event in stream:
-                self._deliver(call, event)
-                if event.finished:
-                    return
-        raise EngineUnavailable(f"engine {engine.engine_id} ended the stream without a reason")
-
     def _deliver(self, call: Call, event: TokenEvent) -> None:
         """Record an event in the lifecycle and the coordinator, then hand it to the caller."""
         if call.finished:
@@ -290,7 +321,8 @@ class EngineManager:
                     call.num_output_tokens,
                 )
             del self._calls[call.request_id]
-        call.queue.put_nowait(event)
+            self._outstanding[call.engine_id].pop(call.request_id, None)
+        call.sink(event)
 
     async def cancel_request(self, request_id: str) -> bool:
         """Cancel one call: its stream ends with ``abort`` once the engine has let it go (within

@@ -1,10 +1,11 @@
 """A remote engine: another yaied daemon, reached through its public OpenAI API.
 
-Each call is a streaming POST /v1/completions with the prompt as token ids, the session and
-request ids as ``X-Session-Id`` / ``X-Request-Id``, ``return_token_ids`` for the sampled ids and
-``stream_options.include_usage`` for the cached tokens (``usage.prompt_tokens_details``). The
-stream is read by a task of its own; aborting cancels that task, which closes the connection, and
-the remote daemon aborts the call within one step as for any client that leaves.
+Each call is a streaming POST /v1/completions with the prompt as token ids, the output constraint
+(if any) as ``structured_outputs``, the session and request ids as ``X-Session-Id`` /
+``X-Request-Id``, ``return_token_ids`` for the sampled ids and ``stream_options.include_usage``
+for the cached tokens (``usage.prompt_tokens_details``). The stream is read by a task of its
+own; aborting cancels that task, which closes the connection, and the remote daemon aborts the
+call within one step as for any client that leaves.
 
 Health: a circuit breaker over /health probes and the calls themselves. ``failure_threshold``
 failures in a row mark the engine down (its pins are cleared); it is then probed every
@@ -23,9 +24,12 @@ from typing import Any
 import httpx
 import orjson
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core import sampling_fields
+from yaied.core.grammar_spec import request_field
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.handle import EngineHandle, EngineUnavailable, Health, ModelInfo, Stats
+from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
 
 log = logging.getLogger(__name__)
@@ -142,37 +146,27 @@ class RemoteHandle(EngineHandle):
         # The OpenAI logprobs format names tokens by text; the router could not map them back.
         return params.logprobs is None and params.prompt_logprobs is None
 
-    async def generate(
+    def submit(
         self,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        request_id: str,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[TokenEvent]:
+        sink: CallSink,
+    ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
         headers = {"X-Request-Id": request_id}
         if session_id is not None:
             headers["X-Session-Id"] = session_id
         body = request_body(prompt_ids, params, priority)
-        queue: asyncio.Queue[TokenEvent | EngineUnavailable] = asyncio.Queue()
         reader = asyncio.get_running_loop().create_task(
-            self._read(request_id, len(prompt_ids), body, headers, queue)
+            self._read(request_id, len(prompt_ids), body, headers, sink)
         )
         self._readers[request_id] = reader
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineUnavailable):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._readers.pop(request_id, None)
-            reader.cancel()  # closing the connection aborts the call on the remote daemon
+        reader.add_done_callback(lambda _: self._readers.pop(request_id, None))
 
     async def abort(self, request_id: str) -> None:
         reader = self._readers.get(request_id)
@@ -185,25 +179,31 @@ class RemoteHandle(EngineHandle):
         num_prompt_tokens: int,
         body: dict[str, Any],
         headers: dict[str, str],
-        queue: asyncio.Queue[TokenEvent | EngineUnavailable],
+        sink: CallSink,
     ) -> None:
+        """One call's SSE stream into its sink. Cancelling this task (an abort) closes the
+        connection, which aborts the call on the remote daemon."""
         assert self._client is not None
         try:
             async with self._client.stream(
                 "POST", "/v1/completions", json=body, headers=headers
             ) as response:
                 if response.status_code != 200:
-                    queue.put_nowait(await self._refused(request_id, response))
+                    refused = await self._refused(request_id, response)
+                    if isinstance(refused, EngineUnavailable):
+                        sink.lost(str(refused))
+                    else:
+                        sink.deliver(refused)
                     return
                 self._record(True)
                 async for event in _sse_events(response, request_id, num_prompt_tokens):
-                    queue.put_nowait(event)
+                    sink.deliver(event)
         except asyncio.CancelledError:
-            queue.put_nowait(TokenEvent(request_id, [], "", FinishReason.ABORT))
+            sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
             raise
         except (httpx.HTTPError, EngineUnavailable) as exc:
             self._record(False)
-            queue.put_nowait(EngineUnavailable(f"remote engine {self.engine_id}: {exc!r}"))
+            sink.lost(f"remote engine {self.engine_id}: {exc!r}")
 
     async def _refused(
         self, request_id: str, response: httpx.Response
@@ -227,33 +227,21 @@ class RemoteHandle(EngineHandle):
 
 
 def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -> dict[str, Any]:
-    """The OpenAI body that asks the remote daemon for exactly these parameters."""
+    """The OpenAI body that asks the remote daemon for exactly these parameters: every sampling
+    field the table sends a remote engine, under its completions name, defaults included (the
+    remote's model defaults must not replace ours)."""
     body: dict[str, Any] = {
         "prompt": prompt_ids,
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
         "priority": priority,
-        "logit_bias": {str(token): bias for token, bias in params.logit_bias},
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
     }
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_tokens",
-    ):
-        body[name] = getattr(params, name)
+    for spec in sampling_fields.FIELDS:
+        if spec.remote:
+            body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
+    if params.structured is not None:  # the remote daemon compiles it again, in its own cache
+        body["structured_outputs"] = request_field(params.structured)
     return body
 
 

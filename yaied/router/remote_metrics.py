@@ -17,6 +17,8 @@ _SUMMED = {
     "yaied:prefix_cache_queries_total": "prefix_cache_queries",
     "yaied:prefix_cache_hits_total": "prefix_cache_hits",
     "yaied:num_preemptions_total": "num_preemptions",
+    "yaied:structured_output_mask_seconds_total": "structured_output_mask_seconds",
+    "yaied:structured_output_masked_steps_total": "structured_output_masked_steps",
 }
 _USAGE = "yaied:kv_cache_usage_perc"
 

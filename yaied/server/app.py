@@ -13,21 +13,20 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from yaied.server import generate, router_routes
+from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
-from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
-from yaied.server.serving import chat_prompt_text
 from yaied.server.state import EngineLoader, ServerState
 from yaied.systemd_notify import SystemdNotifier
 
@@ -35,32 +34,6 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 # Paths that need the API key when keys are configured; probes and scrapers stay open.
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object: 413 past server.max_body_bytes, 400 when malformed."""
-    server: ServerState = request.state.server
-    limit = server.config.max_body_bytes
-    too_large = APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdecimal() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():  # also bounds chunked bodies with no length
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:  # the client gave up mid-upload: not a server error (499, as nginx)
-        raise APIError(499, "the client disconnected while sending the body") from None
-    try:
-        body = orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the JSON body must be an object", code="invalid_json")
-    return body
 
 
 class AuthMiddleware:
@@ -128,15 +101,15 @@ async def tokenize(request: Request) -> Response:
     prompts, messages = parse_tokenize(body)
     if messages:
         add_generation_prompt, template_kwargs = parse_template_options(body)
-        text = chat_prompt_text(
-            tokenizer,
-            messages,
-            server.config.chat_template,
-            "messages",
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=template_kwargs,
-        )
-        tokens = tokenizer.encode(text, add_special_tokens=False)
+        try:
+            tokens, _ = engine.inputs.chat_prompt(
+                messages,
+                server.config.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                template_kwargs=template_kwargs,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
     else:
         tokens = tokenizer.encode(prompts[0], add_special_tokens=True)
     max_len = engine.info.max_model_len

@@ -1,7 +1,7 @@
 """The `[server]` section of config/yaied.toml: where the daemon listens and what it accepts.
 
-yaied/config.py owns the engine's sections and skips this one; the same precedence applies here:
-defaults < TOML < ``YAIED_SERVER_<KEY>`` < explicit overrides.
+yaied/core/config.py owns the engine's sections and skips this one; the same precedence
+applies here: defaults < TOML < ``YAIED_SERVER_<KEY>`` < explicit overrides.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from yaied.config import load_section, read_toml
+from yaied.core.config import load_section, read_toml
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import orjson
 from starlette.responses import Response
 
+from yaied.core import sampling_fields
+from yaied.core.sampling_fields import Endpoint
+
 # Status -> OpenAI's error type string.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -24,17 +27,9 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 
-# Parameters a ValueError message may start with, longest first so "top_p" wins over "top".
-_PARAMS = sorted(
-    [
-        *("max_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos", "seed"),
-        *("stop_token_ids", "stop", "presence_penalty", "frequency_penalty", "logit_bias"),
-        *("repetition_penalty", "min_tokens", "prompt_logprobs", "logprobs"),
-        *("include_stop_str_in_output", "skip_special_tokens"),
-    ],
-    key=len,
-    reverse=True,
-)
+# Parameters a ValueError message may start with (SamplingParams names the field it refuses),
+# longest first so "top_p" wins over "top".
+_PARAMS = sorted(sampling_fields.BY_NAME, key=len, reverse=True)
 
 
 @dataclass(slots=True)
@@ -67,11 +62,24 @@ def json_response(
     )
 
 
+def request_aliases(endpoint: Endpoint) -> dict[str, str]:
+    """SamplingParams names -> the endpoint's request names where they differ (chat's
+    ``max_completion_tokens``, ``top_logprobs``): the ``aliases`` of ``from_value_error``."""
+    aliases = {}
+    for spec in sampling_fields.FIELDS:
+        names = spec.names(endpoint)
+        if names and names[0] != spec.name:
+            aliases[spec.name] = names[0]
+    return aliases
+
+
 def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> APIError:
     """A 400 naming the parameter the message is about; ``aliases`` maps our sampling names to
-    the request's (chat's ``max_completion_tokens``, ``top_logprobs``)."""
+    the request's (``request_aliases``)."""
     message = str(exc)
-    param = next((p for p in _PARAMS if message.startswith(p)), None)
+    param = getattr(exc, "param", None)  # an InputError names its field itself
+    if param is None:
+        param = next((p for p in _PARAMS if message.startswith(p)), None)
     if param is None and ("context length" in message or "prompt" in message):
         param = "prompt"
     if param is not None and aliases:

@@ -1,7 +1,8 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-Both parse, build jobs and submit them (every refusal, 4xx or 503, is decided here, before the
-response starts), then either stream SSE chunks or collect the events into one body. A
+Both parse, build jobs, compile the request's grammar if it has one, and submit the jobs (every
+refusal, 4xx or 503, is decided here, before the response starts), then either stream SSE chunks
+or collect the events into one body. A
 non-streaming client that leaves is noticed by a watcher on the ASGI receive channel, which
 cancels the collection and so aborts its requests within one engine step.
 """
@@ -22,19 +23,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from yaied.request import FinishReason
+from yaied.core.request import FinishReason
+from yaied.router.manager import EngineManager
 from yaied.server import responses as R
-from yaied.server.errors import APIError, error_body, json_response
+from yaied.server.body import read_json
+from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
 from yaied.server.serving import (
     ChoiceState,
     Job,
     build_jobs,
-    cancel_unfinished,
     new_choices,
     request_key,
-    run_jobs,
     submit_jobs,
     total_usage,
 )
@@ -54,7 +55,6 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: str) -> Response:
-    from yaied.server.app import read_json  # the body reader shared with the other routes
 
     server: ServerState = request.state.server
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
@@ -69,13 +69,16 @@ async def _generate(request: Request, kind: str) -> Response:
     limits.check_parsed(parsed, body)
     key = request_key(request_id)
     jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits)
+    if not await _compile_grammar(engine, parsed, request):
+        log.info("%s: client disconnected while its grammar compiled", request_id)
+        return Response(status_code=499)  # nothing was queued
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
     choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer))
     headers = {"X-Request-Id": request_id}
     # The calls start here: from now on, however the response ends, cancel_unfinished runs.
-    started = await submit_jobs(
+    started = submit_jobs(
         engine,
         jobs,
         server.metrics,
@@ -83,12 +86,12 @@ async def _generate(request: Request, kind: str) -> Response:
         session_id=session_id,
         priority=parsed.priority,
     )
-    events = run_jobs(started, request_id)
+    events = started.events.events()
     if parsed.stream:
         stream = _sse(parsed, head, choices, events)
         return _EventStream(
             stream,
-            lambda: cancel_unfinished(started),
+            started.cancel_unfinished,
             headers=headers,
             sep="\n",
             ping=server.config.sse_ping_seconds,
@@ -103,7 +106,7 @@ async def _generate(request: Request, kind: str) -> Response:
             collect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
-        await cancel_unfinished(started)  # collect may have been cancelled before it started
+        await started.cancel_unfinished()  # collect may have been cancelled before it started
     if collect.cancelled():
         log.info("%s: client disconnected; aborted", request_id)
         return Response(status_code=499)  # nobody reads it; the access log shows why
@@ -125,6 +128,34 @@ class _EventStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._on_close()
+
+
+async def _compile_grammar(engine: EngineManager, parsed: ParsedRequest, request: Request) -> bool:
+    """Compile the request's grammar before anything is queued, off the event loop (at once on a
+    cache hit): a spec that does not compile, or not within the compile timeout, is a 400 naming
+    its field. False when the client left first: then no call starts, and the compile is
+    dropped unless it runs already or another request waits for it (then it lands in the cache)."""
+    spec, grammars = parsed.structured, engine.inputs.grammars
+    if spec is None or grammars.cached(spec) is not None:
+        return True
+    compiling = asyncio.ensure_future(grammars.compile(spec))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({compiling, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not compiling.done():
+            compiling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await compiling
+    if compiling.cancelled():
+        return False
+    exc = compiling.exception()
+    if isinstance(exc, ValueError):  # StructuredOutputError: names the field at fault
+        raise from_value_error(exc) from None
+    if exc is not None:
+        raise exc
+    return True
 
 
 async def _wait_for_disconnect(request: Request) -> None:

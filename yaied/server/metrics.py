@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from yaied.request import TokenEvent
+from yaied.core.request import TokenEvent
 
 # Engine id -> that engine's stats() (the engines that report them); None while none is loaded.
 StatsFn = Callable[[], dict[str, dict[str, int | float]] | None]
+# The front end's grammar compile cache counters (engine/grammar.py Grammars.stats); None before
+# the first constrained request.
+GrammarStatsFn = Callable[[], dict[str, int | float] | None]
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -30,6 +33,8 @@ _ITL_BUCKETS = (
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A small schema compiles in milliseconds, a large one in a second or more (the timeout is 10 s).
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Engine stats keys engine_restarts_<reason>: the engine_restarts_total{reason} counter.
 RESTARTS_PREFIX = "engine_restarts_"
 
@@ -55,6 +60,11 @@ class EngineStatsCollector:
             "prefix_cache_queries": "Prompt tokens looked up.",
             "prefix_cache_hits": "Prompt tokens found in the cache.",
             "num_preemptions": "Requests preempted.",
+            "structured_output_mask_seconds": (
+                "Seconds spent filling and applying grammar token masks (the steps with a "
+                "constrained row: structured_output_masked_steps)."
+            ),
+            "structured_output_masked_steps": "Engine steps with at least one constrained row.",
         }
         families: dict[str, Metric] = {}
         for name, doc in gauges.items():
@@ -87,8 +97,33 @@ def _kv_usage(stats: dict[str, int | float]) -> float:
     return 1.0 - stats["num_free_pages"] / stats["num_pages"] if stats["num_pages"] else 0.0
 
 
+class GrammarStatsCollector:
+    """The compile cache's hits and misses, read from the front end's compiler at scrape time:
+    the compile on the request path (an engine in another process compiles again, in its own
+    cache, uncounted here)."""
+
+    def __init__(self, stats: GrammarStatsFn, model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats() or {}
+        docs = {
+            "hits": "Structured-output specs found compiled in the cache.",
+            "misses": "Structured-output specs that started a compile.",
+        }
+        for key, doc in docs.items():
+            family = CounterMetricFamily(
+                f"yaied:structured_output_compile_cache_{key}", doc, labels=["model_name"]
+            )
+            family.add_metric([self._model_name], stats.get(key, 0))
+            yield family
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: StatsFn) -> None:
+    def __init__(
+        self, model_name: str, stats: StatsFn, grammar_stats: GrammarStatsFn | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name, "engine": "0"}
         names = list(self.labels)
@@ -117,7 +152,16 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens per engine step.", _ITERATION_BUCKETS
         )
+        self.compile_seconds = Histogram(
+            "yaied:structured_output_compile_seconds",
+            "Seconds to compile a structured-output spec (cache misses only).",
+            ["model_name"],
+            registry=reg,
+            buckets=_COMPILE_BUCKETS,
+        )
+        self.compile_seconds.labels(model_name=model_name)
         self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), model_name))
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.iteration_tokens):  # fmt: skip
             metric.labels(**self.labels)  # present (at 0) before the first request
@@ -128,6 +172,11 @@ class ServerMetrics:
     def observe_step(self, engine_id: str, num_tokens: int) -> None:
         """One engine step's size (the engine task calls it: cheap, never raises)."""
         self.iteration_tokens.labels(**self.engine_labels(engine_id)).observe(num_tokens)
+
+    def observe_compile(self, seconds: float) -> None:
+        """One grammar compile (the compiler's hook, in a compile thread: prometheus_client's
+        metrics are thread-safe)."""
+        self.compile_seconds.labels(model_name=self.labels["model_name"]).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

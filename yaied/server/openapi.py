@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-_SAMPLING = {
+from yaied.core import sampling_fields
+from yaied.core.sampling_fields import Endpoint
+
+# The call's own fields; the sampling fields come from core/sampling_fields.py.
+_COMMON = {
     "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "minimum": 0},
-    "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
-    "top_k": {"type": "integer"},
-    "min_p": {"type": "number"},
     "n": {"type": "integer", "minimum": 1},
     "stream": {"type": "boolean"},
     "stream_options": {
@@ -25,27 +24,75 @@ _SAMPLING = {
         },
         "additionalProperties": False,
     },
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "seed": {"type": "integer"},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
-    "min_tokens": {"type": "integer", "minimum": 0},
-    "ignore_eos": {"type": "boolean"},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
     "priority": {"type": "integer"},
     "user": {"type": "string"},
-    "response_format": {  # structured outputs are not supported yet
+}
+# Structured outputs (core/grammar_spec.py): at most one constraint per request.
+_SCHEMA_VALUE = {"oneOf": [{"type": "object"}, {"type": "string"}]}  # a schema, or its JSON text
+_STRINGS = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_STRUCTURED = {
+    "response_format": {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+                "required": ["type"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"type": "string", "enum": ["json_schema"]},
+                    "json_schema": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "description": {"type": "string"},
+                            "strict": {"type": "boolean"},
+                            "schema": {"type": "object"},
+                        },
+                        "required": ["schema"],
+                    },
+                },
+                "required": ["type", "json_schema"],
+                "additionalProperties": False,
+            },
+        ],
+    },
+    "structured_outputs": {
         "type": "object",
-        "properties": {"type": {"type": "string", "enum": ["text"]}},
-        "required": ["type"],
+        "description": "vLLM's field: exactly one of json, regex, choice, grammar, json_object.",
+        "properties": {
+            "json": _SCHEMA_VALUE,
+            "regex": {"type": "string"},
+            "choice": _STRINGS,
+            "grammar": {"type": "string", "description": "EBNF (xgrammar's dialect)"},
+            "json_object": {"type": "boolean"},
+        },
         "additionalProperties": False,
     },
+    "guided_json": _SCHEMA_VALUE,
+    "guided_regex": {"type": "string"},
+    "guided_choice": _STRINGS,
+    "guided_grammar": {"type": "string"},
+    "guided_decoding_backend": {"type": "string", "enum": ["xgrammar", "auto"]},
 }
+
+
+def sampling_properties(endpoint: Endpoint) -> dict[str, Any]:
+    """Every request name of every sampling field on the endpoint, with the field's schema."""
+    return {
+        name: spec.schema_for(endpoint)
+        for spec in sampling_fields.FIELDS
+        for name in spec.names(endpoint)
+    }
+
+
 _TOKENS = {"type": "array", "items": {"type": "integer"}}
 _COMPLETION = {
-    **_SAMPLING,
+    **_COMMON,
+    **_STRUCTURED,
+    **sampling_properties("completion"),
     "prompt": {
         "oneOf": [
             {"type": "string"},
@@ -55,7 +102,6 @@ _COMPLETION = {
         ]
     },
     "echo": {"type": "boolean"},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "return_token_ids": {"type": "boolean"},
 }
 _MESSAGES = {
@@ -67,11 +113,11 @@ _MESSAGES = {
     },
 }
 _CHAT = {
-    **_SAMPLING,
+    **_COMMON,
+    **_STRUCTURED,
+    **sampling_properties("chat"),
     "messages": _MESSAGES,
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "logprobs": {"type": "boolean"},
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "logprobs": {"type": "boolean"},  # whether to return them; top_logprobs: how many others
     "add_generation_prompt": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object"},
     "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},

@@ -10,44 +10,41 @@ that says so. Nothing a client sends is silently dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from yaied.core import sampling_fields
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, parse_structured_output
+from yaied.core.sampling_fields import request_names
 from yaied.server.errors import APIError
 
 Prompt = str | list[int]
 
-# Request field -> SamplingParams field, for the knobs that pass straight through.
-_SAMPLING_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "logit_bias": "logit_bias",
-    "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-    "skip_special_tokens": "skip_special_tokens",
-}
+# Sampling fields come from the table (core/sampling_fields.py); these are the call's own.
 _COMMON_FIELDS = {
-    *_SAMPLING_FIELDS,
     "model",
-    "max_tokens",
     "n",
     "stream",
     "stream_options",
-    "stop",
     "user",
     "priority",
-    "response_format",  # {"type": "text"} only, until structured outputs
+    # Structured outputs (core/grammar_spec.py parses them into one GrammarSpec): OpenAI's field,
+    # vLLM's current one and its older aliases, on both endpoints.
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",  # "xgrammar" or "auto" only: the one backend there is
+    "guided_whitespace_pattern",  # refused: JSON whitespace is fixed (see the README)
 }
 COMPLETION_FIELDS = frozenset(
-    {*_COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix", "return_token_ids"}
+    {
+        *_COMMON_FIELDS,
+        *request_names("completion"),
+        *("prompt", "echo", "best_of", "suffix", "return_token_ids"),
+    }
 )
 # OpenAI chat fields that cannot change the output: accepted (their JSON type checked), ignored.
 CHAT_NO_OP_FIELDS: dict[str, tuple[type, ...]] = {
@@ -69,12 +66,11 @@ _UNSUPPORTED_CHAT = {
 CHAT_FIELDS = frozenset(
     {
         *_COMMON_FIELDS,
+        *request_names("chat"),
         *CHAT_NO_OP_FIELDS,
         *_UNSUPPORTED_CHAT,
         "messages",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
+        "logprobs",  # whether to return them; top_logprobs says how many alternatives
         "tools",
         "tool_choice",
         "functions",
@@ -84,16 +80,7 @@ CHAT_FIELDS = frozenset(
         "add_generation_prompt",  # vLLM's: end the prompt with the assistant's turn (default)
     }
 )
-# Structured-output fields of vLLM and others, on either endpoint.
-_STRUCTURED_OUTPUT_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-    "structured_outputs",
-)
+_GRAMMAR_BACKENDS = ("xgrammar", "auto")
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})  # the latter is ignored
 # apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -127,7 +114,7 @@ class ParsedRequest:
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
-    max_tokens: int | None = None  # None: the default (16, or the rest of the context for chat)
+    max_tokens: int | None = None  # None: chat's default, what the context has left
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -138,6 +125,11 @@ class ParsedRequest:
     return_token_ids: bool = False  # completions: each choice carries its sampled token ids
     add_generation_prompt: bool = True  # chat
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
+    structured: GrammarSpec | None = None  # the output constraint; None: free text
+
+
+# The sampling fields ParsedRequest holds itself rather than in ``sampling``: max_tokens, logprobs.
+_PARSED_FIELDS = frozenset(f.name for f in fields(ParsedRequest)) & set(sampling_fields.BY_NAME)
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -156,9 +148,6 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
 
 def _refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
     """A 400 naming every field the endpoint does not know (as OpenAI: param is the first)."""
-    for name in _STRUCTURED_OUTPUT_FIELDS:
-        if name in body:
-            raise APIError(400, f"{name} is not supported yet (structured outputs)", param=name)
     unknown = sorted(set(body) - known)
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
@@ -170,14 +159,23 @@ def _refuse_unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
         )
 
 
-def _refuse_structured_output(body: dict[str, Any]) -> None:
-    response_format = _get(body, "response_format", (dict,))
-    if response_format is not None and response_format != {"type": "text"}:
+def _structured_output(body: dict[str, Any]) -> GrammarSpec | None:
+    """The output constraint, checked for shape here; whether it compiles is decided (with its
+    own 400) when the server compiles it, before anything is queued."""
+    backend = _get(body, "guided_decoding_backend", (str,))
+    if backend is not None and backend not in _GRAMMAR_BACKENDS:
+        message = f"guided_decoding_backend must be one of {', '.join(_GRAMMAR_BACKENDS)}"
+        raise APIError(400, message, param="guided_decoding_backend")
+    if body.get("guided_whitespace_pattern") is not None:
         raise APIError(
             400,
-            'response_format is not supported yet other than {"type": "text"} (structured outputs)',
-            param="response_format",
+            "guided_whitespace_pattern is not supported: JSON is written on one line",
+            param="guided_whitespace_pattern",
         )
+    try:
+        return parse_structured_output(body)
+    except StructuredOutputError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
 
 
 def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
@@ -196,29 +194,40 @@ def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
     _get(options, "include_obfuscation", (bool,))
     if options and not parsed.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
-    _refuse_structured_output(body)
+    parsed.structured = _structured_output(body)
     parsed.user = _get(body, "user", (str,))
     parsed.priority = _get(body, "priority", (int,), 0)
-    kinds: dict[str, tuple[type, ...]] = {
-        "seed": (int,),
-        "top_k": (int,),
-        "min_tokens": (int,),
-        "ignore_eos": (bool,),
-        "include_stop_str_in_output": (bool,),
-        "skip_special_tokens": (bool,),
-        "logit_bias": (dict,),
-        "stop_token_ids": (list,),
-    }
-    for name, target in _SAMPLING_FIELDS.items():
-        value = _get(body, name, kinds.get(name, (int, float)))
-        if value is not None:
-            parsed.sampling[target] = value
-    stop = _get(body, "stop", (str, list))
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not all(isinstance(s, str) for s in stop):
-            raise APIError(400, "stop must be a string or a list of strings", param="stop")
-        parsed.sampling["stop"] = stop
+    _sampling(body, parsed)
+
+
+def _sampling(body: dict[str, Any], parsed: ParsedRequest) -> None:
+    """Every sampling field the endpoint names, type-checked by its schema's JSON type. A field
+    ParsedRequest declares (max_tokens, logprobs) goes there, its endpoint default when absent:
+    the server finishes it (chat's max_tokens, echo's prompt_logprobs). The rest go to
+    ``parsed.sampling``, absent ones left to SamplingParams and the model's defaults."""
+    for spec in sampling_fields.FIELDS:
+        value = None
+        for name in spec.names(parsed.kind):
+            value = _get(body, name, spec.json_types)
+            if value is not None:
+                if spec.name in _NORMALIZE:
+                    value = _NORMALIZE[spec.name](value, name)
+                break
+        if spec.name in _PARSED_FIELDS:
+            setattr(parsed, spec.name, spec.default(parsed.kind) if value is None else value)
+        elif value is not None:
+            parsed.sampling[spec.name] = value
+
+
+def _stop_strings(value: str | list[Any], name: str) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    if not all(isinstance(s, str) for s in stop):
+        raise APIError(400, f"{name} must be a string or a list of strings", param=name)
+    return stop
+
+
+# Sampling fields whose values need more than their JSON type checked.
+_NORMALIZE = {"stop": _stop_strings}
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
@@ -230,9 +239,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     parsed = ParsedRequest("completion", None)
     _common(body, parsed)
     parsed.prompts = parse_prompts(body.get("prompt"))
-    parsed.max_tokens = _get(body, "max_tokens", (int,), 16)
     parsed.echo = _get(body, "echo", (bool,), False)
-    parsed.logprobs = _get(body, "logprobs", (int,))
     parsed.return_token_ids = _get(body, "return_token_ids", (bool,), False)
     return parsed
 
@@ -264,12 +271,10 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     _common(body, parsed)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.add_generation_prompt, parsed.chat_template_kwargs = parse_template_options(body)
-    parsed.max_tokens = _get(body, "max_completion_tokens", (int,))
-    if parsed.max_tokens is None:
-        parsed.max_tokens = _get(body, "max_tokens", (int,))
+    top_logprobs = parsed.logprobs  # the table's chat name for SamplingParams.logprobs
     if _get(body, "logprobs", (bool,), False):
-        parsed.logprobs = _get(body, "top_logprobs", (int,), 0)
-    elif body.get("top_logprobs") is not None:
+        parsed.logprobs = 0 if top_logprobs is None else top_logprobs
+    elif top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return parsed
 

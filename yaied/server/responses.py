@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from yaied.request import TokenLogprobs
+from yaied.core.request import TokenLogprobs
 from yaied.server.token_text import TokenText
 
 

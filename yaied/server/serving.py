@@ -2,11 +2,10 @@
 
 Each choice (prompt x n) is one engine call. Every call is submitted (validated and routed) by
 ``submit_jobs`` before the response starts, so whatever refuses a call before its first token is
-an HTTP status; if one choice is refused, those already submitted are cancelled. Each call is
-then read by its own pump task into one queue, so streaming interleaves choices as their tokens
-arrive. Closing the merged iterator cancels the pumps, which closes their streams and so aborts
-their calls: that is the only cancellation path, whether the client left, a choice failed or the
-response was complete.
+an HTTP status; if one choice is refused, those already submitted are cancelled. Every call's
+events go into the response's one EventStream (core/stream.py), tagged with their choice, so
+streaming interleaves choices as their tokens arrive; leaving that stream early, for any reason,
+cancels the calls that have not finished.
 
 Ids: the client's ``X-Request-Id`` (or one made for it) names the response and is what
 ``POST /v1/requests/{id}/cancel`` matches, exactly. Calls are keyed by ``request_key``: the
@@ -19,20 +18,19 @@ the whole response is reproducible; choice 0 is what the same request with n = 1
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from yaied.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
-from yaied.router.calls import RequestHandle
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.core.stream import EventSink, EventStream
+from yaied.router.calls import Call
 from yaied.router.manager import EngineManager, NoEngineAvailable
-from yaied.server.errors import APIError, from_value_error
+from yaied.server.errors import APIError, from_value_error, request_aliases
 from yaied.server.limits import RequestLimits
 from yaied.server.metrics import RequestTimer, ServerMetrics
 from yaied.server.protocol import ParsedRequest
@@ -114,39 +112,6 @@ class ChoiceState:
         return prefix + text, lps
 
 
-def chat_prompt_text(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    chat_template: str = "",
-    param: str | None = None,
-    *,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-) -> str:
-    """The messages through ``chat_template`` (server.chat_template), else the tokenizer's own;
-    ``template_kwargs`` (a request's chat_template_kwargs) are variables for the template."""
-    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param=param)
-    from jinja2 import TemplateError  # transformers renders templates with jinja2
-
-    try:
-        return tokenizer.apply_chat_template(
-            messages,
-            chat_template=chat_template or None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **(template_kwargs or {}),
-        )
-    except TemplateError as exc:  # a template's raise_exception, say for roles out of order
-        raise APIError(400, f"chat template: {exc}", param="messages") from None
-    except (TypeError, ValueError) as exc:
-        if not template_kwargs:
-            raise  # the template itself is broken: a server error
-        # The template choked on a client's variable (say a string where it adds numbers).
-        message = f"chat template with chat_template_kwargs: {exc}"
-        raise APIError(400, message, param="chat_template_kwargs") from None
-
-
 def build_jobs(
     engine: EngineManager,
     parsed: ParsedRequest,
@@ -156,17 +121,15 @@ def build_jobs(
 ) -> list[Job]:
     """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
     limits = limits or RequestLimits()
-    aliases = {"max_tokens": "max_completion_tokens"} if parsed.kind == "chat" else {}
+    aliases = request_aliases(parsed.kind)
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
-    if parsed.kind == "chat":
-        aliases["logprobs"] = "top_logprobs"
     try:
         prompts = _tokenized_prompts(engine, parsed, chat_template)
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
             limits.check_prompt(len(ids), aliases["prompt"])
             params, drop = _params_for(engine, parsed, len(ids), limits)
-            engine.inputs.prompt_token_ids(ids, params)  # the context-length check
+            engine.inputs.check_fits(len(ids), params.max_tokens)
             for k in range(parsed.n):
                 index = len(jobs)
                 own = params if params.seed is None else _with_seed(params, params.seed + k)
@@ -188,15 +151,13 @@ def _tokenized_prompts(
 ) -> list[tuple[list[int], str]]:
     tokenizer = engine.tokenizer
     if parsed.kind == "chat":
-        text = chat_prompt_text(
-            tokenizer,
+        ids, text = engine.inputs.chat_prompt(
             parsed.messages,
             chat_template,
             add_generation_prompt=parsed.add_generation_prompt,
             template_kwargs=parsed.chat_template_kwargs,
         )
-        # The template wrote the special tokens already; adding them again doubles a BOS.
-        return [(tokenizer.encode(text, add_special_tokens=False), text)]
+        return [(ids, text)]
     out = []
     probe = SamplingParams(max_tokens=1)  # the real max_tokens is checked once params exist
     names = TokenText.of(tokenizer)
@@ -227,6 +188,8 @@ def _params_for(
     sampling: dict[str, Any] = dict(parsed.sampling, max_tokens=1 if drop else max_tokens)
     if drop and sampling.get("min_tokens"):
         raise ValueError("min_tokens must be 0 when max_tokens is 0")
+    if parsed.structured is not None:
+        sampling["structured"] = parsed.structured
     if parsed.logprobs is not None:
         sampling["logprobs"] = parsed.logprobs
         if parsed.echo:
@@ -234,7 +197,51 @@ def _params_for(
     return engine.inputs.sampling_params(None, sampling), drop
 
 
-async def submit_jobs(
+class _JobSink:
+    """One call's sink: metrics and the log line, then the response's one stream."""
+
+    def __init__(self, job: Job, timer: RequestTimer, client_id: str, put: EventSink) -> None:
+        self.job = job
+        self.timer = timer
+        self.client_id = client_id
+        self.put = put
+        self.call: Call | None = None  # set once started (events can come before: a refusal)
+
+    def __call__(self, event: TokenEvent) -> None:
+        timer = self.timer
+        if self.call is not None:
+            timer.engine = self.call.engine_id  # routed (or retried) there
+        timer.on_event(event)
+        if event.finished:
+            _log_request(self.client_id, self.job.request_id, event, timer)
+        self.put(event)
+
+
+@dataclass(slots=True)
+class Submitted:
+    """The calls of one HTTP request, and the one stream all their events arrive on."""
+
+    engine: EngineManager
+    events: EventStream[Job]
+    calls: list[tuple[Job, Call, RequestTimer]] = field(default_factory=list)
+
+    def cancel_nowait(self) -> None:
+        """Cancel every call that has not finished (the stream's reader left early)."""
+        for _, call, _ in self.calls:
+            if not call.finished:
+                self.engine.cancel_nowait(call.request_id)
+
+    async def cancel_unfinished(self) -> None:
+        """Cancel every call of a response that has not finished (a no-op for those that have).
+        Run however the response ended: the guard for a stream that never started reading its
+        calls (a client gone before the headers went out)."""
+        for job, call, timer in self.calls:
+            if not call.finished:
+                await self.engine.cancel_request(call.request_id)
+            timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
+
+
+def submit_jobs(
     engine: EngineManager,
     jobs: list[Job],
     metrics: ServerMetrics,
@@ -242,80 +249,34 @@ async def submit_jobs(
     client_id: str,
     session_id: str | None,
     priority: int,
-) -> list[tuple[Job, RequestHandle, RequestTimer]]:
-    """Validate, route and start every job's call, before anything is sent to the client: a
-    refusal is an APIError (400 for bad input, 503 when no engine can take the call), and the
-    calls already started are cancelled."""
-    started: list[tuple[Job, RequestHandle, RequestTimer]] = []
+) -> Submitted:
+    """Route and start every job's call (validated by build_jobs) before anything is sent to the
+    client: a refusal is an APIError (503 when no engine can take the call), and the calls
+    already started are cancelled. Their events all go to one stream, tagged with their job."""
+    submitted: Submitted = Submitted(engine, EventStream(len(jobs)))
+    submitted.events = EventStream(len(jobs), on_close=submitted.cancel_nowait)
     try:
         for job in jobs:
             timer = metrics.timer()
-            handle = await engine.submit_request(
+            sink = _JobSink(job, timer, client_id, submitted.events.sink(job))
+            sink.call = engine.start_call(
+                job.prompt_ids,
+                job.params,
+                sink=sink,
                 session_id=session_id,
-                prompt=job.prompt_ids,
-                sampling_params=job.params,
                 priority=priority,
                 request_id=job.request_id,
                 client_id=client_id,
             )
-            started.append((job, handle, timer))
+            submitted.calls.append((job, sink.call, timer))
     except BaseException as exc:
-        for _, handle, _ in started:
-            await handle.cancel()
+        submitted.cancel_nowait()
         if isinstance(exc, NoEngineAvailable):
             raise APIError(503, str(exc), code="engine_not_ready") from None
         if isinstance(exc, ValueError):
             raise from_value_error(exc) from None
         raise
-    return started
-
-
-async def cancel_unfinished(started: list[tuple[Job, RequestHandle, RequestTimer]]) -> None:
-    """Cancel every call of a response that has not finished (a no-op for those that have).
-    Run however the response ended: the guard for a stream that never started reading its
-    calls (a client gone before the headers went out)."""
-    for job, handle, timer in started:
-        await handle.cancel()
-        timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
-
-
-async def run_jobs(
-    started: list[tuple[Job, RequestHandle, RequestTimer]], client_id: str
-) -> AsyncIterator[tuple[Job, TokenEvent]]:
-    """The events of every submitted call, interleaved as they come; closing this aborts the
-    unfinished."""
-    queue: asyncio.Queue[tuple[Job, TokenEvent | BaseException]] = asyncio.Queue()
-
-    async def pump(job: Job, handle: RequestHandle, timer: RequestTimer) -> None:
-        stream = handle.stream()
-        try:
-            async for event in stream:
-                timer.engine = handle.engine_id  # routed (or retried) there
-                timer.on_event(event)
-                queue.put_nowait((job, event))
-                if event.finished:
-                    _log_request(client_id, job.request_id, event, timer)
-        except Exception as exc:  # report, don't hang
-            queue.put_nowait((job, exc))
-        finally:
-            await stream.aclose()  # cancels the call unless it finished
-            timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
-
-    tasks = [
-        asyncio.create_task(pump(*item), name=f"yaied-{item[0].request_id}") for item in started
-    ]
-    try:
-        remaining = len(started)
-        while remaining:
-            job, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            remaining -= item.finished
-            yield job, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return submitted
 
 
 def _log_request(client_id: str, key: str, event: TokenEvent, timer: RequestTimer) -> None:

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from yaied.engine.async_engine import AsyncEngine
 from yaied.router.manager import EngineManager
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 # Blocking: run in a thread while the server listens. An engine is served alone (engine id "0");
 # a manager is started on the event loop, then routes across its engines.
-EngineLoader = Callable[[], AsyncEngine | EngineManager]
+EngineLoader = Callable[[], Any]  # an EngineManager, or one AsyncEngine to serve alone
 
 
 @dataclass(slots=True)
@@ -30,13 +30,17 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name, self._stats)
+        self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
 
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
 
+    def _grammar_stats(self) -> dict[str, int | float] | None:
+        inputs = None if self.manager is None else self.manager.inputs
+        return None if inputs is None else inputs.grammars.stats()
+
     @property
-    def engine(self) -> AsyncEngine | None:
+    def engine(self) -> Any:
         """The in-process engine when the daemon runs one (tests reach the worker through it)."""
         handle = None if self.manager is None else self.manager.handles.get("0")
         return getattr(handle, "engine", None)
@@ -48,6 +52,7 @@ class ServerState:
             manager = EngineManager.single(loaded) if single else loaded
             manager.step_observer = self.metrics.observe_step
             await manager.start()
+            manager.inputs.grammars.on_compile = self.metrics.observe_compile
         except Exception as exc:
             log.exception("loading the engine failed")
             self.load_error = exc

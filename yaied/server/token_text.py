@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from yaied.engine.detokenizer import IncrementalDetokenizer
+from yaied.core.detokenizer import IncrementalDetokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 Piece = str | bytes  # a piece on its way through the decoder steps: bytes once it is raw bytes

@@ -1,10 +1,18 @@
 """Structured outputs: constrain generation to a JSON schema, JSON, a regex, a choice or a grammar.
 
-- `spec`: the request fields parsed into one canonical `GrammarSpec` (pure, no tokenizer);
+- `yaied.core.grammar_spec`: the request fields parsed into one canonical `GrammarSpec` (pure, no
+  tokenizer; in core, since `SamplingParams` carries it through every layer), re-exported here;
 - `compiler`: one `GrammarCompiler` per model (xgrammar), a byte-bounded cache, off-loop compiles;
 - `matcher`: per-sequence grammar state and the persistent token bitmask applied to the logits.
 """
 
+from yaied.core.grammar_spec import (
+    MAX_SPEC_BYTES,
+    GrammarSpec,
+    StructuredOutputError,
+    make_spec,
+    parse_structured_output,
+)
 from yaied.structured.compiler import CompiledGrammar, CompileStats, GrammarCompiler
 from yaied.structured.matcher import (
     SequenceMatcher,
@@ -12,13 +20,7 @@ from yaied.structured.matcher import (
     allocate_bitmask,
     apply_bitmask,
     fill_bitmasks,
-)
-from yaied.structured.spec import (
-    MAX_SPEC_BYTES,
-    GrammarSpec,
-    StructuredOutputError,
-    make_spec,
-    parse_structured_output,
+    row_allows_only,
 )
 
 __all__ = [
@@ -35,4 +37,5 @@ __all__ = [
     "fill_bitmasks",
     "make_spec",
     "parse_structured_output",
+    "row_allows_only",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from yaied.structured.spec import GrammarSpec, StructuredOutputError
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError
 from yaied.structured.tokenizer import build_tokenizer_info
 
 logger = logging.getLogger(__name__)
@@ -132,10 +132,12 @@ class GrammarCompiler:
     def stop_token_ids(self) -> list[int]:
         return list(self.tokenizer_info.stop_token_ids)
 
-    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
-        """The compiled spec if it is in the cache (a hit), else None; never compiles."""
+    def cached(self, spec: GrammarSpec, *, count: bool = True) -> CompiledGrammar | None:
+        """The compiled spec if it is in the cache (a hit), else None; never compiles.
+        ``count=False`` leaves the hit out of the stats: a second lookup for a request whose
+        compile was counted already (the engine's, after the server's)."""
         with self._lock:
-            return self._lookup(spec.key)
+            return self._lookup(spec.key, count)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch) `spec`, blocking the caller; no timeout. For tests and offline use."""
@@ -208,11 +210,11 @@ class GrammarCompiler:
 
     # -- internals; `_lookup`, `_start` and `_store` run under self._lock --
 
-    def _lookup(self, key: str) -> CompiledGrammar | None:
+    def _lookup(self, key: str, count: bool = True) -> CompiledGrammar | None:
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
-            self.stats.hits += 1
+            self.stats.hits += count
         return compiled
 
     def _start(self, spec: GrammarSpec) -> _Inflight:

@@ -101,6 +101,18 @@ def _apply_torch(logits: torch.Tensor, mask: torch.Tensor, rows: list[int], voca
     logits.index_copy_(0, index, sub)
 
 
+def row_allows_only(bitmask: TokenBitmask, row: int, token_ids: Sequence[int]) -> bool:
+    """Whether `row` allows no token outside `token_ids`: banning those too (min_tokens bans
+    EOS) would leave the row nothing to sample, so the caller lifts the ban instead."""
+    words = bitmask.host[row].clone()
+    for token in token_ids:
+        word, bit = divmod(token, 32)
+        if word < words.shape[0]:
+            value = int(words[word]) & ~(1 << bit) & 0xFFFFFFFF
+            words[word] = value - (1 << 32) if value >= 1 << 31 else value  # int32 two's complement
+    return not bool(words.any())
+
+
 def _stop_only_row(row: torch.Tensor, stop_token_ids: Sequence[int]) -> None:
     row.zero_()
     for token in stop_token_ids:

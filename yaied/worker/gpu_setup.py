@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
+from yaied.core.request import SamplingParams
 from yaied.core.step import ScheduledSeq
-from yaied.request import SamplingParams
 
 GRAPH_RESERVE_BYTES = 512 * 2**20  # decode graphs' private pool: activations of <= 512 rows
 

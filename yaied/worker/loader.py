@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from yaied.config import ModelConfig
+from yaied.core.config import ModelConfig
 from yaied.worker import model_files
 from yaied.worker.models import build_model, check_supported
 from yaied.worker.models.transformers_backend import build_transformers_model, check_remote_code

@@ -2,7 +2,10 @@
 
 Always the log-softmax of the RAW model logits (before logit_bias, penalties, temperature and
 top-k/top-p), as vLLM returns by default: they describe the model's distribution, which is what
-log-likelihood evaluation wants, and they do not change when a client tunes its sampler.
+log-likelihood evaluation wants, and they do not change when a client tunes its sampler. A row
+under a grammar is the exception, as in vLLM: its logits are masked before anything else, so its
+logprobs are over the tokens the grammar allows, and the alternatives leave out the forbidden
+ones (-inf, which JSON cannot carry) even when fewer than asked remain.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from yaied.request import TokenLogprobs
+from yaied.core.request import TokenLogprobs
 
 # Prompt rows are scored this many at a time, so a long chunk never holds a [rows, vocab]
 # logits tensor for all of its rows at once (2,048 rows x 49k vocab would be 400 MB in fp32).
 PROMPT_ROWS_PER_PASS = 256
+_NEG_INF = float("-inf")
 
 
 def token_logprobs(
@@ -31,10 +35,13 @@ def token_logprobs(
         return [TokenLogprobs(t, lp, [], []) for t, lp in zip(ids, chosen_lp, strict=True)]
     top_lp, top_ids = logprobs.topk(k, dim=-1)  # sorted, most likely first
     top_ids_list, top_lp_list = top_ids.tolist(), top_lp.tolist()
-    return [
-        TokenLogprobs(t, lp, top_ids_list[i][:n], top_lp_list[i][:n])
-        for i, (t, lp, n) in enumerate(zip(ids, chosen_lp, num_top, strict=True))
-    ]
+    out = []
+    for i, (t, lp, n) in enumerate(zip(ids, chosen_lp, num_top, strict=True)):
+        row_lp = top_lp_list[i][:n]
+        if row_lp and row_lp[-1] == _NEG_INF:  # a masked row with fewer allowed tokens than n
+            n = next(j for j, v in enumerate(row_lp) if v == _NEG_INF)
+        out.append(TokenLogprobs(t, lp, top_ids_list[i][:n], row_lp[:n]))
+    return out
 
 
 def sampled_logprobs(

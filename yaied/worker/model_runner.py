@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
-from yaied.request import TokenLogprobs
+from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
@@ -72,6 +73,8 @@ class ModelRunner:
         hidden, sample_rows, first_row = self._forward(batch.seqs)
         sampling = [seq for seq in batch.seqs if seq.sample]
         logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
+        # Grammars first, in place: every knob after, and the logprobs, see only allowed tokens.
+        mask_time = _apply_grammars(logits, sampling, batch.grammar_bitmask)
         token_ids = self._sample(logits, sampling)
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
         finite = self._finite_rows(batch.seqs, hidden, first_row, logits)
@@ -89,6 +92,7 @@ class ModelRunner:
             model_time=time.perf_counter() - start,
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
+            mask_time=mask_time,
         )
 
     @staticmethod
@@ -273,6 +277,30 @@ def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     return list(flat.split([len(values) for values in lists]))
+
+
+def _apply_grammars(
+    logits: torch.Tensor, seqs: list[ScheduledSeq], bitmask: TokenBitmask | None
+) -> float:
+    """Mask the constrained rows' logits (row i is seqs[i]'s) with their bitmask rows, in place;
+    returns the seconds spent. Unconstrained rows are not touched, so they sample as they would
+    without constrained neighbours."""
+    pairs = [(i, s.grammar_row) for i, s in enumerate(seqs) if s.grammar_row is not None]
+    if not pairs or bitmask is None:
+        return 0.0
+    start = time.perf_counter()
+    if any(i != row for i, row in pairs):
+        # The batch was cut (a failed step rerun one sequence at a time): bring each sequence's
+        # bitmask row to its logits row in a small copy.
+        host = torch.zeros((len(seqs), bitmask.host.shape[1]), dtype=bitmask.host.dtype)
+        for i, row in pairs:
+            host[i] = bitmask.host[row]
+        on_device = (
+            None if logits.device.type == "cpu" else torch.empty_like(host, device=logits.device)
+        )
+        bitmask = TokenBitmask(host, on_device, bitmask.vocab_size)
+    apply_bitmask(logits, bitmask, [i for i, _ in pairs])
+    return time.perf_counter() - start
 
 
 def _needs_processing(seq: ScheduledSeq) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yaied.request import SamplingParams
+from yaied.core.request import SamplingParams
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 
-from yaied.request import SamplingParams
+from yaied.core.request import SamplingParams
 from yaied.worker.penalties import PenaltyTensors, apply_penalties, build_penalties
 
 _MASK64 = (1 << 64) - 1

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from yaied.config import EngineConfig
+from yaied.core.config import EngineConfig
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
-from yaied.request import TokenLogprobs
 from yaied.worker.cpu_linear import can_pack, pack_linears
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -33,18 +33,6 @@ if TYPE_CHECKING:
     from yaied.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What the engine learns from the worker at start-up (never written back into config)."""
-
-    num_pages: int
-    page_size: int
-    max_model_len: int
-    vocab_size: int
-    dtype: str
-    device: str
 
 
 def pick_device(name: str) -> torch.device:
@@ -94,7 +82,7 @@ class Worker:
         self.runner = self._runner(self.kv_caches)
         if self._use_graphs():
             self.runner.graphs = self._capture_graphs(max_len)
-        self.info = WorkerInfo(
+        self.info = ModelInfo(
             num_pages=num_pages,
             page_size=page_size,
             max_model_len=max_len,
@@ -220,7 +208,8 @@ class Worker:
         logprobs: list[TokenLogprobs | None] = []
         for seq in batch.seqs:
             try:
-                out = self._execute(Batch([seq], len(seq.token_ids)))
+                alone = Batch([seq], len(seq.token_ids), grammar_bitmask=batch.grammar_bitmask)
+                out = self._execute(alone)
             except Exception as exc:
                 if is_fatal(exc):
                     return StepOutput([], error=_describe(exc), fatal=True)
@@ -232,6 +221,7 @@ class Worker:
             merged.failed.update(out.failed)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.model_time += out.model_time
+            merged.mask_time += out.mask_time
         if len(merged.failed) == len(batch.seqs):
             return StepOutput([], error=error)  # nothing ran: the step failed as a whole
         if any(lp is not None for lp in logprobs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from yaied.request import MAX_LOGPROBS, SamplingParams
+from yaied.core.request import MAX_LOGPROBS, SamplingParams
 
 
 def test_logit_bias_is_stored_sorted_clamped_and_hashable():

@@ -7,6 +7,9 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+from yaied.core.grammar_spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps logit_bias values to [-100, 100]
@@ -49,8 +52,14 @@ class SamplingParams:
     # Top-N alternatives per sampled token (0: the sampled token's logprob only), and per prompt
     # token. Logprobs are the log-softmax of the RAW model logits, before logit_bias, penalties,
     # temperature and top-k/top-p (vLLM's default): they describe the model, not the sampler.
+    # For a constrained row they are those of the masked distribution (the grammar's tokens only,
+    # renormalised), as vLLM reports them: the grammar is applied before anything else.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output must match this (a JSON schema, JSON, a regex, a choice or an EBNF grammar);
+    # None: free text. Parsed from the request by yaied/core/grammar_spec.py, compiled before
+    # admission, enforced by a per-request matcher and a token mask on the logits.
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop); store tuples so params stay hashable.
@@ -103,6 +112,10 @@ class SamplingParams:
                 value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+        _check(
+            self.structured is None or isinstance(self.structured, GrammarSpec),
+            "structured must be a GrammarSpec (yaied.core.grammar_spec.make_spec) or None",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -164,6 +177,18 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class OutputMatcher(Protocol):
+    """A constrained request's grammar state (yaied.structured.SequenceMatcher): the scheduler
+    advances it with each sampled token. Core names only what the scheduler calls."""
+
+    error: str | None  # why it refused a token; the request then fails alone
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be re-admitted
     RUNNING = "running"  # holds pages; prefilling or decoding
@@ -200,6 +225,9 @@ class Request:
     scheduled_time: float | None = None  # first admitted to run (queue time = this - arrival)
     # The EOS ids of the model, fixed at admission; empty when ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
+    # params.structured's grammar state, per sequence like the page table: it has accepted
+    # exactly output_token_ids, so a preemption (which keeps them) leaves it valid.
+    grammar: OutputMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

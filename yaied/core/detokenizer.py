@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+# A Hugging Face tokenizer (transformers' PreTrainedTokenizerBase): core imports no model library.
+Tokenizer = Any
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
@@ -208,9 +208,7 @@ class _StopMatcher:
         return best
 
 
-def _decoder(
-    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
-) -> Callable[[list[int]], str]:
+def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     # The Rust tokenizer's decode skips the Python wrapper (about 2x faster per call) and never
     # applies clean_up_tokenization_spaces.
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -223,7 +221,7 @@ def _decoder(
     )
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """The ids decode(skip_special_tokens=True) drops: every added token flagged special."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids = {i for i, token in added.items() if getattr(token, "special", False)}

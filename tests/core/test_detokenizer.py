@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yaied.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from yaied.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXAMPLES = settings(max_examples=150, deadline=None)

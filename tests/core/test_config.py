@@ -9,9 +9,9 @@ from typing import get_type_hints
 
 import pytest
 
-from yaied.config import SECTIONS, EngineConfig, load_config
+from yaied.core.config import SECTIONS, EngineConfig, load_config
 
-SHIPPED_TOML = Path(__file__).resolve().parents[1] / "config" / "yaied.toml"
+SHIPPED_TOML = Path(__file__).resolve().parents[2] / "config" / "yaied.toml"
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

@@ -1,7 +1,9 @@
 """What a request asks its output to match, parsed from the request body into one `GrammarSpec`.
 
-The parser is pure (no tokenizer, no xgrammar), so the server can reject a malformed constraint
-with a 400 before anything is compiled or queued. Every error is a `StructuredOutputError`, a
+It lives in core because every layer carries it: `SamplingParams.structured` holds the spec from
+the server's parser to the engine's matcher. The parser is pure (no tokenizer, no xgrammar, no
+torch), so the server can reject a malformed constraint with a 400 before anything is compiled
+or queued; compiling is `yaied.structured`'s. Every error is a `StructuredOutputError`, a
 `ValueError` whose `param` names the offending field as the client spelled it, for OpenAI's
 error shape.
 
@@ -193,6 +195,18 @@ def parse_structured_output(body: Mapping[str, Any]) -> GrammarSpec | None:
             found[1].param, f"only one output constraint is allowed per request, got {names}"
         )
     return found[0] if found else None
+
+
+def request_field(spec: GrammarSpec) -> dict[str, Any]:
+    """The ``structured_outputs`` value that asks another daemon for exactly this spec (a remote
+    engine's request body); `parse_structured_output` reads it back to an equal spec."""
+    if spec.kind == "json_schema":
+        return {"json": json.loads(spec.source)}
+    if spec.kind == "json_object":
+        return {"json_object": True}
+    if spec.kind == "choice":
+        return {"choice": json.loads(spec.source)}
+    return {spec.kind: spec.source}  # regex, grammar: verbatim
 
 
 def _parse_response_format(value: Any) -> GrammarSpec | None:

@@ -1,0 +1,12 @@
+"""Errors every layer raises and the server turns into HTTP statuses."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """A request the model cannot take (a bad prompt, messages the chat template refuses): a 400
+    naming ``param``, the request field at fault, where one is known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
