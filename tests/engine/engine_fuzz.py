@@ -67,10 +67,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from yaied.config import load_config
+from yaied.core.config import load_config
+from yaied.core.request import (
+    FinishReason,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprobs,
+)
+from yaied.core.stream import EventStream
 from yaied.engine.async_engine import AsyncEngine, RequestStream
 from yaied.engine.faults import check_invariants
-from yaied.request import FinishReason, RequestStatus, SamplingParams, TokenEvent, TokenLogprobs
 
 PAGE_SIZE = 16  # the engine's default; the engine under test may use another (FuzzSetup)
 # The "llama" tiny config: 2 layers x 2 kv heads x 16 head_dim x 4 bytes (fp32) x 2 (K and V).
@@ -198,7 +205,7 @@ class Oracle:
     def _run(self, prompt: list[int], params: SamplingParams) -> AloneRun:
         engine = self.engine
         self._count += 1
-        stream = engine.add_request(prompt, params, request_id=f"alone-{self._count}")
+        stream = submit(engine, prompt, params, request_id=f"alone-{self._count}")
         for _ in range(DRAIN_STEPS):
             if not step(engine):
                 break
@@ -226,11 +233,26 @@ def step(engine: AsyncEngine) -> bool:
     return engine._executor.submit(engine.step).result()
 
 
-def drain(stream: RequestStream) -> list[TokenEvent]:
-    out = []
-    while not stream.queue.empty():
-        out.append(stream.queue.get_nowait())
-    return out
+def submit(
+    engine: AsyncEngine,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+    priority: int = 0,
+) -> EventStream:
+    """What every caller does: validate through the engine's one input path (a bad request
+    raises ValueError), then queue with a sink into a stream of the caller's own."""
+    params = engine.inputs.sampling_params(params, {})
+    ids = engine.inputs.prompt_token_ids(prompt, params)
+    events: EventStream[None] = EventStream()
+    engine.add_request(
+        ids, params, sink=events.sink(None), request_id=request_id, priority=priority
+    )
+    return events
+
+
+def drain(stream: EventStream) -> list[TokenEvent]:
+    return [event for _, event in stream.drain()]
 
 
 # -- the world: engines, model folder and counters, kept across examples --------------------------
@@ -423,7 +445,8 @@ class Tracked:
     prompt: list[int]
     params: SamplingParams
     drop: bool  # max_tokens 0: the server would report no output
-    stream: RequestStream
+    stream: EventStream  # where its events arrive
+    live: RequestStream  # the engine's own record of it (status, computed tokens)
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -527,9 +550,9 @@ def machine_class(world: FuzzWorld) -> type[RuleBasedStateMachine]:
                 if rid in self.open:
                     self.open[rid].abort_sent = True
                     self.stats["aborts"] += 1
-                    stream = self.open[rid].stream
-                    queued = stream in self.engine._inbox
-                    self.stats[f"aborts_{'queued' if queued else stream.request.status.value}"] += 1
+                    live = self.open[rid].live
+                    queued = live in self.engine._inbox
+                    self.stats[f"aborts_{'queued' if queued else live.request.status.value}"] += 1
 
         @rule(n=st.integers(1, 4))
         def step(self, n: int) -> None:
@@ -579,7 +602,7 @@ def machine_class(world: FuzzWorld) -> type[RuleBasedStateMachine]:
                     params = SamplingParams(max_tokens=2, logit_bias={999: 1.0})
                 before = (dict(engine._streams), len(engine._inbox))
                 try:
-                    engine.add_request(prompt, params, request_id=request_id)
+                    submit(engine, prompt, params, request_id=request_id)
                 except ValueError:
                     pass
                 else:
@@ -628,10 +651,11 @@ def machine_class(world: FuzzWorld) -> type[RuleBasedStateMachine]:
                     # n > 1 as the server fans it out (yaied/server/serving.py, build_jobs): one
                     # request per choice, ids <call>-<k>, choice k seeded with seed + k.
                     own = params if params.seed is None else replace(params, seed=params.seed + k)
-                    stream = self.engine.add_request(
-                        prompt, own, request_id=rid, priority=spec.priority
+                    stream = submit(
+                        self.engine, prompt, own, request_id=rid, priority=spec.priority
                     )
-                    tracked = Tracked(rid, group, prompt, own, drop, stream)
+                    live = self.engine._streams[rid]
+                    tracked = Tracked(rid, group, prompt, own, drop, stream, live)
                     self.open[rid] = tracked
                     self.stats["requests"] += 1
                     if len(prompt) > self.setup.max_num_batched_tokens:
@@ -736,7 +760,7 @@ def machine_class(world: FuzzWorld) -> type[RuleBasedStateMachine]:
                 self.progress_mark, self.last_progress = mark, self.steps
 
         def _watch(self, tracked: Tracked) -> None:
-            request = tracked.stream.request
+            request = tracked.live.request
             if request.status is RequestStatus.RUNNING:
                 tracked.was_running = True
             elif request.status is RequestStatus.WAITING and tracked.was_running:

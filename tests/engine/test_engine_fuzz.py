@@ -16,8 +16,9 @@ from tests.engine.engine_fuzz import (
     near_tie,
     run,
     step,
+    submit,
 )
-from yaied.request import SamplingParams, TokenLogprobs
+from yaied.core.request import SamplingParams, TokenLogprobs
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def fail(message, tracked=None):
 def test_the_page_check_sees_a_page_owned_twice(world):
     engine = world._new_engine()
     try:
-        engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0))
+        submit(engine, list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0))
         step(engine)
         check_pages(engine, fail)
         request = engine.scheduler.running[0]

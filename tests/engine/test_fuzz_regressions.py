@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.engine_fuzz import FuzzWorld, build_model_folder, drain, step
-from yaied.request import FinishReason, SamplingParams
+from tests.engine.engine_fuzz import FuzzWorld, build_model_folder, drain, step, submit
+from yaied.core.request import FinishReason, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def world(tmp_path_factory):
 
 
 def generate(world: FuzzWorld, prompt: list[int], params: SamplingParams):
-    stream = world.engine.add_request(prompt, params)
+    stream = submit(world.engine, prompt, params)
     while step(world.engine):
         pass
     events = drain(stream)
