@@ -60,6 +60,8 @@ class IncrementalDetokenizer:
         "_stops",
         "_chunks",
         "_finished",
+        "_num_pushed",
+        "_min_tokens",
         "stop_reason",
     )
 
@@ -71,6 +73,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._decode = _decoder(tokenizer, skip_special_tokens)
         # Ids that decode() drops anyway: skipping them here saves a decode per EOS token.
@@ -93,6 +96,10 @@ class IncrementalDetokenizer:
         self._stops = _StopMatcher(stop, include_stop_str_in_output)
         self._chunks: list[str] = []
         self._finished = False
+        # Stop strings count only once min_tokens tokens are out (as the sampler bans EOS and
+        # stop ids until then); text before that is passed on unmatched, as vLLM does.
+        self._num_pushed = 0
+        self._min_tokens = min_tokens
         self.stop_reason: str | None = None
 
     @property
@@ -115,6 +122,7 @@ class IncrementalDetokenizer:
                 if self.stop_reason is not None
                 else "push after the detokenizer was flushed"
             )
+        self._num_pushed += 1
         if token_id in self._skip_ids:
             return ""
         self._ids.append(token_id)
@@ -156,7 +164,10 @@ class IncrementalDetokenizer:
         self._passed = len(text) - undecided
 
     def _emit(self, decided: str, *, final: bool) -> str:
-        delta, self.stop_reason = self._stops.feed(decided, final=final)
+        if self._num_pushed < self._min_tokens:
+            delta = decided  # too early for stop strings: nothing to hold back or match
+        else:
+            delta, self.stop_reason = self._stops.feed(decided, final=final)
         if self.stop_reason is not None or final:
             self._finished = True
             self._ids = []

@@ -163,6 +163,7 @@ class InputProcessor:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
 
