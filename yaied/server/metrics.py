@@ -100,11 +100,12 @@ def _kv_usage(stats: dict[str, int | float]) -> float:
 class GrammarStatsCollector:
     """The compile cache's hits and misses, read from the front end's compiler at scrape time:
     the compile on the request path (an engine in another process compiles again, in its own
-    cache, uncounted here)."""
+    cache, uncounted here). Labelled like the server's own series (engine "0": the in-process
+    engine of a single-engine daemon, whose compiler this is)."""
 
-    def __init__(self, stats: GrammarStatsFn, model_name: str) -> None:
+    def __init__(self, stats: GrammarStatsFn, labels: dict[str, str]) -> None:
         self._stats = stats
-        self._model_name = model_name
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats() or {}
@@ -114,9 +115,9 @@ class GrammarStatsCollector:
         }
         for key, doc in docs.items():
             family = CounterMetricFamily(
-                f"yaied:structured_output_compile_cache_{key}", doc, labels=["model_name"]
+                f"yaied:structured_output_compile_cache_{key}", doc, labels=list(self._labels)
             )
-            family.add_metric([self._model_name], stats.get(key, 0))
+            family.add_metric(list(self._labels.values()), stats.get(key, 0))
             yield family
 
 
@@ -152,18 +153,16 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens per engine step.", _ITERATION_BUCKETS
         )
-        self.compile_seconds = Histogram(
-            "yaied:structured_output_compile_seconds",
+        # The front end's compiles (see GrammarStatsCollector for the labels).
+        self.compile_seconds = histogram(
+            "structured_output_compile_seconds",
             "Seconds to compile a structured-output spec (cache misses only).",
-            ["model_name"],
-            registry=reg,
-            buckets=_COMPILE_BUCKETS,
+            _COMPILE_BUCKETS,
         )
-        self.compile_seconds.labels(model_name=model_name)
         self.registry.register(EngineStatsCollector(stats, model_name))
-        self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), model_name))
+        self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), self.labels))
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time, self.iteration_tokens):  # fmt: skip
+                       self.queue_time, self.iteration_tokens, self.compile_seconds):  # fmt: skip
             metric.labels(**self.labels)  # present (at 0) before the first request
 
     def engine_labels(self, engine_id: str) -> dict[str, str]:
@@ -176,7 +175,7 @@ class ServerMetrics:
     def observe_compile(self, seconds: float) -> None:
         """One grammar compile (the compiler's hook, in a compile thread: prometheus_client's
         metrics are thread-safe)."""
-        self.compile_seconds.labels(model_name=self.labels["model_name"]).observe(seconds)
+        self.compile_seconds.labels(**self.labels).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
