@@ -235,10 +235,11 @@ class Submitted:
         """Cancel every call of a response that has not finished (a no-op for those that have).
         Run however the response ended: the guard for a stream that never started reading its
         calls (a client gone before the headers went out)."""
-        for job, call, timer in self.calls:
+        for _, call, _ in self.calls:
             if not call.finished:
+                # Its final abort event still comes through the sink (the engine sends one for
+                # every call), so the metrics count the tokens it generated before the cancel.
                 await self.engine.cancel_request(call.request_id)
-            timer.finish(FinishReason.ABORT.value, len(job.prompt_ids), 0)  # no-op if finished
 
 
 def submit_jobs(
