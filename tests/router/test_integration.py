@@ -186,11 +186,12 @@ def test_a_killed_engine_fails_its_streams_and_comes_back(cluster):
         futures = [pool.submit(stream_chunks, router.url, body(600), h) for h in headers]
         record = lambda h: manager.lifecycle.by_client_id(h["X-Request-Id"])[0]  # noqa: E731
         wait_for(lambda: all(manager.lifecycle.by_client_id(h["X-Request-Id"]) for h in headers))
-        # The victim is the engine the first call went to (calls still draining from earlier
-        # tests can steer routing away from any fixed engine).
-        victim = manager.handles[record(headers[0]).engine_id]
+        # The victim is the engine the first call was routed to (calls still draining from
+        # earlier tests can steer routing away from any fixed engine).
+        routed = {c.client_id: c.engine_id for c in manager._calls.values()}
+        victim = manager.handles[routed[headers[0]["X-Request-Id"]]]
         old_pid = victim.pid
-        on_victim = [h for h in headers if record(h).engine_id == victim.engine_id]
+        on_victim = [h for h in headers if routed.get(h["X-Request-Id"]) == victim.engine_id]
         wait_for(lambda: record(on_victim[0]).started_at)
         os.kill(old_pid, signal.SIGKILL)
         while not all(f.done() for f in futures):
