@@ -76,8 +76,9 @@ from yaied.core.request import (
     TokenLogprobs,
 )
 from yaied.core.stream import EventStream
-from yaied.engine.async_engine import AsyncEngine, RequestStream
+from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.faults import check_invariants
+from yaied.engine.output import RequestStream
 
 PAGE_SIZE = 16  # the engine's default; the engine under test may use another (FuzzSetup)
 # The "llama" tiny config: 2 layers x 2 kv heads x 16 head_dim x 4 bytes (fp32) x 2 (K and V).

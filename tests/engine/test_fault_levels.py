@@ -17,8 +17,9 @@ from yaied.cache.radix_cache import TreeNode
 from yaied.core.config import load_config
 from yaied.core.request import FinishReason, TokenEvent
 from yaied.core.stream import EventStream
-from yaied.engine.async_engine import AsyncEngine, RequestStream
+from yaied.engine.async_engine import AsyncEngine
 from yaied.engine.faults import EngineDeadError, InvariantError, check_invariants
+from yaied.engine.output import RequestStream
 
 PLAIN = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -32,13 +32,11 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
-from yaied.core.detokenizer import IncrementalDetokenizer
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
@@ -51,21 +49,11 @@ from yaied.engine.faults import (
 )
 from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
+from yaied.engine.output import RequestStream, logprobs_by_request
 from yaied.engine.scheduler import Scheduler
 from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """One request in flight and the sink its events go to."""
-
-    request: Request
-    sink: EventSink
-    detokenizer: IncrementalDetokenizer | None
-    # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class AsyncEngine:
@@ -434,7 +422,7 @@ class AsyncEngine:
         for request_id, error in output.failed.items():
             log.error("request %s failed: %s", request_id, error)
             self._finish_stream(request_id, FinishReason.ERROR, error=error)
-        logprobs = self._logprobs_by_request(batch, output)
+        logprobs = logprobs_by_request(batch, output)
         for request_id, scored in output.prompt_logprobs.items():
             self._for_request(request_id, self._gather_prompt_logprobs, request_id, scored)
         for request in self.scheduler.update(batch, output):
@@ -452,12 +440,8 @@ class AsyncEngine:
 
     def _gather_prompt_logprobs(self, request_id: str, scored: list[TokenLogprobs | None]) -> None:
         stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        # A chunk from position 0 (it leads with None) starts the list anew: after a
-        # preemption the prompt is scored again from the start.
-        restart = bool(scored) and scored[0] is None
-        stream.prompt_logprobs = scored if restart else (stream.prompt_logprobs or []) + scored
+        if stream is not None:
+            stream.add_prompt_logprobs(scored)
 
     def _emit_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> None:
         stream = self._streams[request.request_id]
@@ -466,41 +450,8 @@ class AsyncEngine:
             log.error("request %s failed: %s", request.request_id, error)
             self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
             return
-        token = request.output_token_ids[-1]
-        text, stop_string = "", None
-        if stream.detokenizer is not None:
-            text = stream.detokenizer.push(token)
-            stop_string = stream.detokenizer.stop_reason
-            if stop_string is not None:
-                self.scheduler.finish(request, FinishReason.STOP)
-                # The stop string may end on the last token max_tokens allows: the request is
-                # then finished already (as LENGTH), but it stopped on the string.
-                request.finish_reason = FinishReason.STOP
-        reason = request.finish_reason
-        stop_reason: str | int | None = stop_string
-        if reason is FinishReason.STOP and stop_string is None:
-            stop_reason = token if token in request.params.stop_token_ids else None
-        if reason is not None and stop_string is None and stream.detokenizer is not None:
-            text += stream.detokenizer.flush()
-        prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
-        self._emit(
-            stream,
-            [token],
-            text,
-            reason,
-            stop_reason,
-            None,
-            logprobs=None if token_logprobs is None else [token_logprobs],
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    @staticmethod
-    def _logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:
-        if output.sampled_logprobs is None:
-            return {}
-        sampled = [seq.request_id for seq in batch.seqs if seq.sample]
-        pairs = zip(sampled, output.sampled_logprobs, strict=True)
-        return {request_id: lp for request_id, lp in pairs if lp is not None}
+        finish = lambda: self.scheduler.finish(request, FinishReason.STOP)  # noqa: E731
+        self._send(stream, stream.token_event(token_logprobs, finish))
 
     def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         """End a request that did not finish by itself (abort, error), freeing its pages."""
@@ -520,41 +471,12 @@ class AsyncEngine:
         """The stream's final event, without touching the scheduler (after a rebuild, or when
         the engine stopped, its old state is gone or cannot be trusted)."""
         stream.request.finish_reason = reason
-        self._emit(stream, [], "", reason, None, error)
+        self._send(stream, stream.event([], "", reason, None, error))
 
-    def _emit(
-        self,
-        stream: RequestStream,
-        token_ids: list[int],
-        text: str,
-        reason: FinishReason | None,
-        stop_reason: str | int | None,
-        error: str | None,
-        *,
-        logprobs: list[TokenLogprobs] | None = None,
-        prompt_logprobs: list[TokenLogprobs | None] | None = None,
-    ) -> None:
-        request = stream.request
-        stream.sink(
-            TokenEvent(
-                request.request_id,
-                token_ids,
-                text,
-                reason,
-                stop_reason,
-                error,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=len(request.output_token_ids),
-                num_cached_tokens=request.num_cached_tokens,
-                queue_time=None
-                if request.scheduled_time is None
-                else request.scheduled_time - request.arrival_time,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-        )
-        if reason is not None:
-            del self._streams[request.request_id]  # nothing is ever emitted after the last event
+    def _send(self, stream: RequestStream, event: TokenEvent) -> None:
+        if event.finished:
+            del self._streams[event.request_id]  # nothing is ever emitted after the last event
+        stream.sink(event)
 
 
 def _in_event_loop() -> bool:

@@ -1,0 +1,104 @@
+"""The output phase of a step: one request's new token turned into the event its sink gets.
+
+A RequestStream is one request in flight: the engine's Request, the caller's sink, and what the
+output phase keeps between steps (the detokenizer with its held-back text, the prompt logprobs
+gathered over prefill chunks). Only the engine task calls into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from yaied.core.detokenizer import IncrementalDetokenizer
+from yaied.core.request import FinishReason, Request, TokenEvent, TokenLogprobs
+from yaied.core.step import Batch, StepOutput
+from yaied.core.stream import EventSink
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """One request in flight and the sink its events go to."""
+
+    request: Request
+    sink: EventSink
+    detokenizer: IncrementalDetokenizer | None
+    # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add_prompt_logprobs(self, scored: list[TokenLogprobs | None]) -> None:
+        # A chunk from position 0 (it leads with None) starts the list anew: after a
+        # preemption the prompt is scored again from the start.
+        restart = bool(scored) and scored[0] is None
+        self.prompt_logprobs = scored if restart else (self.prompt_logprobs or []) + scored
+
+    def token_event(
+        self, token_logprobs: TokenLogprobs | None, finish_on_stop_string: Callable[[], None]
+    ) -> TokenEvent:
+        """The event for the request's newest token: its text (stop strings held back until
+        decided), the finish reason, logprobs, and the prompt's logprobs with the first token.
+        A stop string completed by the token calls ``finish_on_stop_string`` (the scheduler's)."""
+        request = self.request
+        token = request.output_token_ids[-1]
+        text, stop_string = "", None
+        if self.detokenizer is not None:
+            text = self.detokenizer.push(token)
+            stop_string = self.detokenizer.stop_reason
+            if stop_string is not None:
+                finish_on_stop_string()
+                # The stop string may end on the last token max_tokens allows: the request is
+                # then finished already (as LENGTH), but it stopped on the string.
+                request.finish_reason = FinishReason.STOP
+        reason = request.finish_reason
+        stop_reason: str | int | None = stop_string
+        if reason is FinishReason.STOP and stop_string is None:
+            stop_reason = token if token in request.params.stop_token_ids else None
+        if reason is not None and stop_string is None and self.detokenizer is not None:
+            text += self.detokenizer.flush()
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return self.event(
+            [token],
+            text,
+            reason,
+            stop_reason,
+            None,
+            logprobs=None if token_logprobs is None else [token_logprobs],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def event(
+        self,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        stop_reason: str | int | None,
+        error: str | None,
+        *,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> TokenEvent:
+        request = self.request
+        queued = request.scheduled_time
+        return TokenEvent(
+            request.request_id,
+            token_ids,
+            text,
+            reason,
+            stop_reason,
+            error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            queue_time=None if queued is None else queued - request.arrival_time,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+def logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:
+    """The sampled tokens' logprobs, by request id, for the rows that asked for them."""
+    if output.sampled_logprobs is None:
+        return {}
+    sampled = [seq.request_id for seq in batch.seqs if seq.sample]
+    pairs = zip(sampled, output.sampled_logprobs, strict=True)
+    return {request_id: lp for request_id, lp in pairs if lp is not None}
