@@ -90,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Jinja chat template used instead of the tokenizer's: a file, else the text itself",
     )
     serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="the model family's tool-call markup (default: from the chat template; templates "
+        "without tools get the hermes fallback) [server.tool_call_parser]",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("deepseek_r1", "qwen3"),
+        help="send <think> blocks as reasoning_content instead of content "
+        "[server.reasoning_parser]",
+    )
+    serve.add_argument(
         "--engines",
         type=int,
         default=None,
@@ -207,6 +221,8 @@ def _serve_http(args: argparse.Namespace) -> int:
         "api_keys": tuple(args.api_key) if args.api_key else None,
         "api_key_file": args.api_key_file,
         "chat_template": args.chat_template,
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
     }
     server = load_server_config(
         args.config, overrides={k: v for k, v in flags.items() if v is not None}

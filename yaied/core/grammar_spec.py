@@ -12,7 +12,8 @@ Accepted fields (at most one constraint per request; a second one is an error, n
 - ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
 - ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
-  ``json_object``;
+  ``json_object``, ``structural_tag`` (xgrammar's structural tag, an object or its JSON text: what
+  tool calling and reasoning build, and what a remote engine is sent for them);
 - the older aliases ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 SPEC_KINDS: frozenset[str] = frozenset(get_args(SpecKind))
 
 # The largest canonical source accepted, in UTF-8 bytes. Compile time and grammar memory grow
@@ -46,6 +47,7 @@ _STRUCTURED_KEYS: dict[str, SpecKind] = {
     "choice": "choice",
     "grammar": "grammar",
     "json_object": "json_object",
+    "structural_tag": "structural_tag",
 }
 _GUIDED_ALIASES: dict[str, SpecKind] = {
     "guided_json": "json_schema",
@@ -132,17 +134,20 @@ def make_spec(kind: SpecKind, value: Any, param: str) -> GrammarSpec:
     """Validate one constraint's value and canonicalise it into a spec.
 
     `value` is what the request carried: a schema (object, or a string holding one) for
-    ``json_schema``, a string for ``regex`` and ``grammar``, a list of strings for ``choice``;
-    ignored for ``json_object``.
+    ``json_schema``, an object (or its JSON text) for ``structural_tag``, a string for ``regex``
+    and ``grammar``, a list of strings for ``choice``; ignored for ``json_object``.
     """
-    if kind == "json_schema":
+    if kind in ("json_schema", "structural_tag"):
+        what = "schema" if kind == "json_schema" else "structural tag"
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise StructuredOutputError(param, f"the schema is not valid JSON: {e}") from None
+                raise StructuredOutputError(param, f"the {what} is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise StructuredOutputError(param, "the schema must be a JSON object")
+            raise StructuredOutputError(param, f"the {what} must be a JSON object")
+        # A structural tag nests JSON schemas; the same canonical form serves it (the order of
+        # its `elements` lists is kept, as every list's is).
         source = canonical_json_schema(value, param)
     elif kind == "json_object":
         source = ""
@@ -202,6 +207,8 @@ def request_field(spec: GrammarSpec) -> dict[str, Any]:
     engine's request body); `parse_structured_output` reads it back to an equal spec."""
     if spec.kind == "json_schema":
         return {"json": json.loads(spec.source)}
+    if spec.kind == "structural_tag":
+        return {"structural_tag": json.loads(spec.source)}
     if spec.kind == "json_object":
         return {"json_object": True}
     if spec.kind == "choice":

@@ -16,6 +16,7 @@ naming its field, and the engine then finds the grammar in the cache.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from yaied.core.errors import InputError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
 from yaied.engine.grammar import Grammars
+from yaied.tools import FALLBACK_FORMAT, needs_fallback, render_fallback
 from yaied.worker import model_files
 
 
@@ -124,21 +126,34 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_format: str = FALLBACK_FORMAT,
     ) -> tuple[list[int], str]:
         """The messages through ``chat_template`` (else the tokenizer's own): token ids and text.
         ``template_kwargs`` (a request's chat_template_kwargs) are variables for the template.
+        ``tools`` (OpenAI tool definitions) go to a template that renders tools; for one that
+        does not, the tools and the tool history are written into the messages in
+        ``tool_format`` (yaied/tools/render.py), the format the output is then parsed in.
         Not checked against the context: the caller knows max_tokens only afterwards."""
         if not self.has_chat_template(chat_template):
             raise InputError("this model has no chat template; use /v1/completions", "messages")
         from jinja2 import TemplateError  # transformers renders templates with jinja2
 
+        template = chat_template or self.tokenizer.chat_template
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if needs_fallback(template if isinstance(template, str) else None, messages, tools):
+            messages = render_fallback(messages, tools, fmt=tool_format)
+        else:
+            messages = [_with_parsed_arguments(m) for m in messages]
+            if tools:
+                extra["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=chat_template or None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+                **extra,
             )
         except TemplateError as exc:  # a template's raise_exception, say for roles out of order
             raise InputError(f"chat template: {exc}", "messages") from None
@@ -165,6 +180,28 @@ class InputProcessor:
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """Templates that render earlier calls write ``arguments | tojson`` (Qwen, Llama 3.1): they
+    want an object, where OpenAI's history carries JSON text. Text that is not a JSON object
+    stays text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = dict(call.get("function", {}))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                function["arguments"] = value
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
 
 
 def inputs_for_model(model: ModelConfig, infos: list[ModelInfo]) -> InputProcessor:

@@ -28,6 +28,7 @@ from yaied.server.errors import APIError, error_body, from_value_error, json_res
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
 from yaied.server.state import EngineLoader, ServerState
+from yaied.server.tool_request import parse_tool_request
 from yaied.systemd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ async def tokenize(request: Request) -> Response:
                 server.config.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 template_kwargs=template_kwargs,
+                tools=parse_tool_request(body).definitions() or None,
+                tool_format=server.chat_settings(engine).tool_format,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from yaied.core.config import load_section, read_toml
+from yaied.tools import FORMATS
+
+# The names --tool-call-parser and --reasoning-parser take: the tool-call formats
+# (yaied/tools/formats.py), and the reasoning families, which all write <think> ... </think>.
+TOOL_CALL_PARSERS = tuple(FORMATS)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,10 @@ class ServerConfig:
     max_tokens_limit: int = 0  # max_tokens above this get 400 (chat's default is capped); 0 = none
     max_n: int = 128  # choices per prompt (`n`) above this get 400
     cors_allow_origins: tuple[str, ...] = ()  # cross-site origins ("*" = any); empty = no CORS
+    # Tool calls: the model family's markup (hermes, llama3_json); "" = from the chat template.
+    tool_call_parser: str = ""
+    # <think> blocks to reasoning_content (deepseek_r1, qwen3); "" = none, all is content.
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         # Both files are read once, here; a replace() rereads them and changes nothing.
@@ -52,6 +62,12 @@ class ServerConfig:
             raise ValueError("server.cors_allow_origins must be non-empty strings")
         if not self.drain_timeout_seconds >= 0:
             raise ValueError("server.drain_timeout_seconds must be >= 0")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            known = ", ".join(TOOL_CALL_PARSERS)
+            raise ValueError(f"server.tool_call_parser must be one of {known}")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            known = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"server.reasoning_parser must be one of {known}")
         if not self.sse_ping_seconds > 0:
             raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
 

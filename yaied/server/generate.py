@@ -68,14 +68,15 @@ async def _generate(request: Request, kind: str) -> Response:
     limits = RequestLimits.from_config(server.config)
     limits.check_parsed(parsed, body)
     key = request_key(request_id)
-    jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits)
+    chat = server.chat_settings(engine)
+    jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits, chat)
     if not await _compile_grammar(engine, parsed, request):
         log.info("%s: client disconnected while its grammar compiled", request_id)
         return Response(status_code=499)  # nothing was queued
     server.check_queue(engine)
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
-    choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer))
+    choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer), chat)
     headers = {"X-Request-Id": request_id}
     # The calls start here: from now on, however the response ends, cancel_unfinished runs.
     started = submit_jobs(
@@ -178,11 +179,15 @@ async def _collect(
     out = []
     for c in choices:
         text, index = "".join(c.text), c.job.index
-        if parsed.kind == "chat":
+        if c.message is not None:  # chat
             lps = None
             if parsed.logprobs is not None:
                 lps = R.chat_logprobs(c.names, c.chat_logprobs)
-            out.append(R.chat_message_choice(index, text, lps, c.finish_reason, c.stop_reason))
+            c.message.feed(text)
+            c.message.finish()
+            finish = c.message.finish_reason(c.finish_reason)
+            message = c.message.message()
+            out.append(R.chat_message_choice(index, message, lps, finish, c.stop_reason))
         else:
             lps = None if c.completion_logprobs is None else c.completion_logprobs.take()
             out.append(R.completion_choice(index, text, lps, c.finish_reason, c.stop_reason))
@@ -220,8 +225,7 @@ async def _sse(
                     message = f"generation failed: {event.error}"
                     yield _data(error_body(500, message, code="engine_error"))
                     break
-                item = _choice_chunk(parsed, choices[job.index], event)
-                if item is not None:
+                for item in _choice_chunks(parsed, choices[job.index], event):
                     yield chunk([item])
             else:
                 if parsed.include_usage:
@@ -234,20 +238,33 @@ async def _sse(
     yield DONE
 
 
-def _choice_chunk(parsed: ParsedRequest, choice: ChoiceState, event: Any) -> dict[str, Any] | None:
+def _choice_chunks(parsed: ParsedRequest, choice: ChoiceState, event: Any) -> list[dict[str, Any]]:
+    """The chunks one event makes: none while the detokenizer or a parser holds text back;
+    chat may make several (reasoning, content and a tool call, in the order they were written)."""
     text, lps = choice.update(event)
     finish = choice.finish_reason if event.finished else None
+    index = choice.job.index
+    if choice.message is not None:  # chat
+        deltas = choice.message.feed(text) if text else []
+        if finish is not None:
+            deltas += choice.message.finish()
+            finish = choice.message.finish_reason(finish)
+        if not deltas and (lps or finish is not None):
+            deltas = [{}]  # logprobs of held-back text, or the finish, still go out
+        logprobs = R.chat_logprobs(choice.names, lps) if parsed.logprobs is not None else None
+        last = len(deltas) - 1
+        return [
+            R.chat_delta_choice(
+                index, delta, logprobs if k == 0 else None, finish if k == last else None
+            )
+            for k, delta in enumerate(deltas)
+        ]
     token_ids = [] if choice.job.drop_generated else event.token_ids
     if not text and not lps and finish is None and not (parsed.return_token_ids and token_ids):
-        return None  # the detokenizer held text back: nothing to say yet
-    index = choice.job.index
-    if parsed.kind == "chat":
-        logprobs = R.chat_logprobs(choice.names, lps) if parsed.logprobs is not None else None
-        delta = {"content": text} if text else {}
-        return R.chat_delta_choice(index, delta, logprobs, finish)
+        return []  # the detokenizer held text back: nothing to say yet
     logprobs = None if choice.completion_logprobs is None else choice.completion_logprobs.take()
     stop_reason = choice.stop_reason if finish else None
     item = R.completion_choice(index, text, logprobs, finish, stop_reason)
     if parsed.return_token_ids:  # vLLM's extension; the router's remote engines read it
         item["token_ids"] = token_ids
-    return item
+    return [item]

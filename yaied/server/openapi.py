@@ -61,13 +61,18 @@ _STRUCTURED = {
     },
     "structured_outputs": {
         "type": "object",
-        "description": "vLLM's field: exactly one of json, regex, choice, grammar, json_object.",
+        "description": "vLLM's field: exactly one of json, regex, choice, grammar, json_object, "
+        "structural_tag.",
         "properties": {
             "json": _SCHEMA_VALUE,
             "regex": {"type": "string"},
             "choice": _STRINGS,
             "grammar": {"type": "string", "description": "EBNF (xgrammar's dialect)"},
             "json_object": {"type": "boolean"},
+            "structural_tag": {
+                "description": "xgrammar's structural tag: an object or its JSON text",
+                "oneOf": [{"type": "object"}, {"type": "string"}],
+            },
         },
         "additionalProperties": False,
     },

@@ -17,6 +17,7 @@ from yaied.core import sampling_fields
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, parse_structured_output
 from yaied.core.sampling_fields import request_names
 from yaied.server.errors import APIError
+from yaied.server.tool_request import ToolRequest, parse_tool_calls_field, parse_tool_request
 
 Prompt = str | list[int]
 
@@ -51,7 +52,6 @@ CHAT_NO_OP_FIELDS: dict[str, tuple[type, ...]] = {
     "store": (bool,),
     "metadata": (dict,),
     "service_tier": (str,),
-    "parallel_tool_calls": (bool,),  # tools are refused, so there is nothing to parallelise
     "prompt_cache_key": (str,),  # a routing hint; the prefix cache needs none
     "safety_identifier": (str,),
 }
@@ -59,7 +59,7 @@ CHAT_NO_OP_FIELDS: dict[str, tuple[type, ...]] = {
 _UNSUPPORTED_CHAT = {
     "audio": "audio output",
     "prediction": "predicted outputs",
-    "reasoning_effort": "reasoning_effort (this model does not reason)",
+    "reasoning_effort": "reasoning_effort (use chat_template_kwargs for the model's template)",
     "verbosity": "verbosity",
     "web_search_options": "web search",
 }
@@ -71,9 +71,10 @@ CHAT_FIELDS = frozenset(
         *_UNSUPPORTED_CHAT,
         "messages",
         "logprobs",  # whether to return them; top_logprobs says how many alternatives
-        "tools",
+        "tools",  # tools, tool_choice, parallel_tool_calls: server/tool_request.py
         "tool_choice",
-        "functions",
+        "parallel_tool_calls",
+        "functions",  # the deprecated functions API: a 400 that says to send tools
         "function_call",
         "modalities",  # ["text"] only
         "chat_template_kwargs",  # vLLM's: extra variables for the chat template
@@ -112,7 +113,7 @@ class ParsedRequest:
     kind: Literal["completion", "chat"]
     model: str | None
     prompts: list[Prompt] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None  # None: chat's default, what the context has left
     n: int = 1
@@ -126,6 +127,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True  # chat
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
     structured: GrammarSpec | None = None  # the output constraint; None: free text
+    tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools and tool_choice
 
 
 # The sampling fields ParsedRequest holds itself rather than in ``sampling``: max_tokens, logprobs.
@@ -270,6 +272,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     parsed = ParsedRequest("chat", None)
     _common(body, parsed)
     parsed.messages = parse_messages(body.get("messages"))
+    parsed.tools = parse_tool_request(body)
     parsed.add_generation_prompt, parsed.chat_template_kwargs = parse_template_options(body)
     top_logprobs = parsed.logprobs  # the table's chat name for SamplingParams.logprobs
     if _get(body, "logprobs", (bool,), False):
@@ -280,12 +283,6 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
 
 
 def _refuse_unimplemented_chat(body: dict[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(400, f"{name} (tool calling) is not supported", param=name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise APIError(400, f"{name} (tool calling) is not supported", param=name)
     for name, what in _UNSUPPORTED_CHAT.items():
         if body.get(name) is not None:
             raise APIError(400, f"{what} is not supported", param=name)
@@ -318,15 +315,22 @@ def parse_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     return add_generation_prompt, dict(kwargs)
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """Messages with their content flattened to a string (text parts joined)."""
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages with their content flattened to a string (text parts joined; null is ""), and
+    what tool calling adds: an assistant's ``tool_calls``, a tool result's ``tool_call_id``, a
+    participant's ``name``."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"{where} must be an object with a string role", param=where)
+        role = message["role"]
+        if role == "function":
+            raise APIError(
+                400, f"{where}: the 'function' role is deprecated; send 'tool' results", where
+            )
         content = message.get("content")
         if content is None:
             content = ""
@@ -334,7 +338,18 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             content = _text_parts(content, where)
         elif not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string or a list of parts", where)
-        out.append({"role": message["role"], "content": content})
+        item: dict[str, Any] = {"role": role, "content": content}
+        if isinstance(message.get("name"), str):
+            item["name"] = message["name"]
+        if role == "assistant" and message.get("tool_calls") is not None:
+            item["tool_calls"] = parse_tool_calls_field(message["tool_calls"], where)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                param = f"{where}.tool_call_id"
+                raise APIError(400, f"{param} is required (a string)", param=param)
+            item["tool_call_id"] = call_id
+        out.append(item)
     return out
 
 
@@ -352,7 +367,7 @@ def _text_parts(parts: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
-def parse_tokenize(body: dict[str, Any]) -> tuple[list[Prompt] | None, list[dict[str, str]]]:
+def parse_tokenize(body: dict[str, Any]) -> tuple[list[Prompt] | None, list[dict[str, Any]]]:
     """/tokenize takes a prompt (a string) or chat messages (then also ``parse_template_options``
     as the chat endpoint does)."""
     if body.get("messages") is not None:

@@ -112,14 +112,15 @@ def completion_choice(
 
 def chat_message_choice(
     index: int,
-    text: str,
+    message: dict[str, Any],
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
+    """`message`: role, content, and tool_calls / reasoning_content (server/chat_output.py)."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,

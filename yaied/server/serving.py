@@ -30,6 +30,7 @@ from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLo
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call
 from yaied.router.manager import EngineManager, NoEngineAvailable
+from yaied.server.chat_output import ChatSettings, ChoiceMessage, output_grammar
 from yaied.server.errors import APIError, from_value_error, request_aliases
 from yaied.server.limits import RequestLimits
 from yaied.server.metrics import RequestTimer, ServerMetrics
@@ -71,6 +72,7 @@ class ChoiceState:
     echo: bool
     names: TokenText
     completion_logprobs: CompletionLogprobs | None = None
+    message: ChoiceMessage | None = None  # chat: the reasoning / content / tool-call parsers
     text: list[str] = field(default_factory=list)
     chat_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_output_tokens: int = 0
@@ -118,13 +120,19 @@ def build_jobs(
     base_id: str,
     chat_template: str = "",
     limits: RequestLimits | None = None,
+    chat: ChatSettings | None = None,
 ) -> list[Job]:
-    """Tokenize and validate every prompt before anything is queued: a bad one is a 400."""
+    """Tokenize and validate every prompt before anything is queued: a bad one is a 400. A chat
+    request's output constraint is settled here too (`output_grammar`): with tools or reasoning
+    it depends on the rendered prompt."""
     limits = limits or RequestLimits()
     aliases = request_aliases(parsed.kind)
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
+    chat = chat or ChatSettings()
     try:
-        prompts = _tokenized_prompts(engine, parsed, chat_template)
+        prompts = _tokenized_prompts(engine, parsed, chat_template, chat)
+        if parsed.kind == "chat":
+            parsed.structured = output_grammar(parsed, chat, prompts[0][1])
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
             limits.check_prompt(len(ids), aliases["prompt"])
@@ -147,7 +155,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def _tokenized_prompts(
-    engine: EngineManager, parsed: ParsedRequest, chat_template: str
+    engine: EngineManager, parsed: ParsedRequest, chat_template: str, chat: ChatSettings
 ) -> list[tuple[list[int], str]]:
     tokenizer = engine.tokenizer
     if parsed.kind == "chat":
@@ -156,6 +164,8 @@ def _tokenized_prompts(
             chat_template,
             add_generation_prompt=parsed.add_generation_prompt,
             template_kwargs=parsed.chat_template_kwargs,
+            tools=parsed.tools.definitions() or None,
+            tool_format=chat.tool_format,
         )
         return [(ids, text)]
     out = []
@@ -311,14 +321,18 @@ def total_usage(choices: list[ChoiceState]) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
-def new_choices(jobs: list[Job], parsed: ParsedRequest, names: TokenText) -> list[ChoiceState]:
+def new_choices(
+    jobs: list[Job], parsed: ParsedRequest, names: TokenText, chat: ChatSettings | None = None
+) -> list[ChoiceState]:
     legacy = parsed.kind == "completion" and parsed.logprobs is not None
     choices = []
     for job in jobs:
-        logprobs = None
+        logprobs = message = None
         if legacy:
             base = len(job.prompt_text) if parsed.echo else 0
             offsets = names.output_offsets(job.prompt_ids, job.params.skip_special_tokens, base)
             logprobs = CompletionLogprobs(names, offsets)
-        choices.append(ChoiceState(job, parsed.echo, names, logprobs))
+        if parsed.kind == "chat":
+            message = ChoiceMessage(chat or ChatSettings(), parsed.tools, job.prompt_text)
+        choices.append(ChoiceState(job, parsed.echo, names, logprobs, message))
     return choices

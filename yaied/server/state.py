@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yaied.router.manager import EngineManager
+from yaied.server.chat_output import ChatSettings
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
 from yaied.server.metrics import ServerMetrics
@@ -28,6 +29,7 @@ class ServerState:
     load_error: BaseException | None = None
     draining: bool = False  # set on SIGTERM: health and new requests get 503
     metrics: ServerMetrics = field(init=False)
+    _chat: ChatSettings | None = None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
@@ -103,6 +105,20 @@ class ServerState:
             deadline = loop.time() + 10
             while manager.num_requests_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
+
+    def chat_settings(self, engine: EngineManager) -> ChatSettings:
+        """The model's tool-call format and reasoning parser, settled on first use (the chat
+        template is known once the engine is)."""
+        if self._chat is None:
+            tokenizer = engine.tokenizer
+            template = self.config.chat_template or getattr(tokenizer, "chat_template", None)
+            self._chat = ChatSettings.resolve(
+                template if isinstance(template, str) else None,
+                self.config.tool_call_parser,
+                self.config.reasoning_parser,
+            )
+            log.info("chat: tool calls in %s format", self._chat.tool_format)
+        return self._chat
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -296,6 +296,8 @@ class GrammarCompiler:
             return self._xgr.compile_regex(spec.source)
         if spec.kind == "choice":
             return self._xgr.compile_grammar(_choice_ebnf(spec.source))
+        if spec.kind == "structural_tag":
+            return self._xgr.compile_structural_tag(spec.source)
         return self._xgr.compile_grammar(spec.source)
 
 
@@ -306,6 +308,7 @@ def _reason(spec: GrammarSpec, error: Exception) -> str:
         "regex": "invalid regular expression",
         "choice": "invalid choice",
         "grammar": "invalid grammar",
+        "structural_tag": "invalid structural tag",
     }[spec.kind]
     text = _LOG_PREFIX.sub("", str(error)).strip() or type(error).__name__
     if len(text) > _MAX_REASON_CHARS:

@@ -1,0 +1,183 @@
+"""A chat choice's text as OpenAI's message: reasoning, content and tool calls.
+
+The engine streams plain text. With a reasoning parser configured (``--reasoning-parser``), the
+``<think>`` block goes to ``reasoning_content`` (and, with the same text, ``reasoning``, the
+newer name); with tools active, the rest goes through the tool-call parser of the model's format
+(``--tool-call-parser``, else the chat template's, else the fallback), so calls come out as
+``tool_calls`` and their markup never reaches ``content``. Streaming and whole responses run the
+same parsers, so they agree on every split of the text.
+
+`ChatSettings` is per server (the format and parser names); `output_grammar` is what a request
+must match once tools or reasoning take part; `ChoiceMessage` is per choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
+from yaied.server.errors import APIError
+from yaied.server.protocol import ParsedRequest
+from yaied.server.tool_request import ToolRequest
+from yaied.tools import (
+    FALLBACK_FORMAT,
+    ContentDelta,
+    ReasoningParser,
+    ToolCallArguments,
+    ToolCallParser,
+    ToolCallStart,
+    ToolEvent,
+    detect_format,
+    prompt_opens_reasoning,
+)
+from yaied.tools.grammar import output_structural_tag
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSettings:
+    """How this server's model writes tool calls and whether it reasons."""
+
+    tool_format: str = FALLBACK_FORMAT
+    reasoning: bool = False
+
+    @classmethod
+    def resolve(
+        cls, template: str | None, tool_call_parser: str = "", reasoning_parser: str = ""
+    ) -> ChatSettings:
+        """The flag's format, else the one the chat template writes, else the fallback (the
+        format render.py describes to templates that know no tools)."""
+        fmt = detect_format(template, tool_call_parser or None) or FALLBACK_FORMAT
+        return cls(fmt, bool(reasoning_parser))
+
+
+def output_grammar(
+    parsed: ParsedRequest, settings: ChatSettings, prompt_text: str
+) -> GrammarSpec | None:
+    """The constraint a chat request's output runs under: the request's own (response_format),
+    or a structural tag that adds the tool calls and the reasoning block to it."""
+    tools = parsed.tools
+    reasoning = prompt_opens_reasoning(prompt_text) if settings.reasoning else None
+    tag = output_structural_tag(
+        tool_format=settings.tool_format,
+        tools=tools.tools,
+        choice=tools.choice,
+        parallel=tools.parallel,
+        constraint=parsed.structured,
+        reasoning=reasoning,
+    )
+    if tag is None:
+        return parsed.structured
+    param = "tools" if tools.active else parsed.structured.param if parsed.structured else ""
+    try:
+        return make_spec("structural_tag", tag, param)
+    except StructuredOutputError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
+
+
+class ChoiceMessage:
+    """One choice's parsers. `feed` each text delta, `finish` once; both return the stream
+    deltas they release, in order (each becomes one chunk). `message` is the whole message."""
+
+    def __init__(self, settings: ChatSettings, tools: ToolRequest, prompt_text: str) -> None:
+        self._reasoning = None
+        if settings.reasoning:
+            starts_inside = prompt_opens_reasoning(prompt_text)
+            self._reasoning = ReasoningParser(starts_in_reasoning=starts_inside)
+        self._calls = None
+        if tools.active:
+            names = [tool.name for tool in tools.tools]
+            self._calls = ToolCallParser(settings.tool_format, tool_names=names)
+        self._text: list[str] = []  # without parsers: the content as it came
+
+    @property
+    def parses(self) -> bool:
+        return self._reasoning is not None or self._calls is not None
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if not self.parses:
+            self._text.append(text)
+            return [{"content": text}] if text else []
+        if self._reasoning is None:
+            return self._content(text, final=False)
+        split = self._reasoning.feed(text)
+        return _reasoning_delta(split.reasoning) + self._content(split.content, final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        if not self.parses:
+            return []
+        if self._reasoning is None:
+            return self._content("", final=True)
+        split = self._reasoning.finish()
+        return _reasoning_delta(split.reasoning) + self._content(split.content, final=True)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """ "tool_calls" when the model stopped after calling (a cut-off stays "length")."""
+        called = self._calls is not None and bool(self._calls.result().tool_calls)
+        return "tool_calls" if called and engine_reason == "stop" else engine_reason
+
+    def message(self) -> dict[str, Any]:
+        """The whole message (after `finish`): content None when there was only a call."""
+        message: dict[str, Any] = {"role": "assistant"}
+        if self._calls is not None:
+            parsed = self._calls.result()
+            message["content"] = parsed.content
+            if self._reasoning is not None:
+                _add_reasoning(message, self._reasoning.result().reasoning)
+            if parsed.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments_json},
+                    }
+                    for call in parsed.tool_calls
+                ]
+            return message
+        if self._reasoning is not None:
+            result = self._reasoning.result()
+            message["content"] = result.content
+            _add_reasoning(message, result.reasoning)
+            return message
+        message["content"] = "".join(self._text)
+        return message
+
+    def _content(self, text: str, final: bool) -> list[dict[str, Any]]:
+        if self._calls is None:
+            return [{"content": text}] if text else []
+        events = self._calls.feed(text) if text else []
+        if final:
+            events += self._calls.finish()
+        return _tool_deltas(events)
+
+
+def _add_reasoning(message: dict[str, Any], reasoning: str | None) -> None:
+    message["reasoning_content"] = reasoning
+    message["reasoning"] = reasoning
+
+
+def _reasoning_delta(text: str) -> list[dict[str, Any]]:
+    return [{"reasoning_content": text, "reasoning": text}] if text else []
+
+
+def _tool_deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """Parser events as OpenAI deltas; consecutive content merges into one."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            if event.text and deltas and set(deltas[-1]) == {"content"}:
+                deltas[-1]["content"] += event.text
+            elif event.text:
+                deltas.append({"content": event.text})
+        elif isinstance(event, ToolCallStart):
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            deltas.append({"tool_calls": [call]})
+        elif isinstance(event, ToolCallArguments):
+            fragment = {"index": event.index, "function": {"arguments": event.fragment}}
+            deltas.append({"tool_calls": [fragment]})
+    return deltas
