@@ -70,7 +70,7 @@ def test_chat_content_parts_and_unimplemented_fields():
     assert parse_chat({"messages": messages, "max_completion_tokens": 4}).max_tokens == 4
     assert parse_chat({"messages": messages, "response_format": {"type": "text"}}).n == 1
     for extra, param in [
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{}]}, "functions"),
         ({"response_format": {"type": "json_objects"}}, "response_format.type"),

@@ -1,0 +1,120 @@
+"""Parsing the tool-calling fields of a chat request: what is accepted, and the 400 for each
+malformed field, naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from yaied.server.errors import APIError
+from yaied.server.protocol import parse_chat
+from yaied.tools.grammar import NO_PARAMETERS, ToolChoice
+
+USER = [{"role": "user", "content": "hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,
+    },
+}
+
+
+def chat(**body):
+    return parse_chat({"messages": USER, **body})
+
+
+def test_tools_and_choices_parse():
+    parsed = chat(tools=[WEATHER])
+    assert parsed.tools.active and parsed.tools.choice == ToolChoice("auto")
+    assert parsed.tools.tools[0].name == "get_weather" and parsed.tools.tools[0].strict
+    assert parsed.tools.definitions()[0]["function"]["parameters"]["type"] == "object"
+    assert chat(tools=[WEATHER], tool_choice="required").tools.choice.mode == "required"
+    named = chat(
+        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    assert named.tools.choice == ToolChoice("required", "get_weather")
+    none = chat(tools=[WEATHER], tool_choice="none")
+    assert not none.tools.active and none.tools.definitions()  # the template still sees them
+    assert not chat().tools.active and chat(tool_choice="none").tools.choice.mode == "none"
+    assert chat(tools=[WEATHER], parallel_tool_calls=False).tools.parallel is False
+    bare = chat(tools=[{"type": "function", "function": {"name": "now"}}])
+    assert bare.tools.tools[0].parameters == NO_PARAMETERS
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": {"a": 1}}, "tools"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{"function": {"name": "x" * 65}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        (
+            {"tools": [{"function": {"name": "f", "parameters": "{not json"}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [{"function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
+        ({"tools": [{"function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+    ],
+)
+def test_malformed_tool_fields_are_400s_naming_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        chat(**body)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_tool_history_is_kept_for_the_template():
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18C"}]},
+    ]
+    parsed = parse_chat({"messages": messages, "tools": [WEATHER]})
+    assistant, tool = parsed.messages[1], parsed.messages[2]
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert assistant["tool_calls"][0]["id"] == "call_1"
+    assert tool == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),
+        ({"role": "function", "name": "f", "content": "x"}, "messages[1]"),
+        ({"role": "assistant", "tool_calls": {"id": 1}}, "messages[1].tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "messages[1].tool_calls[0]"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            "messages[1].tool_calls[0].function",
+        ),
+    ],
+)
+def test_malformed_tool_history_is_a_400(message, param):
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": [*USER, message]})
+    assert (info.value.status, info.value.param) == (400, param)

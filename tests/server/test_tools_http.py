@@ -1,0 +1,156 @@
+"""Tool calling over HTTP with the official openai client, on the embedded default model (whose
+ChatML template knows no tools: the fallback renders them, hermes markup is parsed back)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import MODEL
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+}
+TIME_PARAMS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast for a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time", "parameters": TIME_PARAMS},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris tomorrow?"}]
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live.v1, api_key="none", max_retries=0)
+
+
+def check_calls(calls, names=None) -> None:
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_and_named_calls_validate_on_every_try(client, seed):
+    for choice, names in [
+        ("required", None),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ]:
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        )
+        result = response.choices[0]
+        assert result.finish_reason == "tool_calls"
+        assert result.message.content is None
+        check_calls(result.message.tool_calls, names)
+        if names:
+            assert len(result.message.tool_calls) == 1
+
+
+def test_a_streamed_call_assembles_from_deltas(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        stream=True,
+        seed=3,
+        temperature=0.7,
+        max_tokens=120,
+    )
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"arguments": ""})
+            if part.id:
+                assert "name" not in entry  # id and name come once, in the call's first delta
+                entry.update(id=part.id, name=part.function.name)
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and "<tool_call>" not in content and not content.strip()
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+
+
+def test_a_full_tool_loop(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=1, max_tokens=120
+    )
+    message = first.choices[0].message
+    check_calls(message.tool_calls)
+    history = [*ASK, message.model_dump(exclude_none=True)]  # content null, as the SDK sends it
+    for call in message.tool_calls:
+        result = {"forecast": "sunny", "temperature": 21}
+        history.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    final = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=40
+    )
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.tool_calls is None
+    assert answer.message.content and "<tool_call>" not in answer.message.content
+    # auto after a tool result: text or a call, either way well-formed
+    again = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=60
+    )
+    if again.choices[0].message.tool_calls:
+        check_calls(again.choices[0].message.tool_calls)
+
+
+def test_auto_lets_the_model_answer_in_text(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=TOOLS,
+        max_tokens=30,
+        seed=0,
+    )
+    result = response.choices[0]
+    if result.message.tool_calls:
+        check_calls(result.message.tool_calls)
+    else:
+        assert result.message.content and "<tool_call>" not in result.message.content
+
+
+def test_tool_errors_over_http(live):
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS}
+    named = {"type": "function", "function": {"name": "nope"}}
+    for extra, param in [
+        ({"tool_choice": named}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ]:
+        response = httpx.post(live.v1 + "/chat/completions", json={**body, **extra})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
