@@ -1,7 +1,8 @@
-"""Structured outputs end to end, in-process through the engine (workload W-json).
+"""Structured outputs end to end, in-process through the engine (workloads W-json, W-tools).
 
     .venv/bin/python scripts/bench_structured.py [--model smollm2-135m-instruct]
         [--dtype float32] [--requests 20] [--max-tokens 256] [--runs 2] [--ttft-runs 30]
+        [--workload json|tools]
 
 - compile: building the model's compiler (xgrammar's vocabulary scan, once per process), then
   the cold compile of each schema of tests/structured/schemas.py, then a warm one (a cache hit
@@ -12,6 +13,9 @@
   round fixes those lengths and fills the prefix cache, so every measured round finds the
   prompts cached; rounds alternate (unconstrained, constrained) `--runs` times and the best of
   each counts. ``ratio`` = constrained output tok/s / unconstrained;
+- W-tools (``--workload tools``): the same, as tool calls: each request offers one tool whose
+  parameters are its schema, with tool_choice required (one call), rendered the way the server
+  renders tools for the default model's template and run under the same structural tag;
 - TTFT at concurrency 1: one request alone, constrained with its grammar already compiled (a
   warm compile) against the same prompt unconstrained, `--ttft-runs` times alternating;
   ``warm_compile_ttft_ms`` is the difference of the medians (the cache lookup, the matcher and
@@ -159,6 +163,22 @@ async def ttft(
     }
 
 
+def tool_workload(engine: AsyncEngine, cases: list[Any]) -> tuple[list, list[list[int]]]:
+    """W-tools: one tool per request, its parameters the case's schema, one forced call."""
+    from yaied.tools.grammar import Tool, ToolChoice, output_structural_tag
+
+    specs, prompts = [], []
+    for k, case in enumerate(cases):
+        tool = Tool(f"record_{k}", "Record the answer", case.schema)
+        tag = output_structural_tag(
+            tool_format="hermes", tools=[tool], choice=ToolChoice("required"), parallel=False
+        )
+        specs.append(make_spec("structural_tag", tag, "tools"))
+        messages = example_messages(case)
+        prompts.append(engine.inputs.chat_prompt(messages, tools=[tool.definition()])[0])
+    return specs, prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -167,17 +187,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--ttft-runs", type=int, default=30)
+    parser.add_argument("--workload", choices=("json", "tools"), default="json")
     args = parser.parse_args()
     cases = SCHEMA_CASES[: args.requests]
     config = load_config(overrides={"model.model": args.model, "model.dtype": args.dtype})
     engine = AsyncEngine(config, show_progress=False)
-    specs = [make_spec("json_schema", case.schema, "guided_json") for case in cases]
-    prompts = [engine.inputs.chat_prompt(example_messages(case))[0] for case in cases]
-    out: dict[str, Any] = {"model": args.model, "dtype": args.dtype}
+    if args.workload == "tools":
+        specs, prompts = tool_workload(engine, cases)
+    else:
+        specs = [make_spec("json_schema", case.schema, "guided_json") for case in cases]
+        prompts = [engine.inputs.chat_prompt(example_messages(case))[0] for case in cases]
+    out: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "workload": args.workload}
     out["compile"] = compile_figures(engine, specs)
 
     async def decode() -> None:
-        out["w_json"] = await w_json(engine, prompts, specs, args)
+        out[f"w_{args.workload}"] = await w_json(engine, prompts, specs, args)
         out["ttft_concurrency_1"] = await ttft(engine, prompts[0], specs[0], args.ttft_runs)
         await engine.shutdown()
 

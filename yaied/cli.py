@@ -79,41 +79,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key-file",
-        default=None,
         metavar="PATH",
         help="accept the keys in this file too: one a line; blank lines and # comments skipped",
     )
     serve.add_argument(
         "--chat-template",
-        default=None,
         metavar="PATH_OR_TEXT",
         help="a Jinja chat template used instead of the tokenizer's: a file, else the text itself",
     )
     serve.add_argument(
         "--tool-call-parser",
-        default=None,
         choices=("hermes", "llama3_json"),
-        help="the model family's tool-call markup (default: from the chat template; templates "
-        "without tools get the hermes fallback) [server.tool_call_parser]",
+        help="the model's tool-call markup (default: the chat template's, else hermes) "
+        "[server.tool_call_parser]",
     )
     serve.add_argument(
         "--reasoning-parser",
-        default=None,
         choices=("deepseek_r1", "qwen3"),
-        help="send <think> blocks as reasoning_content instead of content "
-        "[server.reasoning_parser]",
+        help="<think> blocks go to reasoning_content [server.reasoning_parser]",
     )
     serve.add_argument(
         "--engines",
         type=int,
-        default=None,
         metavar="N",
         help="run N local engine processes behind the router: one per GPU, or CPU processes "
         "sharing the cores (default 1: one engine in the daemon's process) [router.engines]",
     )
     serve.add_argument(
         "--router-policy",
-        default=None,
         choices=("autellix", "round_robin", "least_loaded"),
         help="how calls are spread over engines [router.policy, default autellix]",
     )

@@ -48,6 +48,8 @@ FIELDS = [
     "stream_options",
     "tokens",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ]
 scalars = st.one_of(
     st.none(),
@@ -61,7 +63,12 @@ junk = st.recursive(
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.dictionaries(
-            st.sampled_from(["role", "content", "type", "text", "1"]), inner, max_size=3
+            st.sampled_from(
+                ["role", "content", "type", "text", "1", "function", "name", "parameters"]
+                + ["tool_calls", "tool_call_id", "arguments"]
+            ),
+            inner,
+            max_size=3,
         ),
     ),
     max_leaves=8,

@@ -125,7 +125,12 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": [{"type": "function"}]},
+        400,
+        "tools[0].function",
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/nope", {}, 404, None),
 ]

@@ -154,3 +154,24 @@ def test_tool_errors_over_http(live):
         response = httpx.post(live.v1 + "/chat/completions", json={**body, **extra})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
+
+
+def test_the_openai_client_parses_strict_tools_into_pydantic(client):
+    """openai's parse() with pydantic_function_tool: strict tools (additionalProperties false,
+    every field required), arguments parsed into the model by the SDK itself."""
+    from pydantic import BaseModel, Field
+
+    class LookUp(BaseModel):
+        city: str = Field(max_length=30)
+        days: int = Field(ge=1, le=7)
+
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,
+        tools=[openai.pydantic_function_tool(LookUp)],
+        tool_choice="required",
+        max_tokens=80,
+        seed=2,
+    )
+    call = completion.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, LookUp)

@@ -91,7 +91,8 @@ def test_auto_allows_text_and_forces_calls_once_opened(compiler):
 
 
 def test_none_and_plain_constraints_need_no_structural_tag():
-    assert output_structural_tag(tool_format="hermes", tools=TOOLS, choice=ToolChoice("none")) is None
+    none = ToolChoice("none")
+    assert output_structural_tag(tool_format="hermes", tools=TOOLS, choice=none) is None
     assert output_structural_tag(tool_format="hermes") is None
     schema = make_spec("json_schema", {"type": "object"}, "response_format")
     assert output_structural_tag(tool_format="hermes", constraint=schema) is None
