@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     # In the repository root, so that the yaied analysed and imported is this checkout's.
     return subprocess.run(
