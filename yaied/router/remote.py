@@ -172,7 +172,7 @@ class RemoteHandle(EngineHandle):
             log.info("remote engine %s (%s) is back", self.engine_id, self.url)
             self.health = Health.UP
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:  # closing sockets does not wait
         if self._prober is not None:
             self._prober.cancel()
         for reader in list(self._readers.values()):
