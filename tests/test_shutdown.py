@@ -138,7 +138,6 @@ def assert_stops_in_time_with_a_stream_open(proc, base: str, log_path: Path) -> 
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"  # ended, not cut off
 
 
-@pytest.mark.slow
 def test_sigterm_stops_a_single_engine_daemon_in_time(tiny_model_dirs, tmp_path):
     port = free_port()
     code = serve_command(tiny_model_dirs["llama"], port)
@@ -148,7 +147,7 @@ def test_sigterm_stops_a_single_engine_daemon_in_time(tiny_model_dirs, tmp_path)
     )
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two processes load torch
 def test_sigterm_stops_a_router_and_its_engine_process_in_time(tiny_model_dirs, tmp_path):
     config = tmp_path / "yaied.toml"
     config.write_text('[[engines]]\nkind = "local"\ndevice = "cpu"\nthreads = 1\n')
@@ -160,7 +159,6 @@ def test_sigterm_stops_a_router_and_its_engine_process_in_time(tiny_model_dirs, 
     )
 
 
-@pytest.mark.slow
 def test_sigterm_during_a_model_conversion_exits_in_time(tmp_path):
     """The conversion cannot be interrupted: the daemon gives up waiting for it, and its
     temporary folder goes at the next start (its lock died with the process)."""
