@@ -8,9 +8,12 @@ non-zero with a one-line message and systemd can restart or report it.
 Shutdown (SIGTERM or SIGINT) drains first:
 
     signal -> /health and new requests answer 503 -> in-flight requests finish
-           -> (drain timeout) the rest are aborted with a final event -> uvicorn stops -> exit 0
+           -> (drain timeout) the rest are aborted with a final event -> uvicorn stops
+           -> the engines stop -> exit 0
 
-A second signal skips what is left of the drain.
+all within ``server.stop_timeout_seconds`` (server/shutdown.py spends it), below systemd's
+TimeoutStopSec. A second signal skips what is left of the drain. A stop while the model still
+loads (a long conversion) gives up on the load and exits without waiting for its thread.
 
 A single engine that stops for good (see yaied/engine/faults.py) stops the server too, and
 ``run_server`` raises EngineDeadError: `yaied serve` then exits non-zero for its supervisor.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 import uvicorn
 
@@ -28,6 +33,7 @@ from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
+from yaied.server.shutdown import StopClock
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +41,24 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with the first exit signal turned into a drain of the engine."""
 
-    def __init__(self, config: uvicorn.Config, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, server_config: ServerConfig) -> None:
         super().__init__(config)
-        self.drain_timeout = drain_timeout
+        self.drain_timeout = server_config.drain_timeout_seconds
+        self.stop_timeout = server_config.stop_timeout_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+        state = getattr(self.config.app.state, "server", None)
+        if state is not None and state.load_abandoned:
+            # The load's threads (a conversion, the engine's worker) cannot be stopped, and the
+            # interpreter would wait for them at exit. The engines are stopped; leave now.
+            log.warning("exiting while the model was still loading")
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self._draining or self._loop is None or self.should_exit:
@@ -53,10 +68,14 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(sig)))
 
     async def _drain(self, sig: int) -> None:
+        clock = StopClock(self.stop_timeout)
         server = getattr(self.config.app.state, "server", None)  # set by the app's lifespan
         if server is not None:
-            log.info("draining: up to %.0f s for in-flight requests", self.drain_timeout)
-            await server.drain(self.drain_timeout)
+            server.stop_clock = clock  # the lifespan stops the engines in what is left
+            drain = clock.drain_seconds(self.drain_timeout)
+            log.info("draining: up to %.0f s for in-flight requests", drain)
+            await server.drain(drain, clock.abort_wait_seconds())
+        self.config.timeout_graceful_shutdown = clock.close_seconds()
         super().handle_exit(sig, None)
 
 
@@ -106,9 +125,9 @@ def run_server(
         host=server_config.host,
         port=server_config.port,
         log_level="info",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # a stop by signal sets its own (see _drain)
     )
-    server = DrainingServer(config, server_config.drain_timeout_seconds)
+    server = DrainingServer(config, server_config)
     # uvicorn re-raises the signal it caught under the handlers it found once it has stopped.
     # No-op handlers here make that harmless, so a stopped daemon exits 0, as systemd expects.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

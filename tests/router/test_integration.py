@@ -186,10 +186,11 @@ def test_a_killed_engine_fails_its_streams_and_comes_back(cluster):
         futures = [pool.submit(stream_chunks, router.url, body(600), h) for h in headers]
         record = lambda h: manager.lifecycle.by_client_id(h["X-Request-Id"])[0]  # noqa: E731
         wait_for(lambda: all(manager.lifecycle.by_client_id(h["X-Request-Id"]) for h in headers))
-        # The victim is the engine the first call was routed to (calls still draining from
-        # earlier tests can steer routing away from any fixed engine).
+        # The victim is the local engine of the first call routed to one: the three requests
+        # race to the router, so any of them may have gone to the remote engine (no process).
         routed = {c.client_id: c.engine_id for c in manager._calls.values()}
-        victim = manager.handles[routed[headers[0]["X-Request-Id"]]]
+        local = [h for h in headers if manager.handles[routed[h["X-Request-Id"]]].kind == "local"]
+        victim = manager.handles[routed[local[0]["X-Request-Id"]]]
         old_pid = victim.pid
         on_victim = [h for h in headers if routed.get(h["X-Request-Id"]) == victim.engine_id]
         wait_for(lambda: record(on_victim[0]).started_at)

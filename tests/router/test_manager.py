@@ -36,7 +36,7 @@ class FakeEngine(EngineHandle):
     async def start(self) -> None:
         self.health = Health.UP
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:
         self.health = Health.STOPPED
 
     def submit(self, request_id, prompt_ids, params, *, session_id, priority, sink):

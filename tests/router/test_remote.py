@@ -11,8 +11,9 @@ import pytest
 
 from yaied.core.request import FinishReason, SamplingParams
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config
-from yaied.router.remote import CircuitBreaker, _sse_events, request_body
+from yaied.router.remote import CircuitBreaker
 from yaied.router.remote_metrics import stats_from_metrics
+from yaied.router.remote_stream import request_body, sse_events
 
 
 def test_breaker_goes_down_after_three_failures_and_up_after_two_successes():
@@ -43,7 +44,7 @@ def choice(text: str, ids: list[int], finish: str | None = None) -> dict:
 
 
 async def collect(response: httpx.Response) -> list:
-    return [event async for event in _sse_events(response, "r", 4)]
+    return [event async for event in sse_events(response, "r", 4)]
 
 
 async def test_sse_events_hold_the_final_event_for_the_cached_tokens():
@@ -109,6 +110,26 @@ def test_router_config_errors(tmp_path, toml, message):
     path.write_text(toml)
     with pytest.raises(ValueError, match=message):
         load_router_config(path, env={})
+
+
+def test_a_remote_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    from yaied.router.remote import RemoteHandle
+
+    monkeypatch.setenv("REMOTE_KEY", "k-env")
+    url = "http://10.0.0.2:8000"
+    assert EngineEntry(kind="remote", url=url, api_key_env="REMOTE_KEY").key == "k-env"
+    (tmp_path / "key").write_text("# the key of 10.0.0.2\n\nk-file\n")
+    entry = EngineEntry(kind="remote", url=url, api_key_file=str(tmp_path / "key"))
+    assert entry.key == "k-file" and "k-file" not in repr(entry)
+    assert RemoteHandle("0", entry, RouterConfig()).api_key == "k-file"
+    assert "k-toml" not in repr(EngineEntry(kind="remote", url=url, api_key="k-toml"))
+    monkeypatch.delenv("REMOTE_KEY")
+    with pytest.raises(ValueError, match=r"\$REMOTE_KEY is not set"):
+        EngineEntry(kind="remote", url=url, api_key_env="REMOTE_KEY")
+    with pytest.raises(ValueError, match="api_key_file .*No such file"):
+        EngineEntry(kind="remote", url=url, api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="one of api_key, api_key_file"):
+        EngineEntry(kind="remote", url=url, api_key="k", api_key_file=str(tmp_path / "key"))
 
 
 def test_shipped_toml_router_section_equals_the_defaults():

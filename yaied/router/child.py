@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -77,6 +79,7 @@ def child_main(
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; the router decides
     logging.basicConfig(level=logging.WARNING, format=f"engine {spec.engine_id}: %(message)s")
+    _exit_with_parent()
     sender = Sender(event_conn, "yaied-child-events")
     try:
         from yaied.engine.async_engine import AsyncEngine  # torch and CUDA start here
@@ -87,6 +90,9 @@ def child_main(
         sender.close()
         sender.join(10)
         return
+    # systemd's stop sends SIGTERM to every process of the service: while loading, it ends this
+    # one at once (nothing to finish); once serving, the router drains and then stops it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sender.put(("ready", engine.info))
     asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
     sender.close()
@@ -97,6 +103,20 @@ def child_main(
     # A dead engine (a hung step, a CUDA error, a failed rebuild) exits non-zero: the router sees
     # the pipe close and starts a new process, which is the only way back.
     os._exit(EXIT_ENGINE_DEAD if engine.dead is not None else 0)
+
+
+def _exit_with_parent() -> None:
+    """Exit when the router's process is gone, even in the middle of loading (a conversion the
+    router gave up waiting for): the pipes' end-of-file is only read once the engine serves."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="yaied-parent-watch", daemon=True).start()
 
 
 class ChildServer:

@@ -8,14 +8,16 @@ Engines: with no `[[engines]]` entry and ``router.engines = 1`` the daemon runs 
 own process, as it always did. ``router.engines = N > 1`` starts N local engine processes (one per
 GPU where there are N, else N CPU processes sharing the cores). `[[engines]]` entries list the
 engines explicitly: ``kind = "local"`` with a ``device``, or ``kind = "remote"`` with the ``url``
-of another yaied daemon.
+of another yaied daemon. A remote's key is best kept out of the TOML (installed world-readable):
+``api_key_env`` names an environment variable (systemd's EnvironmentFile), ``api_key_file`` a file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,18 @@ class RouterConfig:
     restart_backoff_seconds: float = 1.0  # first delay before restarting a dead engine; doubles
     max_restart_backoff_seconds: float = 30.0  # the longest delay between restarts
     lifecycle_ttl_seconds: float = 600.0  # how long finished calls stay queryable
+    # Connections to each remote daemon. Every open stream holds one; calls beyond wait for one
+    # (back-pressure, not a failure). Above server.max_queue_len (1024) plus the running calls.
+    remote_max_connections: int = 2048
+    # A remote stream silent this long is dead: 3 of the remote's SSE pings (sse_ping_seconds 15).
+    remote_read_timeout_seconds: float = 45.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(
                 f"router.policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
             )
-        for name in ("engines", "failure_threshold", "success_threshold"):
+        for name in ("engines", "failure_threshold", "success_threshold", "remote_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"router.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_call_threshold", "imbalance_abs_threshold"):
@@ -57,6 +64,7 @@ class RouterConfig:
             "restart_backoff_seconds",
             "max_restart_backoff_seconds",
             "lifecycle_ttl_seconds",
+            "remote_read_timeout_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")
@@ -76,9 +84,13 @@ class EngineEntry:
     device: str = "auto"  # local: auto | cpu | cuda | cuda:N
     threads: int = 0  # local on CPU: torch threads; 0 = the cores divided among local engines
     url: str = ""  # remote: the daemon's base URL, say http://10.0.0.2:8000
-    api_key: str = ""  # remote: its Bearer key, if it asks for one
+    api_key: str = field(default="", repr=False)  # remote: its Bearer key (better: the two below)
+    api_key_env: str = ""  # remote: the environment variable that holds its key
+    api_key_file: str = ""  # remote: a file that holds its key (its first line that is not a #)
+    key: str = field(init=False, repr=False, compare=False)  # the key, from whichever is set
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "key", self._read_key())
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engines.kind must be local or remote, got {self.kind!r}")
         if self.kind == "remote" and not self.url.startswith(("http://", "https://")):
@@ -87,6 +99,28 @@ class EngineEntry:
             raise ValueError(f"engines.threads must be >= 0, got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"engines.device must be auto, cpu, cuda or cuda:N: {self.device!r}")
+
+    def _read_key(self) -> str:
+        """The remote's key, read once at load: a missing variable or file stops the start."""
+        given = [n for n in ("api_key", "api_key_env", "api_key_file") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"a remote engine takes one of {', '.join(given)}, not several")
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env, "").strip()
+            if not key:
+                raise ValueError(f"engines.api_key_env: ${self.api_key_env} is not set")
+            return key
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or exc
+                raise ValueError(f"engines.api_key_file {self.api_key_file!r}: {reason}") from None
+            keys = [k for k in (line.strip() for line in lines) if k and not k.startswith("#")]
+            if not keys:
+                raise ValueError(f"engines.api_key_file {self.api_key_file!r} holds no key")
+            return keys[0]
+        return self.api_key
 
 
 def load_router_config(
@@ -105,7 +139,7 @@ def load_router_config(
 
 
 def _entry(table: dict[str, Any]) -> EngineEntry:
-    known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry)}
+    known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry) if f.init}
     for key, value in table.items():
         if key not in known:
             raise ValueError(f"unknown setting engines.{key}; known: {', '.join(known)}")

@@ -94,8 +94,9 @@ class EngineHandle(abc.ABC):
         """Bring the engine up; raises when it cannot (a model that does not load, say)."""
 
     @abc.abstractmethod
-    async def stop(self) -> None:
-        """Abort what runs (each stream gets its final event) and release the engine."""
+    async def stop(self, timeout: float = 15.0) -> None:
+        """Abort what runs (each stream gets its final event) and release the engine, within
+        ``timeout`` seconds (an engine that does not stop in time is killed where it can be)."""
 
     @abc.abstractmethod
     def submit(
@@ -165,7 +166,9 @@ class InProcessHandle(EngineHandle):
     async def start(self) -> None:
         self.health = Health.UP
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:
+        # Within one step: the engine task stops between steps (a hung step made it dead, and
+        # then it is not waited for).
         self.health = Health.STOPPED
         await self.engine.shutdown()
 

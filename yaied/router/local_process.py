@@ -207,20 +207,26 @@ class LocalProcessHandle(EngineHandle):
                 self.health = Health.DOWN
                 self._failures += 1
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:
+        """Ask the process to stop (it aborts what runs and sends the final events) and wait for
+        it, up to ``timeout`` less a second kept for killing it. A process still loading (a long
+        conversion, say) has nothing to finish: it is killed at once."""
         self._stopping = True
         if self._restart_task is not None:
             self._restart_task.cancel()
+        serving = self.health is Health.UP
         for request_id in list(self._sinks):
             await self.abort(request_id)
         if self._submit is not None:
-            self._submit.put(None)  # the child aborts what runs, sends the final events, exits
+            self._submit.put(None)
         process = self.process
         if process is not None:
-            await asyncio.to_thread(process.join, 10)
+            if serving:
+                await asyncio.to_thread(process.join, max(0.0, timeout - 1.0))
             if process.is_alive():
+                log.warning("engine %s: process %d killed", self.engine_id, process.pid)
                 process.kill()
-                await asyncio.to_thread(process.join, 5)
+                await asyncio.to_thread(process.join, 1.0)
         self.health = Health.STOPPED
 
     # -- calls ------------------------------------------------------------------------------

@@ -136,12 +136,16 @@ class EngineManager:
             self.inputs = await asyncio.to_thread(front_inputs, self.engine_config.model, infos)
         self.info = self.inputs.info
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 20.0) -> None:
+        """Abort every call, then stop every engine, within ``timeout`` seconds (the daemon's
+        stop budget): up to a quarter for the aborts' final events, the rest for the engines."""
+        loop = asyncio.get_running_loop()
+        deadline, aborts_until = loop.time() + timeout, loop.time() + min(5.0, timeout / 4)
         self.abort_all()
-        deadline = asyncio.get_running_loop().time() + 5
-        while self._calls and asyncio.get_running_loop().time() < deadline:
+        while self._calls and loop.time() < aborts_until:
             await asyncio.sleep(0.01)  # each abort ends its call with a final event
-        await asyncio.gather(*(h.stop() for h in self.handles.values()), return_exceptions=True)
+        left = max(0.0, deadline - loop.time())
+        await asyncio.gather(*(h.stop(left) for h in self.handles.values()), return_exceptions=True)
         for call in list(self._calls.values()):  # an engine that never answered: end it here
             self._deliver(call, call.final_event(FinishReason.ABORT))
         for task in self._background:
@@ -203,13 +207,10 @@ class EngineManager:
         """Route and start one call whose prompt and parameters have been through
         ``self.inputs`` (the one input path: they are not checked again). Its events go to
         ``sink`` on the event loop, the last with a finish reason. No healthy engine raises
-        NoEngineAvailable, before anything started.
-
-        ``request_id`` is the call's key (unique among live calls; a new uuid when not given):
-        the engine, the lifecycle and ``cancel_request`` know the call by it. ``client_id`` is
-        the caller's name for it (an HTTP request's X-Request-Id, shared by its choices and by
-        any other request that sent the same id): ``cancel_client_request`` and
-        ``lifecycle.by_client_id`` match it exactly. It defaults to ``request_id``."""
+        NoEngineAvailable, before anything started. ``request_id`` is the call's key (unique
+        among live calls; a new uuid when not given). ``client_id`` is the caller's name for it
+        (an HTTP request's X-Request-Id, shared by its choices and by any other request that sent
+        the same id), which ``cancel_client_request`` matches exactly; it defaults to the key."""
         if self.inputs is None:
             raise NoEngineAvailable("the engines have not started")
         request_id = request_id or uuid.uuid4().hex
@@ -396,12 +397,8 @@ class EngineManager:
 
     def engine_stats(self) -> dict[str, Stats]:
         """Engine id -> its counters, for the engines that report them (the /metrics gauges)."""
-        out = {}
-        for engine_id, handle in self.handles.items():
-            stats = handle.stats()
-            if stats is not None:
-                out[engine_id] = stats
-        return out
+        stats = {engine_id: handle.stats() for engine_id, handle in self.handles.items()}
+        return {engine_id: s for engine_id, s in stats.items() if s is not None}
 
     def stats(self) -> Stats:
         """Every engine's counters summed (what a single engine's stats() said)."""

@@ -10,6 +10,17 @@ call within one step as for any client that leaves.
 Health: a circuit breaker over /health probes and the calls themselves. ``failure_threshold``
 failures in a row mark the engine down (its pins are cleared); it is then probed every
 ``health_check_interval_seconds`` until ``success_threshold`` probes in a row succeed.
+
+Whatever goes wrong in a call's reader ends that call, and only the engine's faults count against
+the engine:
+
+- the engine's fault (it cannot be reached, it stopped talking for ``remote_read_timeout_seconds``,
+  it answered 5xx or something that is not our stream): a failure, and ``sink.lost``, so a call
+  that streamed nothing is retried elsewhere;
+- the call's own (a header or body httpx refuses to send, a 4xx, a bug here): an error event;
+- waiting for one of the ``remote_max_connections`` connections is back-pressure: calls queue
+  there as they would in the remote's own queue. Probes use a client of their own, so a pool full
+  of streams never fails one.
 """
 
 from __future__ import annotations
@@ -17,22 +28,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 
-from yaied.core import sampling_fields
-from yaied.core.grammar_spec import request_field
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
+from yaied.router.remote_stream import RemoteStreamError, header_value, request_body, sse_events
 
 log = logging.getLogger(__name__)
+_PROBE_TIMEOUT = httpx.Timeout(10.0)
+_CONNECT_TIMEOUT = 10.0  # also for writing a request body
+
+
+# What says the remote engine is at fault, not the call: it cannot be reached, stopped talking
+# (a read timeout), broke the HTTP protocol, or sent a stream we cannot read.
+_ENGINE_FAULTS = (
+    httpx.ConnectTimeout,
+    httpx.ReadTimeout,
+    httpx.WriteTimeout,
+    httpx.NetworkError,
+    httpx.RemoteProtocolError,
+    httpx.DecodingError,
+    EngineUnavailable,
+    RemoteStreamError,
+)
 
 
 @dataclass(slots=True)
@@ -77,12 +102,15 @@ class RemoteHandle(EngineHandle):
         super().__init__(engine_id)
         self._transport = transport
         self.url = entry.url.rstrip("/")
-        self.api_key = entry.api_key
+        self.api_key = entry.key
         self.interval = router_config.health_check_interval_seconds
+        self.max_connections = router_config.remote_max_connections
+        self.read_timeout = router_config.remote_read_timeout_seconds
         self.breaker = CircuitBreaker(
             router_config.failure_threshold, router_config.success_threshold
         )
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # the calls' streams
+        self._probe_client: httpx.AsyncClient | None = None
         self._readers: dict[str, asyncio.Task] = {}
         self._stats: Stats | None = None
         self._prober: asyncio.Task | None = None
@@ -91,9 +119,20 @@ class RemoteHandle(EngineHandle):
         """Connect and learn the model's limits; an unreachable daemon starts down and is probed
         (it may come up after the router)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        timeout = httpx.Timeout(10.0, read=None)  # streams idle between tokens; SSE pings
+        # Between tokens a stream may idle, but the remote sends an SSE ping every
+        # sse_ping_seconds: silence past the read timeout is a dead remote. No pool timeout:
+        # a call waiting for a connection is queued, as it would be in the remote's queue.
+        timeout = httpx.Timeout(_CONNECT_TIMEOUT, read=self.read_timeout, pool=None)
+        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=timeout, transport=self._transport
+            base_url=self.url,
+            headers=headers,
+            timeout=timeout,
+            limits=limits,
+            transport=self._transport,
+        )
+        self._probe_client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=_PROBE_TIMEOUT, transport=self._transport
         )
         up = await self._probe()
         self.health = Health.UP if up else Health.DOWN
@@ -103,17 +142,18 @@ class RemoteHandle(EngineHandle):
         self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
     async def _probe(self) -> bool:
-        assert self._client is not None
+        client = self._probe_client
+        assert client is not None
         try:
-            if (await self._client.get("/health")).status_code != 200:
+            if (await client.get("/health")).status_code != 200:
                 return False
             if self.info is None:
-                models = (await self._client.get("/v1/models")).json()["data"]
+                models = (await client.get("/v1/models")).json()["data"]
                 self.info = ModelInfo(int(models[0].get("max_model_len", 0)), 0)
-            metrics = await self._client.get("/metrics")
+            metrics = await client.get("/metrics")
             self._stats = stats_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return True
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return False
 
     async def _probe_forever(self) -> None:
@@ -132,14 +172,15 @@ class RemoteHandle(EngineHandle):
             log.info("remote engine %s (%s) is back", self.engine_id, self.url)
             self.health = Health.UP
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:  # closing sockets does not wait
         if self._prober is not None:
             self._prober.cancel()
         for reader in list(self._readers.values()):
             reader.cancel()
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (self._client, self._probe_client):
+            if client is not None:
+                await client.aclose()
         self.health = Health.STOPPED
 
     def supports(self, params: SamplingParams) -> bool:
@@ -158,9 +199,9 @@ class RemoteHandle(EngineHandle):
     ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": header_value(request_id)}
         if session_id is not None:
-            headers["X-Session-Id"] = session_id
+            headers["X-Session-Id"] = header_value(session_id)
         body = request_body(prompt_ids, params, priority)
         reader = asyncio.get_running_loop().create_task(
             self._read(request_id, len(prompt_ids), body, headers, sink)
@@ -196,14 +237,20 @@ class RemoteHandle(EngineHandle):
                         sink.deliver(refused)
                     return
                 self._record(True)
-                async for event in _sse_events(response, request_id, num_prompt_tokens):
+                async for event in sse_events(response, request_id, num_prompt_tokens):
                     sink.deliver(event)
         except asyncio.CancelledError:
             sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
             raise
-        except (httpx.HTTPError, EngineUnavailable) as exc:
+        except _ENGINE_FAULTS as exc:
             self._record(False)
             sink.lost(f"remote engine {self.engine_id}: {exc!r}")
+        except httpx.PoolTimeout as exc:  # only with a pool timeout: busy, not broken
+            sink.lost(f"remote engine {self.engine_id}: {exc!r}")
+        except Exception as exc:  # the call's own fault (or a bug here): it alone ends
+            log.warning("%s on remote engine %s failed: %r", request_id, self.engine_id, exc)
+            error = f"the call to remote engine {self.engine_id} failed: {exc!r}"
+            sink.deliver(TokenEvent(request_id, [], "", FinishReason.ERROR, error=error))
 
     async def _refused(
         self, request_id: str, response: httpx.Response
@@ -224,66 +271,3 @@ class RemoteHandle(EngineHandle):
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url}
-
-
-def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -> dict[str, Any]:
-    """The OpenAI body that asks the remote daemon for exactly these parameters: every sampling
-    field the table sends a remote engine, under its completions name, defaults included (the
-    remote's model defaults must not replace ours)."""
-    body: dict[str, Any] = {
-        "prompt": prompt_ids,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-        "priority": priority,
-    }
-    for spec in sampling_fields.FIELDS:
-        if spec.remote:
-            body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
-    if params.structured is not None:  # the remote daemon compiles it again, in its own cache
-        body["structured_outputs"] = request_field(params.structured)
-    return body
-
-
-async def _sse_events(
-    response: httpx.Response, request_id: str, num_prompt_tokens: int
-) -> AsyncIterator[TokenEvent]:
-    """The remote's SSE chunks as TokenEvents. The final event waits for the usage chunk that
-    follows it, which carries the cached tokens."""
-    final: TokenEvent | None = None
-    num_output_tokens = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue  # blank separators and keep-alive comments
-        data = line[6:]
-        if data == "[DONE]":
-            break
-        chunk = orjson.loads(data)
-        if "error" in chunk:
-            message = chunk["error"].get("message", "remote error")
-            yield TokenEvent(request_id, [], "", FinishReason.ERROR, error=message)
-            return
-        for choice in chunk.get("choices", []):
-            token_ids = list(choice.get("token_ids") or [])
-            num_output_tokens += len(token_ids)
-            event = TokenEvent(
-                request_id,
-                token_ids,
-                choice.get("text", ""),
-                num_prompt_tokens=num_prompt_tokens,
-                num_output_tokens=num_output_tokens,
-            )
-            if choice.get("finish_reason") is None:
-                yield event
-                continue
-            event.finish_reason = FinishReason(choice["finish_reason"])
-            event.stop_reason = choice.get("stop_reason")
-            final = event
-        usage = chunk.get("usage")
-        if usage and final is not None:
-            final.num_prompt_tokens = usage.get("prompt_tokens", num_prompt_tokens)
-            details = usage.get("prompt_tokens_details") or {}
-            final.num_cached_tokens = details.get("cached_tokens", 0)
-    if final is None:
-        raise EngineUnavailable("the stream ended without a finish reason")
-    yield final

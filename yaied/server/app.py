@@ -193,9 +193,7 @@ def build_app(
         finally:
             notifier.notify("STOPPING=1")
             watchdog.cancel()
-            await loading  # a thread cannot be cancelled; the load finishes, then we shut down
-            if server.manager is not None:
-                await server.manager.stop()
+            await server.stop(loading)
 
     routes = [
         Route("/v1/completions", generate.completions, methods=["POST"]),

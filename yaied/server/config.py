@@ -32,6 +32,9 @@ class ServerConfig:
     sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
     retry_after_seconds: int = 1  # the Retry-After of a 429
     drain_timeout_seconds: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    # On SIGTERM: the whole stop (drain, aborts, engines) ends within this (server/shutdown.py);
+    # 10 s under systemd's TimeoutStopSec (60) for the process's own exit.
+    stop_timeout_seconds: float = 50.0
     api_key_file: str = ""  # more keys, one a line (blank lines and # comments skipped)
     chat_template: str = ""  # a Jinja chat template (file or text) over the tokenizer's own
     max_prompt_tokens: int = 0  # longer prompts get 400; 0 = the model's context length
@@ -68,6 +71,8 @@ class ServerConfig:
         if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
             known = ", ".join(REASONING_PARSERS)
             raise ValueError(f"server.reasoning_parser must be one of {known}")
+        if not self.stop_timeout_seconds > 0:
+            raise ValueError("server.stop_timeout_seconds must be > 0")
         if not self.sse_ping_seconds > 0:
             raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +15,7 @@ from yaied.server.chat_output import ChatSettings
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
 from yaied.server.metrics import ServerMetrics
+from yaied.server.shutdown import StopClock
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,9 @@ class ServerState:
     manager: EngineManager | None = None
     load_error: BaseException | None = None
     draining: bool = False  # set on SIGTERM: health and new requests get 503
+    stop_clock: StopClock | None = None  # set on SIGTERM: what is left of the stop's budget
+    load_abandoned: bool = False  # stopped while the model loaded: its thread still runs
+    starting: EngineManager | None = None  # the manager while its engines start
     metrics: ServerMetrics = field(init=False)
     _chat: ChatSettings | None = None
 
@@ -49,9 +55,10 @@ class ServerState:
 
     async def load(self, loader: EngineLoader) -> None:
         try:
-            loaded = await asyncio.to_thread(loader)
+            loaded = await _in_daemon_thread(loader)
             single = not isinstance(loaded, EngineManager)
             manager = EngineManager.single(loaded) if single else loaded
+            self.starting = manager  # a stop during start() stops its engines too
             manager.step_observer = self.metrics.observe_step
             await manager.start()
             manager.inputs.grammars.on_compile = self.metrics.observe_compile
@@ -88,9 +95,10 @@ class ServerState:
             raise APIError(503, "the server is shutting down", code="draining")
         return self.manager
 
-    async def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float, abort_wait: float = 10.0) -> None:
         """Refuse new work, let in-flight requests finish for up to timeout seconds, then abort
-        the rest (each gets its final event, so every stream ends properly)."""
+        the rest (each gets its final event, so every stream ends properly) and wait up to
+        ``abort_wait`` seconds for those events."""
         self.draining = True
         manager = self.manager
         if manager is None:
@@ -102,7 +110,7 @@ class ServerState:
         if manager.num_requests_in_flight:
             log.warning("drain timeout: aborting %d requests", manager.num_requests_in_flight)
             manager.abort_all()
-            deadline = loop.time() + 10
+            deadline = loop.time() + abort_wait
             while manager.num_requests_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
 
@@ -119,6 +127,22 @@ class ServerState:
             )
             log.info("chat: tool calls in %s format", self._chat.tool_format)
         return self._chat
+
+    async def stop(self, loading: asyncio.Task) -> None:
+        """The app's last act: the engines stopped within what the stop's clock has left. A
+        model still loading is waited for only so long; its thread cannot be stopped, so
+        ``load_abandoned`` tells the daemon to exit without waiting for it."""
+        clock = self.stop_clock or StopClock(60.0)  # stopped without a signal: tests, a failure
+        if not loading.done():
+            await asyncio.wait({loading}, timeout=clock.load_wait_seconds())
+        if not loading.done():
+            log.warning("stopping before the model finished loading; not waiting for it")
+            self.load_abandoned = True
+            loading.cancel()
+            await asyncio.wait({loading})
+        manager = self.manager or self.starting
+        if manager is not None:
+            await manager.stop(clock.left())
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -138,3 +162,27 @@ class ServerState:
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
+
+
+async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
+    """``function()`` in a daemon thread: unlike asyncio.to_thread's pool, nothing waits for it
+    at exit when a stop gives up on it (a model conversion cannot be interrupted)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():  # cancelled: nobody waits for the result
+            setter(value)
+
+    def run() -> None:
+        try:
+            result = function()
+        except BaseException as exc:
+            outcome = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed first
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="yaied-load", daemon=True).start()
+    return await future

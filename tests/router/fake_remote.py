@@ -1,0 +1,115 @@
+"""A fake remote yaied daemon on a real socket: /health, /v1/models and /metrics answer as a
+daemon does, and POST /v1/completions streams SSE in one of these modes:
+
+- ``ok``: a token, the final chunk (``stop``), the usage chunk, ``[DONE]``, after ``hold`` s;
+- ``malformed``: a token, then a line that is not JSON;
+- ``bad_finish``: a token, then a finish reason no daemon sends;
+- ``slow``: a token every 50 ms for a long time (stop the process to make it fall silent).
+
+In-process (``async with FakeRemote(mode) as remote``) or as a process of its own, which prints
+its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import orjson
+
+_MODES = ("ok", "malformed", "bad_finish", "slow")
+
+
+def _chunk(finish: str | None = None, ids: tuple[int, ...] = (5,)) -> bytes:
+    choice = {"index": 0, "text": "a", "token_ids": list(ids), "finish_reason": finish}
+    return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+_USAGE = b"data: " + orjson.dumps({"choices": [], "usage": {"prompt_tokens": 2}}) + b"\n\n"
+
+
+class FakeRemote:
+    def __init__(self, mode: str = "ok", hold: float = 0.0) -> None:
+        assert mode in _MODES, mode
+        self.mode = mode
+        self.hold = hold
+        self.open_streams = 0
+        self.peak_streams = 0
+        self.headers: list[dict[str, str]] = []  # each completion request's headers
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> FakeRemote:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=1024)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # keep-alive: one request after another on this connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+                headers = {k.lower(): v for k, v in headers.items()}
+                await reader.readexactly(int(headers.get("content-length", 0)))
+                if method == "POST" and path == "/v1/completions":
+                    self.headers.append(headers)
+                    await self._stream(writer)
+                    return  # the stream ends with the connection
+                await self._answer(writer, path)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the test's loop is closing
+        finally:
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, path: str) -> None:
+        bodies = {
+            "/health": b"",
+            "/v1/models": orjson.dumps({"data": [{"id": "m", "max_model_len": 512}]}),
+            "/metrics": b'yaied:num_requests_waiting{engine="0"} 0\n',
+        }
+        body = bodies.get(path, b"")
+        status = "200 OK" if path in bodies else "404 Not Found"
+        writer.write(f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+
+    async def _stream(self, writer: asyncio.StreamWriter) -> None:
+        self.open_streams += 1
+        self.peak_streams = max(self.peak_streams, self.open_streams)
+        try:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+            writer.write(b"connection: close\r\n\r\n" + _chunk())
+            await writer.drain()
+            await asyncio.sleep(self.hold)
+            if self.mode == "ok":
+                writer.write(_chunk("stop", ()) + _USAGE + b"data: [DONE]\n\n")
+            elif self.mode == "malformed":
+                writer.write(b'data: {"choices": [{"text": \n\n')
+            elif self.mode == "bad_finish":
+                writer.write(_chunk("exploded", ()) + _USAGE + b"data: [DONE]\n\n")
+            else:
+                for _ in range(100_000):
+                    writer.write(_chunk())
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+            await writer.drain()
+        finally:
+            self.open_streams -= 1
+
+
+async def _main(mode: str) -> None:
+    async with FakeRemote(mode) as remote:
+        print(remote.url, flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(sys.argv[1]))

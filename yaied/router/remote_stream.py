@@ -1,0 +1,141 @@
+"""What goes over the wire to a remote engine: the request's body and headers, and the SSE
+stream that comes back, read into TokenEvents.
+
+The stream is checked as it is read: a chunk that is not what a yaied daemon sends (not JSON,
+not an object, ids that are not integers, a finish reason we do not know) raises
+RemoteStreamError, which the handle counts against the remote, never leaving the call waiting.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from yaied.core import sampling_fields
+from yaied.core.grammar_spec import request_field
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
+from yaied.router.handle import EngineUnavailable
+
+
+class RemoteStreamError(Exception):
+    """The remote answered with something that is not a yaied completion stream."""
+
+
+def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -> dict[str, Any]:
+    """The OpenAI body that asks the remote daemon for exactly these parameters: every sampling
+    field the table sends a remote engine, under its completions name, defaults included (the
+    remote's model defaults must not replace ours)."""
+    body: dict[str, Any] = {
+        "prompt": prompt_ids,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "priority": priority,
+    }
+    for spec in sampling_fields.FIELDS:
+        if spec.remote:
+            body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
+    if params.structured is not None:  # the remote daemon compiles it again, in its own cache
+        body["structured_outputs"] = request_field(params.structured)
+    return body
+
+
+# Printable ASCII without "%": a header value httpx and h11 send as is. Anything else (CR/LF from
+# a `user` field, non-ASCII) is percent-encoded: the same id always gives the same header.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+_PLAIN_HEADER = re.compile(r"[\x20-\x24\x26-\x7e]*")
+
+
+def header_value(text: str) -> str:
+    """``text`` as a header value that cannot fail to send or inject another header."""
+    if _PLAIN_HEADER.fullmatch(text):
+        return text
+    return urllib.parse.quote(text, safe=_HEADER_SAFE)
+
+
+async def sse_events(
+    response: httpx.Response, request_id: str, num_prompt_tokens: int
+) -> AsyncIterator[TokenEvent]:
+    """The remote's SSE chunks as TokenEvents. The final event waits for the usage chunk that
+    follows it, which carries the cached tokens. A chunk that is not what a yaied daemon sends
+    raises RemoteStreamError."""
+    stream = _StreamState(request_id, num_prompt_tokens)
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue  # blank separators and keep-alive comments
+        data = line[6:]
+        if data == "[DONE]":
+            break
+        try:
+            events = stream.read(orjson.loads(data))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RemoteStreamError(f"unreadable chunk {data[:200]!r}: {exc}") from None
+        for event in events:
+            yield event
+        if stream.failed:
+            return
+    if stream.final is None:
+        raise EngineUnavailable("the stream ended without a finish reason")
+    yield stream.final
+
+
+@dataclass(slots=True)
+class _StreamState:
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    final: TokenEvent | None = None  # held until the usage chunk after it
+    failed: bool = False
+
+    def read(self, chunk: dict[str, Any]) -> list[TokenEvent]:
+        """One chunk's events; raises (ValueError, TypeError, ...) on anything malformed."""
+        if not isinstance(chunk, dict):
+            raise TypeError("a chunk must be a JSON object")
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else None
+            self.failed = True
+            return [self._event([], "", FinishReason.ERROR, error=str(message or error))]
+        events = []
+        for choice in chunk.get("choices") or []:
+            token_ids = list(choice.get("token_ids") or [])
+            text = choice.get("text", "")
+            if not all(type(t) is int for t in token_ids) or not isinstance(text, str):
+                raise TypeError("token_ids must be integers and text a string")
+            self.num_output_tokens += len(token_ids)
+            reason = choice.get("finish_reason")
+            if reason is None:
+                events.append(self._event(token_ids, text, None))
+                continue
+            # An unknown reason raises ValueError: the remote speaks another protocol.
+            self.final = self._event(token_ids, text, FinishReason(reason))
+            self.final.stop_reason = choice.get("stop_reason")
+        usage = chunk.get("usage")
+        if usage and self.final is not None:
+            self.final.num_prompt_tokens = int(usage.get("prompt_tokens", self.num_prompt_tokens))
+            details = usage.get("prompt_tokens_details") or {}
+            self.final.num_cached_tokens = int(details.get("cached_tokens", 0))
+        return events
+
+    def _event(
+        self,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        error: str | None = None,
+    ) -> TokenEvent:
+        return TokenEvent(
+            self.request_id,
+            token_ids,
+            text,
+            reason,
+            error=error,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
