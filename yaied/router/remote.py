@@ -26,6 +26,7 @@ import orjson
 
 from yaied.core import sampling_fields
 from yaied.core.grammar_spec import request_field
+from yaied.core.ids import header_safe
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
@@ -158,9 +159,9 @@ class RemoteHandle(EngineHandle):
     ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
-        headers = {"X-Request-Id": request_id}
-        if session_id is not None:
-            headers["X-Session-Id"] = session_id
+        headers = {"X-Request-Id": header_safe(request_id)}
+        if session_id is not None:  # may be any string (the OpenAI `user`): encoded
+            headers["X-Session-Id"] = header_safe(session_id)
         body = request_body(prompt_ids, params, priority)
         reader = asyncio.get_running_loop().create_task(
             self._read(request_id, len(prompt_ids), body, headers, sink)
