@@ -116,3 +116,11 @@ def test_the_queue_counts_calls_and_takes_a_request_when_empty():
         state.check_queue(SimpleNamespace(num_calls_waiting=4), 5)
     assert info.value.status == 429 and info.value.headers["Retry-After"] == "1"
     state.cpu_pool.shutdown()
+
+
+def test_a_warning_when_listening_beyond_loopback_without_keys(caplog):
+    from yaied.daemon import warn_if_exposed
+
+    assert not warn_if_exposed(ServerConfig(host="127.0.0.1"))
+    assert not warn_if_exposed(ServerConfig(host="0.0.0.0", api_keys=("sk-1",)))
+    assert warn_if_exposed(ServerConfig(host="0.0.0.0")) and "without API keys" in caplog.text
