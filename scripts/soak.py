@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/soak.py            # 3000 requests, a few minutes on a small CPU
     .venv/bin/python scripts/soak.py --short    # 120 requests, about a minute (tests/test_soak.py)
+    .venv/bin/python scripts/soak.py --hostile  # the load twice: alone, then among hostile clients
 
 The daemon serves a tiny random-weight Llama that carries the default model's tokenizer and chat
 template (so text prompts, chat and detokenization are real; the model is fast and its output is
@@ -21,6 +22,11 @@ Memory: the daemon's RSS climbs over its first thousand or two requests (allocat
 buffers for new batch shapes; 0.4-0.65 GiB on the tiny model) and then levels off. So the check is
 on the second half of the run, where a leak keeps growing with every request served and warm-up
 does not: at most ``--max-rss-growth-mib`` there, and at most ``--max-rss-mib`` in all.
+
+``--hostile`` runs the same load a second time with ``--hostile-clients`` rule-breaking clients
+beside it (scripts/soak_hostile.py: oversized, malformed, slow-uploading, slow-reading and
+disconnecting) and adds checks: no hostile client got a 5xx or no answer, and the normal
+clients' p99 latency stayed within ``--max-p99-ratio`` of the run without them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import free_port, stop_daemon, wait_healthy  # noqa: E402
+from soak_hostile import hostile_loop  # noqa: E402
 from soak_load import MODEL_NAME, Outcome, RequestSpec, make_spec, run_request  # noqa: E402
 
 
@@ -86,6 +93,8 @@ def launch(args: argparse.Namespace, model: str, log_path: Path) -> tuple[subpro
         YAIED_SERVER_MAX_QUEUE_LEN=str(args.queue_len),
         YAIED_SERVER_MAX_TOKENS_LIMIT="64",
         YAIED_SERVER_SSE_PING_SECONDS="2",
+        YAIED_SERVER_BODY_TIMEOUT_SECONDS="2",  # the hostile mix's slow uploads
+        YAIED_SERVER_SEND_TIMEOUT_SECONDS="2",  # and its slow readers
     )
     code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
     with open(log_path, "wb") as log:
@@ -111,9 +120,14 @@ def rss_mib(pid: int) -> float:
 
 
 async def run_load(
-    args: argparse.Namespace, url: str, pid: int
+    args: argparse.Namespace, url: str, pid: int, hostile: list[str] | None = None
 ) -> tuple[list[Outcome], float, list[float]]:
-    """Every request, with bursts mixed in; also the daemon's RSS sampled once a second."""
+    """Every request, with bursts mixed in; also the daemon's RSS sampled once a second. With
+    ``hostile`` (a list to fill), hostile clients run beside the load until it is done."""
+    done = asyncio.Event()
+    rogues = None
+    if hostile is not None:
+        rogues = asyncio.create_task(hostile_loop(url, done, args.seed, args.hostile_clients))
     rng = random.Random(args.seed)
     specs = [make_spec(rng, i) for i in range(args.requests)]
     limit = asyncio.Semaphore(args.concurrency)
@@ -142,8 +156,12 @@ async def run_load(
             tasks.append(asyncio.create_task(limited(spec)))
             await asyncio.sleep(0)  # let requests start as they are made, not all at the end
         outcomes = await asyncio.gather(*tasks)
+    duration = time.monotonic() - start
+    done.set()
+    if rogues is not None:
+        hostile.extend(await rogues)
     sampler.cancel()
-    return outcomes, time.monotonic() - start, rss
+    return outcomes, duration, rss
 
 
 async def _sample_rss(pid: int, out: list[float]) -> None:
@@ -174,7 +192,14 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "output_tokens": sum(o.output_tokens for o in outcomes),
         "retried_429": sum(o.retries for o in outcomes),
         "broken_examples": [o.detail for o in outcomes if o.kind in ("broken", "hung")][:5],
+        "p50_ok_latency_s": _percentile([o.latency for o in outcomes if o.kind == "ok"], 0.5),
+        "p99_ok_latency_s": _percentile([o.latency for o in outcomes if o.kind == "ok"], 0.99),
     }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else 0.0
 
 
 def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -185,6 +210,13 @@ def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         before = wait_idle(url, 30)
         rss_before = rss_mib(proc.pid)
         outcomes, duration, rss = asyncio.run(run_load(args, url, proc.pid))
+        extra = {}
+        if args.hostile:  # the same load again, now among hostile clients
+            wait_idle(url, 60)
+            hostile: list[str] = []
+            again, duration_h, _ = asyncio.run(run_load(args, url, proc.pid, hostile))
+            extra = _hostile_summary(summarize(outcomes), summarize(again), hostile, duration_h)
+            outcomes += again
         after = wait_idle(url, 60)
         rss_after = rss_mib(proc.pid)
         health = httpx.get(url + "/health", timeout=10).status_code
@@ -203,7 +235,7 @@ def soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # Tenths of the run: growth that levels off is warm-up, a steady climb a leak.
             "rss_mib_by_tenth": [round(rss[len(rss) * i // 10], 1) for i in range(10)],
             "health_after": health,
-        }
+        } | extra
     finally:
         stop_daemon(proc)
     summary["exit_code"] = proc.returncode
@@ -243,7 +275,29 @@ def failures(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
         out.append(f"/health answered {summary['health_after']}")
     if summary["exit_code"] != 0:
         out.append(f"the daemon exited with {summary['exit_code']} on SIGTERM")
+    if "hostile" in summary:
+        bad = {k: n for k, n in summary["hostile"].items() if k.split()[1][0] in "5h"}
+        if bad:
+            out.append(f"hostile clients got 5xx or no answer: {bad}")
+        if summary["p99_ratio"] > args.max_p99_ratio:
+            out.append(f"normal p99 grew {summary['p99_ratio']}x among hostile clients")
     return out
+
+
+def _hostile_summary(
+    alone: dict[str, Any], among: dict[str, Any], hostile: list[str], duration: float
+) -> dict[str, Any]:
+    return {
+        "p99_ok_latency_alone_s": alone["p99_ok_latency_s"],
+        "p99_ok_latency_among_hostile_s": among["p99_ok_latency_s"],
+        "p50_ok_latency_alone_s": alone["p50_ok_latency_s"],
+        "p50_ok_latency_among_hostile_s": among["p50_ok_latency_s"],
+        "p99_ratio": round(among["p99_ok_latency_s"] / max(alone["p99_ok_latency_s"], 1e-9), 2),
+        "outcomes_among_hostile": among["outcomes"],
+        "hostile_duration_s": round(duration, 1),
+        "hostile_requests": len(hostile),
+        "hostile": dict(sorted(Counter(hostile).items())),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-rss-growth-mib", type=float, default=128.0, help="second half")
     parser.add_argument("--max-rss-mib", type=float, default=2048.0, help="the daemon's, at last")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hostile", action="store_true", help="again among hostile clients")
+    parser.add_argument("--hostile-clients", type=int, default=8, help="hostile at a time")
+    parser.add_argument("--max-p99-ratio", type=float, default=1.5, help="among hostile / alone")
     args = parser.parse_args(argv)
     full = {"requests": 3000, "concurrency": 40, "burst_every": 300}
     short = {"requests": 120, "concurrency": 16, "burst_every": 40}

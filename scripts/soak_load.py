@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class Outcome:
     output_tokens: int = 0
     retry_after: float = 0.0  # a 429's Retry-After
     retries: int = 0  # 429s retried before this outcome
+    latency: float = 0.0  # seconds from the first attempt to the outcome
 
 
 def _text(rng: random.Random) -> str:
@@ -137,12 +139,14 @@ def make_spec(rng: random.Random, index: int, *, burst: bool = False) -> Request
 
 async def run_request(client: httpx.AsyncClient, spec: RequestSpec, timeout: float) -> Outcome:
     """Send the request (again after a 429, up to spec.retries times, as OpenAI clients do)."""
+    start = time.monotonic()
     for attempt in range(spec.retries + 1):
         outcome = await _attempt(client, spec, timeout)
         if not outcome.retry_after or attempt == spec.retries:
             break
         await asyncio.sleep(outcome.retry_after)
     outcome.retries = attempt
+    outcome.latency = time.monotonic() - start
     return outcome
 
 

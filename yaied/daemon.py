@@ -33,6 +33,7 @@ from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
+from yaied.server.guard import is_loopback
 from yaied.server.shutdown import StopClock
 
 log = logging.getLogger(__name__)
@@ -120,12 +121,15 @@ def run_server(
     app = build_app(
         server_config, load_engine, engine_config.model.model, on_load_failure=load_failed
     )
+    warn_if_exposed(server_config)
     config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level="info",
         timeout_graceful_shutdown=5,  # a stop by signal sets its own (see _drain)
+        # Connections and tasks at once: past it, 503 at once instead of a daemon out of memory.
+        limit_concurrency=server_config.limit_concurrency,
     )
     server = DrainingServer(config, server_config)
     # uvicorn re-raises the signal it caught under the handlers it found once it has stopped.
@@ -138,6 +142,21 @@ def run_server(
             signal.signal(sig, handler)
     if failure:
         raise failure[0]
+
+
+def warn_if_exposed(config: ServerConfig) -> bool:
+    """A warning (and True) when the daemon listens beyond loopback with no API keys: anyone who
+    reaches the port may run the model and cancel anyone's work."""
+    if is_loopback(config.host) or config.api_keys:
+        return False
+    log.warning(
+        "listening on %s without API keys: anyone who can reach port %d may use the model and "
+        'cancel any request; set server.api_keys or server.api_key_file (README, "Limits and '
+        'security")',
+        config.host,
+        config.port,
+    )
+    return True
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.router.fake_remote import FakeRemote
+from yaied.core.ids import header_safe
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams
 from yaied.engine.inputs import InputProcessor
@@ -140,7 +141,7 @@ async def test_header_values_that_cannot_be_sent_as_is_are_encoded():
         manager = await started_manager(fake.url)
         outputs = await run_calls(manager, 1, session_id="José\r\nX-Evil: 1")
         assert outputs[0].finish_reason is FinishReason.STOP
-        assert fake.headers[0]["x-session-id"] == "Jos%C3%A9%0D%0AX-Evil: 1"
+        assert fake.headers[0]["x-session-id"] == header_safe("José\r\nX-Evil: 1")
         assert "x-evil" not in fake.headers[0]
         await manager.stop()
 

@@ -83,7 +83,8 @@ def in_process_server(
     loop of its own, in a thread, for as long as the block lasts; every request runs on that loop,
     beside the engine task. A 5xx comes back as a response, not as the exception behind it."""
     app = build_app(config, load_engine, model_name)
-    with TestClient(app, raise_server_exceptions=False) as client:
+    # A loopback Host: the app answers no other on a loopback bind (DNS rebinding).
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:
             if time.monotonic() > deadline:

@@ -113,6 +113,7 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(live):
     assert out["usage"]["completion_tokens"] == 0
 
 
+JSON = {"Content-Type": "application/json"}  # raw bodies must say so (else 415)
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
@@ -139,7 +140,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("path, body, status, param", BAD_INPUTS)
 def test_bad_inputs(live, path, body, status, param):
     content = body if isinstance(body, bytes) else orjson.dumps(body)
-    r = httpx.post(live.url + path, content=content)
+    r = httpx.post(live.url + path, content=content, headers=JSON)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"] and error["param"] == param
@@ -147,7 +148,8 @@ def test_bad_inputs(live, path, body, status, param):
 
 def test_body_limit_models_tokenize_health_openapi(live):
     assert httpx.get(live.url + "/health").status_code == 200
-    r = httpx.post(live.v1 + "/completions", content=b"[" + b"1," * (5 * 2**20) + b"1]")
+    big = b"[" + b"1," * (5 * 2**20) + b"1]"
+    r = httpx.post(live.v1 + "/completions", content=big, headers=JSON)
     assert r.status_code == 413
     assert httpx.get(live.v1 + "/models").json()["data"][0]["id"] == MODEL
     tok = httpx.post(live.url + "/tokenize", json={"prompt": "Hello world"}).json()

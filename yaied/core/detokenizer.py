@@ -177,13 +177,21 @@ class IncrementalDetokenizer:
 
 
 class _StopMatcher:
-    """Holds back any tail of the text that could begin a stop string; cuts at a complete one."""
+    """Holds back any tail of the text that could begin a stop string; cuts at a complete one.
 
-    __slots__ = ("_stops", "_include", "_held")
+    One Knuth-Morris-Pratt automaton per stop string, fed each new character once: its state is
+    how much of the stop string the text so far ends with. A push costs O(new characters x stop
+    strings) amortised and never more than O(total stop length), however the text is split, so
+    long stop strings cannot make the per-token check quadratic on the engine's loop.
+    """
+
+    __slots__ = ("_stops", "_fail", "_state", "_include", "_held")
 
     def __init__(self, stops: Sequence[str], include: bool) -> None:
         # An empty stop string would match before any text; it is ignored rather than honoured.
         self._stops = tuple(s for s in dict.fromkeys(stops) if s)
+        self._fail = [_failure_function(s) for s in self._stops]
+        self._state = [0] * len(self._stops)
         self._include = include
         self._held = ""
 
@@ -192,31 +200,44 @@ class _StopMatcher:
         if not self._stops:
             return text, None
         buf = self._held + text
-        # Emitted text never ends in a stop string's prefix, so every match lies inside buf.
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = buf.find(stop)
-            if start >= 0:
-                key = (start + len(stop), start, stop)
-                if best is None or key[:2] < best[:2]:
-                    best = key
-        if best is not None:
-            end, start, stop = best
-            self._held = ""
-            return buf[: end if self._include else start], stop
-        keep = 0 if final else self._longest_stop_prefix_suffix(buf)
+        offset = len(self._held)
+        for i, char in enumerate(text):
+            # Of the stop strings completing at this character, the longest wins (it started
+            # first); the first character where any completes decides.
+            stop = None
+            for k, s in enumerate(self._stops):
+                state, fail = self._state[k], self._fail[k]
+                while state and s[state] != char:
+                    state = fail[state - 1]
+                if s[state] == char:
+                    state += 1
+                if state == len(s):
+                    if stop is None or len(s) > len(stop):
+                        stop = s
+                    state = fail[state - 1]
+                self._state[k] = state
+            if stop is not None:
+                end = offset + i + 1
+                self._held = ""
+                return buf[: end if self._include else end - len(stop)], stop
+        # Emitted text never ends in a stop string's prefix, so every state fits inside buf.
+        keep = 0 if final else max(self._state)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], None
 
-    def _longest_stop_prefix_suffix(self, buf: str) -> int:
-        """Length of the longest tail of buf that is a proper prefix of some stop string."""
-        best = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:length]):
-                    best = length
-                    break
-        return best
+
+def _failure_function(pattern: str) -> list[int]:
+    """KMP's table: fail[i] = the longest proper prefix of pattern[: i + 1] that is also its
+    suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:

@@ -13,6 +13,12 @@ from yaied.core.grammar_spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps logit_bias values to [-100, 100]
+# Bounds on what one request may ask the per-token stop checks to do (OpenAI allows 4 strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+# Below this a temperature is greedy: logits / 1e-40 is inf in fp32, and the row would go NaN.
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 class FinishReason(enum.StrEnum):
@@ -66,7 +72,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Deduplicated (in order): the scheduler holds them as a set (Request.stop_ids).
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -84,9 +91,15 @@ class SamplingParams:
         _check(_finite(self.min_p), "min_p must be a finite number")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        check_stop_strings(self.stop)
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+            f"got {len(self.stop_token_ids)}",
         )
         self._check_openai_knobs()
 
@@ -119,7 +132,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -140,6 +153,21 @@ class SamplingParams:
                 f"known: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def check_stop_strings(stop: Iterable[str]) -> None:
+    """At most MAX_STOP_STRINGS of at most MAX_STOP_STRING_CHARS each: every token's stop check
+    costs their total length, on the engine's loop. Shared with the server's early check."""
+    stop = list(stop)
+    _check(
+        len(stop) <= MAX_STOP_STRINGS,
+        f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+    )
+    longest = max(map(len, stop), default=0)
+    _check(
+        longest <= MAX_STOP_STRING_CHARS,
+        f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}",
+    )
 
 
 def _finite(x: object) -> bool:
@@ -228,6 +256,11 @@ class Request:
     # params.structured's grammar state, per sequence like the page table: it has accepted
     # exactly output_token_ids, so a preemption (which keeps them) leaves it valid.
     grammar: OutputMatcher | None = None
+    # params.stop_token_ids as a set: checked against every sampled token.
+    stop_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

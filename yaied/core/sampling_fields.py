@@ -16,7 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from yaied.core.request import MAX_LOGPROBS, SamplingParams
+from yaied.core.request import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 Endpoint = Literal["completion", "chat"]
 ENDPOINTS: tuple[Endpoint, ...] = ("completion", "chat")
@@ -132,12 +138,21 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("ignore_eos", _BOOLEAN, "Generate past the end-of-sequence token."),
     SamplingField(
         "stop",
-        {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        {
+            "oneOf": [
+                {"type": "string", "maxLength": MAX_STOP_STRING_CHARS},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": MAX_STOP_STRING_CHARS},
+                    "maxItems": MAX_STOP_STRINGS,
+                },
+            ]
+        },
         "Strings that end the generation when it produces one.",
     ),
     SamplingField(
         "stop_token_ids",
-        {"type": "array", "items": _integer(minimum=0)},
+        {"type": "array", "items": _integer(minimum=0), "maxItems": MAX_STOP_TOKEN_IDS},
         "Token ids that end the generation, beside the model's end-of-sequence ids.",
     ),
     SamplingField(

@@ -52,7 +52,7 @@ class RequestStream:
         reason = request.finish_reason
         stop_reason: str | int | None = stop_string
         if reason is FinishReason.STOP and stop_string is None:
-            stop_reason = token if token in request.params.stop_token_ids else None
+            stop_reason = token if token in request.stop_ids else None
         if reason is not None and stop_string is None and self.detokenizer is not None:
             text += self.detokenizer.flush()
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None

@@ -258,7 +258,7 @@ class Scheduler:
                 return FinishReason.STOP
         # min_tokens holds off EOS and stop token ids (the sampler also bans them until then).
         may_stop = len(request.output_token_ids) >= request.params.min_tokens
-        if may_stop and (token in request.eos_token_ids or token in request.params.stop_token_ids):
+        if may_stop and (token in request.eos_token_ids or token in request.stop_ids):
             return FinishReason.STOP
         if len(request.output_token_ids) >= request.params.max_tokens:
             return FinishReason.LENGTH

@@ -413,6 +413,12 @@ class EngineManager:
     def num_requests_in_flight(self) -> int:
         return len(self._calls)
 
+    @property
+    def num_calls_waiting(self) -> int:
+        """Calls started here that have no token yet (queued or in prefill, on any engine):
+        known at once, where engines' own counters arrive late or, for remote ones, by scrape."""
+        return sum(not call.streamed for call in self._calls.values())
+
     def progressing(self) -> bool:
         """Whether every engine in this process advances its steps (see the watchdog)."""
         return all(handle.progressing() for handle in self.handles.values())

@@ -34,12 +34,13 @@ from typing import Any
 import httpx
 import orjson
 
+from yaied.core.ids import header_safe
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
-from yaied.router.remote_stream import RemoteStreamError, header_value, request_body, sse_events
+from yaied.router.remote_stream import RemoteStreamError, request_body, sse_events
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(10.0)
@@ -199,9 +200,9 @@ class RemoteHandle(EngineHandle):
     ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
-        headers = {"X-Request-Id": header_value(request_id)}
-        if session_id is not None:
-            headers["X-Session-Id"] = header_value(session_id)
+        headers = {"X-Request-Id": header_safe(request_id)}
+        if session_id is not None:  # may be any string (the OpenAI `user`): encoded
+            headers["X-Session-Id"] = header_safe(session_id)
         body = request_body(prompt_ids, params, priority)
         reader = asyncio.get_running_loop().create_task(
             self._read(request_id, len(prompt_ids), body, headers, sink)

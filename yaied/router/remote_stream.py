@@ -8,8 +8,6 @@ RemoteStreamError, which the handle counts against the remote, never leaving the
 
 from __future__ import annotations
 
-import re
-import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,19 +42,6 @@ def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -
     if params.structured is not None:  # the remote daemon compiles it again, in its own cache
         body["structured_outputs"] = request_field(params.structured)
     return body
-
-
-# Printable ASCII without "%": a header value httpx and h11 send as is. Anything else (CR/LF from
-# a `user` field, non-ASCII) is percent-encoded: the same id always gives the same header.
-_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
-_PLAIN_HEADER = re.compile(r"[\x20-\x24\x26-\x7e]*")
-
-
-def header_value(text: str) -> str:
-    """``text`` as a header value that cannot fail to send or inject another header."""
-    if _PLAIN_HEADER.fullmatch(text):
-        return text
-    return urllib.parse.quote(text, safe=_HEADER_SAFE)
 
 
 async def sse_events(

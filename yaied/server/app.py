@@ -8,7 +8,7 @@ Every app-wide object lives in the lifespan state (``request.state.server``).
 from __future__ import annotations
 
 import contextlib
-import hmac
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,12 +19,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from yaied.server import generate, router_routes
+from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError, error_body, from_value_error, json_response
+from yaied.server.guard import GuardMiddleware, is_loopback
+from yaied.server.keys import KeyTable
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
 from yaied.server.state import EngineLoader, ServerState
@@ -33,34 +35,6 @@ from yaied.systemd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-# Paths that need the API key when keys are configured; probes and scrapers stay open.
-_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
-
-
-class AuthMiddleware:
-    """401 unless a configured key is given as ``Authorization: Bearer <key>``."""
-
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.keys = [key.encode() for key in api_keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        token = given[7:] if given[:7].lower() == b"bearer " else b""
-        # compare_digest against every key: the time taken says nothing about which one is close.
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(token, key)
-        if not ok:
-            error = APIError(401, "missing or invalid API key", code="invalid_api_key")
-            response = error.response()
-            response.headers["WWW-Authenticate"] = "Bearer"
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 async def health(request: Request) -> Response:
@@ -113,8 +87,9 @@ async def tokenize(request: Request) -> Response:
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
-    else:
-        tokens = tokenizer.encode(prompts[0], add_special_tokens=True)
+    else:  # a large prompt is tokenized in the CPU thread, as the generation endpoints do
+        encode = functools.partial(tokenizer.encode, add_special_tokens=True)
+        tokens = await server.off_loop(len(prompts[0]), encode, prompts[0])
     max_len = engine.info.max_model_len
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
 
@@ -130,7 +105,8 @@ async def detokenize(request: Request) -> Response:
     vocab = engine.info.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    return json_response({"prompt": engine.tokenizer.decode(tokens)})
+    text = await server.off_loop(len(tokens), engine.tokenizer.decode, tokens)
+    return json_response({"prompt": text})
 
 
 def _with_request_id(request: Request, response: Response) -> Response:
@@ -154,8 +130,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    log.exception("%s %s failed", request.method, request.url.path)
-    return _with_request_id(request, json_response(error_body(500, f"internal error: {exc}"), 500))
+    # The exception's text is ours, not the client's: it goes to the log, under the request id.
+    request_id = getattr(request.state, "request_id", None) or "-"
+    log.exception("%s %s failed (request id %s)", request.method, request.url.path, request_id)
+    message = f"internal error; the server log has it under request id {request_id}"
+    return _with_request_id(request, json_response(error_body(500, message), 500))
 
 
 def build_app(
@@ -194,6 +173,7 @@ def build_app(
             notifier.notify("STOPPING=1")
             watchdog.cancel()
             await server.stop(loading)
+            server.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", generate.completions, methods=["POST"]),
@@ -215,9 +195,17 @@ def build_app(
             Exception: _server_error,
         },
     )
-    app.add_middleware(AuthMiddleware, api_keys=config.api_keys)
+    keys = KeyTable.parse(config.api_keys)
+    app.add_middleware(AuthMiddleware, keys=keys, retry_after_seconds=config.retry_after_seconds)
+    app.add_middleware(
+        GuardMiddleware,
+        loopback_only=is_loopback(config.host),
+        allowed_origins=config.cors_allow_origins,
+        send_timeout=config.send_timeout_seconds,
+    )
     if config.cors_allow_origins:  # off by default: browsers on other sites get no access
-        # Outside auth, so preflights (which carry no key) are answered, and 401s carry CORS.
+        # Outside auth and the guard, so preflights (which carry no key) are answered, and
+        # 401s and 4xx refusals carry CORS.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.cors_allow_origins),

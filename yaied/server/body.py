@@ -1,7 +1,9 @@
-"""Reading a request's JSON body, bounded by server.max_body_bytes (shared by every route)."""
+"""Reading a request's JSON body, bounded by server.max_body_bytes and server.body_timeout_seconds
+(shared by every route)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -20,17 +22,24 @@ async def read_json(request: Request) -> dict[str, Any]:
     if declared is not None and declared.isdecimal() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
+    deadline = server.config.body_timeout_seconds
     try:
-        async for chunk in request.stream():  # also bounds chunked bodies with no length
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        # A deadline for the whole body: a client trickling bytes holds a connection only so long.
+        async with asyncio.timeout(deadline):
+            async for chunk in request.stream():  # also bounds chunked bodies with no length
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
     except ClientDisconnect:  # the client gave up mid-upload: not a server error (499, as nginx)
         raise APIError(499, "the client disconnected while sending the body") from None
+    except TimeoutError:
+        message = f"the request body was not sent within {deadline:g} s"
+        raise APIError(408, message, code="body_timeout") from None
     try:
         body = orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as exc:
+        # orjson's message locates the fault in the client's own bytes; it holds nothing of ours.
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object", code="invalid_json")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from yaied.core.config import load_section, read_toml
+from yaied.server.keys import KeyTable
 from yaied.tools import FORMATS
 
 # The names --tool-call-parser and --reasoning-parser take: the tool-call formats
@@ -26,7 +27,9 @@ class ServerConfig:
     host: str = "127.0.0.1"  # listen address; 0.0.0.0 for every interface
     port: int = 8000  # listen port
     served_model_name: str = ""  # the name in /v1/models and requests; "" = model.model
-    api_keys: tuple[str, ...] = ()  # accepted `Authorization: Bearer` keys; empty = no auth
+    # Accepted `Authorization: Bearer` keys, each "<secret> [name=..] [admin=..]
+    # [may_set_priority=..] [max_in_flight=..]" (README, "API keys"); empty = no auth.
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue_len: int = 1024  # waiting requests beyond this get 429; 0 = unlimited
     sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
@@ -40,6 +43,10 @@ class ServerConfig:
     max_prompt_tokens: int = 0  # longer prompts get 400; 0 = the model's context length
     max_tokens_limit: int = 0  # max_tokens above this get 400 (chat's default is capped); 0 = none
     max_n: int = 128  # choices per prompt (`n`) above this get 400
+    max_jobs_per_request: int = 256  # prompts x n above this get 400 (each is one engine call)
+    body_timeout_seconds: float = 30.0  # a request body not read in full by then gets 408
+    send_timeout_seconds: float = 30.0  # a client taking no bytes this long is disconnected
+    limit_concurrency: int = 1024  # connections + tasks at once; past it, uvicorn answers 503
     cors_allow_origins: tuple[str, ...] = ()  # cross-site origins ("*" = any); empty = no CORS
     # Tool calls: the model family's markup (hermes, llama3_json); "" = from the chat template.
     tool_call_parser: str = ""
@@ -53,9 +60,11 @@ class ServerConfig:
         object.__setattr__(self, "chat_template", read_chat_template(self.chat_template))
         if not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("server.api_keys must be non-empty strings")
+        KeyTable.parse(self.api_keys)  # a bad entry fails at start-up, naming it
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_bytes", "retry_after_seconds", "max_n"):
+        names = ("max_body_bytes", "retry_after_seconds", "max_n", "max_jobs_per_request")
+        for name in (*names, "limit_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_queue_len", "max_prompt_tokens", "max_tokens_limit"):
@@ -73,12 +82,16 @@ class ServerConfig:
             raise ValueError(f"server.reasoning_parser must be one of {known}")
         if not self.stop_timeout_seconds > 0:
             raise ValueError("server.stop_timeout_seconds must be > 0")
+        for name in ("body_timeout_seconds", "send_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
         if not self.sse_ping_seconds > 0:
             raise ValueError(f"server.sse_ping_seconds must be > 0, got {self.sse_ping_seconds}")
 
 
 def read_api_key_file(path: str) -> tuple[str, ...]:
-    """The keys in ``path``, one a line; "" reads nothing. ValueError names an unreadable file."""
+    """The key entries in ``path``, one a line (server/keys.py reads them); "" reads nothing.
+    ValueError names an unreadable file."""
     if not path:
         return ()
     try:

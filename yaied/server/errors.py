@@ -7,6 +7,8 @@ message lets us tell.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 
 import orjson
@@ -15,13 +17,18 @@ from starlette.responses import Response
 from yaied.core import sampling_fields
 from yaied.core.sampling_fields import Endpoint
 
+log = logging.getLogger(__name__)
+
 # Status -> OpenAI's error type string.
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    403: "permission_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -85,3 +92,22 @@ def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> 
     if param is not None and aliases:
         param = aliases.get(param, param)
     return APIError(400, message, param=param)
+
+
+# What an exception's text looks like inside an error message: "KeyError: 'x'", "ConnectError(..)",
+# a traceback's lines. Engine messages meant for clients ("non-finite values", "the engine stopped:
+# a step ran past engine.step_timeout_s") have none of these.
+_EXCEPTION_TEXT = re.compile(
+    r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt|Warning|Failure)\b\s*[:(]"
+    r"|Traceback \(most recent call last\)|File \"[^\"]*\", line \d+"
+)
+
+
+def public_error(what: str, error: str | None, request_id: str) -> str:
+    """The message a client gets for a failed generation: the engine's own words, unless they
+    carry an exception's text, which goes to the log with the request id instead."""
+    error = error or "unknown error"
+    if _EXCEPTION_TEXT.search(error) is None:
+        return f"{what}: {error}"
+    log.error("%s: %s: %s", request_id, what, error)
+    return f"{what}: an internal error; the server log has it under request id {request_id}"

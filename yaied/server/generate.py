@@ -26,14 +26,22 @@ from starlette.types import Receive, Scope, Send
 from yaied.core.request import FinishReason
 from yaied.router.manager import EngineManager
 from yaied.server import responses as R
+from yaied.server.admission import prepare_jobs, request_size
+from yaied.server.auth import api_key_of, may_set_priority
 from yaied.server.body import read_json
-from yaied.server.errors import APIError, error_body, from_value_error, json_response
+from yaied.server.errors import (
+    APIError,
+    error_body,
+    from_value_error,
+    json_response,
+    public_error,
+)
+from yaied.server.keys import scoped_id
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
 from yaied.server.serving import (
     ChoiceState,
     Job,
-    build_jobs,
     new_choices,
     request_key,
     submit_jobs,
@@ -69,13 +77,19 @@ async def _generate(request: Request, kind: str) -> Response:
     limits.check_parsed(parsed, body)
     key = request_key(request_id)
     chat = server.chat_settings(engine)
-    jobs = build_jobs(engine, parsed, key, server.config.chat_template, limits, chat)
+    template = server.config.chat_template
+    jobs = await server.off_loop(
+        request_size(parsed), prepare_jobs, engine, parsed, key, template, limits, chat
+    )
     if not await _compile_grammar(engine, parsed, request):
         log.info("%s: client disconnected while its grammar compiled", request_id)
         return Response(status_code=499)  # nothing was queued
-    server.check_queue(engine)
+    server.check_queue(engine, len(jobs))
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
+    # With API keys, ids live in the caller's key's namespace: no key reaches another's work.
+    api_key = api_key_of(request)
+    session_id = None if session_id is None else scoped_id(api_key, session_id)
     choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer), chat)
     headers = {"X-Request-Id": request_id}
     # The calls start here: from now on, however the response ends, cancel_unfinished runs.
@@ -83,9 +97,9 @@ async def _generate(request: Request, kind: str) -> Response:
         engine,
         jobs,
         server.metrics,
-        client_id=request_id,
+        client_id=scoped_id(api_key, request_id),
         session_id=session_id,
-        priority=parsed.priority,
+        priority=parsed.priority if may_set_priority(request) else 0,
     )
     events = started.events.events()
     if parsed.stream:
@@ -174,7 +188,8 @@ async def _collect(
     async with contextlib.aclosing(events):
         async for job, event in events:
             if event.finish_reason is FinishReason.ERROR:
-                raise APIError(500, f"generation failed: {event.error}", code="engine_error")
+                message = public_error("generation failed", event.error, head.id)
+                raise APIError(500, message, code="engine_error")
             choices[job.index].update(event)
     out = []
     for c in choices:
@@ -222,7 +237,7 @@ async def _sse(
                 yield chunk([R.chat_delta_choice(c.job.index, delta, None, None) for c in choices])
             async for job, event in events:
                 if event.finish_reason is FinishReason.ERROR:
-                    message = f"generation failed: {event.error}"
+                    message = public_error("generation failed", event.error, head.id)
                     yield _data(error_body(500, message, code="engine_error"))
                     break
                 for item in _choice_chunks(parsed, choices[job.index], event):
@@ -232,9 +247,10 @@ async def _sse(
                     yield chunk([], R.usage_body(*total_usage(choices)))
         except APIError as exc:
             yield _data(exc.body())
-        except Exception as exc:
+        except Exception:
             log.exception("%s: stream failed", head.id)
-            yield _data(error_body(500, f"stream failed: {exc}"))
+            message = f"stream failed; the server log has it under request id {head.id}"
+            yield _data(error_body(500, message))
     yield DONE
 
 

@@ -62,6 +62,7 @@ class Job:
     prompt_text: str
     params: SamplingParams
     drop_generated: bool = False  # max_tokens 0: run one token, report none (echo scoring)
+    prompt_offsets: list[int] | None = None  # echo's text offsets, found off the loop if large
 
 
 @dataclass(slots=True)
@@ -90,7 +91,9 @@ class ChoiceState:
             if self.echo:
                 prefix = self.job.prompt_text
                 if self.completion_logprobs is not None:
-                    offsets = self.names.prompt_offsets(self.job.prompt_ids, prefix)
+                    offsets = self.job.prompt_offsets
+                    if offsets is None:
+                        offsets = self.names.prompt_offsets(self.job.prompt_ids, prefix)
                     self.completion_logprobs.add_prompt(
                         self.job.prompt_ids, event.prompt_logprobs or [], offsets
                     )

@@ -7,8 +7,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from yaied.router.manager import EngineManager
 from yaied.server.chat_output import ChatSettings
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 # Blocking: run in a thread while the server listens. An engine is served alone (engine id "0");
 # a manager is started on the event loop, then routes across its engines.
 EngineLoader = Callable[[], Any]  # an EngineManager, or one AsyncEngine to serve alone
+T = TypeVar("T")
+# A request with more prompt characters or token ids than this is tokenized in a thread (about
+# 5 ms of tokenizing: below it, the hop costs more than it saves).
+OFF_LOOP_SIZE = 16_384
 
 
 @dataclass(slots=True)
@@ -36,6 +41,10 @@ class ServerState:
     starting: EngineManager | None = None  # the manager while its engines start
     metrics: ServerMetrics = field(init=False)
     _chat: ChatSettings | None = None
+    # Tokenizing and echo offsets of large requests (off_loop); shut down with the app.
+    cpu_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="yaied-tokenize")
+    )
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
@@ -153,15 +162,28 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_queue(self, engine: EngineManager) -> None:
+    def check_queue(self, engine: EngineManager, num_jobs: int = 1) -> None:
+        """429 unless ``num_jobs`` more calls fit under server.max_queue_len waiting calls.
+        Counted from the router's own calls, updated as each starts: called with no await
+        between it and the submission, a burst cannot pass the check together. An empty queue
+        takes any request (its size is bounded by max_jobs_per_request), so none waits forever."""
         limit = self.config.max_queue_len
-        if limit and engine.stats()["num_requests_waiting"] >= limit:
+        waiting = engine.num_calls_waiting
+        if limit and waiting and waiting + num_jobs > limit:
             raise APIError(
                 429,
-                f"too many requests waiting ({limit}); retry later",
+                f"too many requests waiting ({limit} calls); retry later",
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
+
+    async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the CPU thread when ``size`` (characters or token ids) is past
+        OFF_LOOP_SIZE, else here: tokenizing a large request must not stall every stream. One
+        thread, so tokenizer calls never run concurrently with each other."""
+        if size < OFF_LOOP_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
 
 
 async def _in_daemon_thread(function: Callable[[], Any]) -> Any:

@@ -215,7 +215,11 @@ def build_transformers_model(
         )
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=trust_remote_code, local_files_only=True, **common
+            folder,
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+            use_safetensors=True,  # never unpickle a checkpoint: a .bin can run code on load
+            **common,
         )
     hf_model = hf_model.to(device).eval()
     if not getattr(type(hf_model), "_supports_attention_backend", False):  # remote code's class
