@@ -30,16 +30,15 @@ from yaied.router.front import front_inputs
 from yaied.router.handle import (
     CallSink,
     EngineHandle,
-    EngineStatus,
     EngineUnavailable,
     Health,
     InProcessHandle,
-    Stats,
     StepObserver,
 )
 from yaied.router.kv_coordinator import KVCoordinator
 from yaied.router.lifecycle import CallState, LifecycleTracker
 from yaied.router.policy import EngineLoad, route
+from yaied.router.status import ManagerStatus
 
 if TYPE_CHECKING:
     from yaied.core.config import EngineConfig
@@ -60,7 +59,7 @@ class NoEngineAvailable(RuntimeError):
     """No healthy engine can take the call (all are down, restarting or unsuited)."""
 
 
-class EngineManager:
+class EngineManager(ManagerStatus):
     def __init__(
         self, config: RouterConfig | None = None, *, engine_config: EngineConfig | None = None
     ) -> None:
@@ -362,52 +361,6 @@ class EngineManager:
     def abort_all(self) -> None:
         for request_id in list(self._calls):
             self.cancel_nowait(request_id)
-
-    # -- status -----------------------------------------------------------------------------
-
-    def get_engine_status(self, engine_id: str) -> EngineStatus:
-        handle = self.handles.get(engine_id)
-        if handle is None:
-            raise ValueError(f"no engine {engine_id!r}; engines: {', '.join(self.handles)}")
-        outstanding = self._outstanding[engine_id]
-        return EngineStatus(
-            engine_id,
-            handle.kind,
-            handle.health.value,
-            len(outstanding),
-            sum(outstanding.values()),
-            self.kv.engine_hit_rate(engine_id),
-            handle.stats(),
-            handle.describe(),
-        )
-
-    def get_stats(self) -> dict[str, Any]:
-        live = self.lifecycle.live()
-        totals = self.kv.totals()
-        return {
-            "policy": self.config.policy,
-            "engines": [self.get_engine_status(i).as_json() for i in self.handles],
-            "num_requests_pending": sum(r.state is CallState.PENDING for r in live),
-            "num_requests_running": sum(r.state is CallState.RUNNING for r in live),
-            "num_sessions": self.kv.num_sessions,
-            "prompt_tokens": totals.num_prompt_tokens,
-            "cached_tokens": totals.num_cached_tokens,
-            "hit_rate": totals.hit_rate,
-        }
-
-    def engine_stats(self) -> dict[str, Stats]:
-        """Engine id -> its counters, for the engines that report them (the /metrics gauges)."""
-        stats = {engine_id: handle.stats() for engine_id, handle in self.handles.items()}
-        return {engine_id: s for engine_id, s in stats.items() if s is not None}
-
-    def stats(self) -> Stats:
-        """Every engine's counters summed (what a single engine's stats() said)."""
-        total: Stats = {}
-        for stats in self.engine_stats().values():
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-        total.setdefault("num_requests_waiting", 0)
-        return total
 
     @property
     def num_requests_in_flight(self) -> int:

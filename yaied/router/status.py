@@ -1,0 +1,70 @@
+"""The router's status reports: per engine (``GET /v1/engines``), in all (``GET /v1/router``),
+and the engines' counters summed (what /metrics and the queue check read).
+
+A mixin of `EngineManager`, kept apart so that the manager's file is about calls; it reads only
+the manager's tables, never changes them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from yaied.router.handle import EngineHandle, EngineStatus, Stats
+from yaied.router.lifecycle import CallState
+
+if TYPE_CHECKING:
+    from yaied.router.config import RouterConfig
+    from yaied.router.kv_coordinator import KVCoordinator
+    from yaied.router.lifecycle import LifecycleTracker
+
+
+class ManagerStatus:
+    handles: dict[str, EngineHandle]
+    _outstanding: dict[str, dict[str, int]]
+    kv: KVCoordinator
+    lifecycle: LifecycleTracker
+    config: RouterConfig
+
+    def get_engine_status(self, engine_id: str) -> EngineStatus:
+        handle = self.handles.get(engine_id)
+        if handle is None:
+            raise ValueError(f"no engine {engine_id!r}; engines: {', '.join(self.handles)}")
+        outstanding = self._outstanding[engine_id]
+        return EngineStatus(
+            engine_id,
+            handle.kind,
+            handle.health.value,
+            len(outstanding),
+            sum(outstanding.values()),
+            self.kv.engine_hit_rate(engine_id),
+            handle.stats(),
+            handle.describe(),
+        )
+
+    def get_stats(self) -> dict[str, Any]:
+        live = self.lifecycle.live()
+        totals = self.kv.totals()
+        return {
+            "policy": self.config.policy,
+            "engines": [self.get_engine_status(i).as_json() for i in self.handles],
+            "num_requests_pending": sum(r.state is CallState.PENDING for r in live),
+            "num_requests_running": sum(r.state is CallState.RUNNING for r in live),
+            "num_sessions": self.kv.num_sessions,
+            "prompt_tokens": totals.num_prompt_tokens,
+            "cached_tokens": totals.num_cached_tokens,
+            "hit_rate": totals.hit_rate,
+        }
+
+    def engine_stats(self) -> dict[str, Stats]:
+        """Engine id -> its counters, for the engines that report them (the /metrics gauges)."""
+        stats = {engine_id: handle.stats() for engine_id, handle in self.handles.items()}
+        return {engine_id: s for engine_id, s in stats.items() if s is not None}
+
+    def stats(self) -> Stats:
+        """Every engine's counters summed (what a single engine's stats() said)."""
+        total: Stats = {}
+        for stats in self.engine_stats().values():
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        total.setdefault("num_requests_waiting", 0)
+        return total
