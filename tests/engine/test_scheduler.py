@@ -158,6 +158,27 @@ def test_chunks_of_a_running_prefill_are_shared_at_once():
     assert twin.num_cached_tokens == 8
 
 
+def test_a_prefix_being_prefilled_is_waited_for_not_computed_twice():
+    scheduler, _ = make(page_size=4, budget=12, caching=True)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prefix = list(range(1, 17))  # four full pages
+    first = Request("first", prefix + [50], params)
+    scheduler.add(first)
+    step(scheduler)  # its first chunk: 12 tokens, three pages cached
+    second = Request("second", prefix + [60], params)
+    stranger = Request("stranger", [90, 91, 92], params)
+    scheduler.add(second)
+    scheduler.add(stranger)
+    batch, _ = step(scheduler)  # first computes its fourth page; second would compute it too
+    assert second.status is RequestStatus.WAITING and not second.page_ids
+    assert stranger.status is RequestStatus.RUNNING  # sharing nothing, it does not wait
+    assert {s.request_id for s in batch.seqs} == {"first", "stranger"}
+    step(scheduler)
+    assert second.status is RequestStatus.RUNNING and second.num_cached_tokens == 16
+    run_to_end(scheduler)
+    assert scheduler.kv.num_hit_tokens == 16
+
+
 def test_disabled_cache_never_hits():
     scheduler, _ = make(page_size=4, budget=64, caching=False)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -11,9 +11,12 @@ requests in arrival order) while the token budget, the running-request limit and
 (cached pages nobody uses count as free; they are evicted on demand). A waiting request first takes
 the longest cached prefix of its tokens and prefills only the rest; one that cannot get its pages
 stops admission (no overtaking), unless the policy lets it preempt running requests of a worse
-rank. A running request that cannot get a page preempts the worst-ranked (then smallest, then
-newest) running request not yet in the step (recompute: its pages go to the prefix cache, and it
-re-queues at the front with its output kept).
+rank. One exception: a waiting request whose prompt shares more full pages with a running request
+that is still prefilling them than the cache holds yet waits for that prefill instead of computing
+the same pages again (as SGLang does for prefixes shared within a batch); requests behind it that
+share nothing are admitted meanwhile. A running request that cannot get a page preempts the
+worst-ranked (then smallest, then newest) running request not yet in the step (recompute: its
+pages go to the prefix cache, and it re-queues at the front with its output kept).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from yaied.core.config import SchedulerConfig
 from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
+
+# `_admit`'s answer for a request that waits for a prefix another request is prefilling: unlike
+# 0 (no seat, no pages) it does not stop admission of the requests behind it.
+_DEFERRED = -1
 
 
 class Scheduler:
@@ -78,6 +85,8 @@ class Scheduler:
                     continue  # the request preempted itself
             else:
                 n = self._admit(request, budget, scheduled, ranks) if admitting else 0
+                if n == _DEFERRED:
+                    continue
                 if n == 0:
                     admitting = False  # no overtaking in rank order when seats or pages are short
                     continue
@@ -110,7 +119,8 @@ class Scheduler:
         self, request: Request, budget: int, scheduled: set[str], ranks: dict[str, Rank]
     ) -> int:
         """Move a waiting request to running with pages for its first chunk; returns the chunk's
-        size, 0 when there is no seat or no pages for it."""
+        size, 0 when there is no seat or no pages for it, _DEFERRED when it waits for a running
+        request's prefill of their shared prefix."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
         # Prefill only what the prefix cache lacks. Prompt logprobs need every prompt position
@@ -118,6 +128,9 @@ class Scheduler:
         # preempted one that already has output resumes from the cache like any other).
         scores_prompt = request.params.prompt_logprobs is not None and not request.output_token_ids
         self.kv.match_prefix(request, lookup=not scores_prompt)
+        if not scores_prompt and self._prefix_being_prefilled(request):
+            self._unmatch(request)
+            return _DEFERRED
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self._reserve_pages(request, n, scheduled, ranks):
             self._unmatch(request)
@@ -131,6 +144,34 @@ class Scheduler:
         self.running.append(request)
         self.policy.on_admit(request, now)
         return n
+
+    def _prefix_being_prefilled(self, request: Request) -> bool:
+        """Whether a running request is still prefilling full pages of `request`'s prompt that
+        the cache does not hold yet: then waiting a few steps gets them from the cache instead of
+        computing them twice. Running requests always advance, so the wait ends."""
+        if not self.kv.enabled:
+            return False
+        size = self.pool.page_size
+        tokens = request.all_token_ids
+        cached = request.num_computed_tokens
+        for other in self.running:
+            done = other.num_computed_tokens
+            if done >= other.num_prompt_tokens:
+                continue  # prefilled: whatever it shares is cached (or was evicted) already
+            theirs = other.all_token_ids
+            if tokens[:size] != theirs[:size]:
+                continue  # the common case: not even the first page in common
+            limit = min(len(tokens) - 1, other.num_prompt_tokens) // size
+            shared = 1
+            while shared < limit and (
+                tokens[shared * size : (shared + 1) * size]
+                == theirs[shared * size : (shared + 1) * size]
+            ):
+                shared += 1
+            shared_tokens = min(shared, limit) * size
+            if shared_tokens > cached and done < shared_tokens:
+                return True
+        return False
 
     def _slice(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
