@@ -45,7 +45,8 @@ def test_chat_with_a_running_daemon(tmp_path, capsys, monkeypatch):
             assert len(replies) >= 2, out
             # Two chat requests; the second carried the first turn too, so its prompt is longer.
             prompts = re.findall(
-                r"request (?:[^ :]+:)?chatcmpl-\w+ \([^)]*\): .*?prompt (\d+) tokens", log_path.read_text()
+                r"request (?:[^ :]+:)?chatcmpl-\w+ \([^)]*\): .*?prompt (\d+) tokens",
+                log_path.read_text(),
             )
             assert len(prompts) == 2 and int(prompts[1]) > int(prompts[0]) + 8
 
