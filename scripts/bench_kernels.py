@@ -1,5 +1,8 @@
 """Micro-benchmarks of the CPU kernels against the torch code they replace, in one process.
 
+The x.clone() of the norm cases is timed on both sides (the kernel adds into the residual in
+place).
+
 Each case times the kernel and its torch reference alternately (paired, interleaved), several
 rounds, and keeps the best round of each: on a shared 2-core machine the best round is the
 least disturbed one. One JSON line per case on stdout.
@@ -16,6 +19,12 @@ from collections.abc import Callable
 
 import torch
 
+from yaied.kernels.cpu_fused import (
+    CpuFusedOps,
+    rms_norm_reference,
+    rotary_reference,
+    silu_mul_reference,
+)
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.worker.attention import PrefillChunk, _prefill_attention
 
@@ -80,6 +89,46 @@ def prefill_case(kernel, dtype, n, start_pos, kv_heads, group, head_dim, rounds)
     }
 
 
+def fused_cases(ops: CpuFusedOps, dtype: torch.dtype, rows: int, rounds: int) -> list[dict]:
+    """The default model's elementwise work per layer: hidden 576, 9 + 3 heads of 64, MLP 1536."""
+    hidden, heads, kv_heads, head_dim, inter = 576, 9, 3, 64, 1536
+    x, delta = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+    weight = torch.rand(hidden).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    freqs = torch.rand(rows, head_dim // 2) * 100
+    cos, sin = freqs.cos(), freqs.sin()
+    cos2, sin2 = (torch.cat((t, t), -1)[:, None].to(dtype) for t in (cos, sin))
+    gate_up = torch.randn(rows, 2 * inter).to(dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+
+    def torch_rotary():
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        rotary_reference(q.view(rows, heads, -1), cos2, sin2)
+        rotary_reference(k.view(rows, kv_heads, -1), cos2, sin2)
+
+    cases = {
+        "residual add + rms_norm": (
+            lambda: ops.add_rms_norm(delta, x.clone(), weight, 1e-5),
+            lambda: rms_norm_reference(x.clone() + delta, weight, 1e-5),
+        ),
+        "rotary q and k": (lambda: ops.rotary(qkv, heads + kv_heads, cos, sin), torch_rotary),
+        "silu_mul": (lambda: ops.silu_mul(gate_up), lambda: silu_mul_reference(gate_up)),
+    }
+    results = []
+    for name, (ours, theirs) in cases.items():
+        kernel_s, torch_s = best_pair(ours, theirs, rounds, 20)
+        results.append(
+            {
+                "case": f"{name} rows={rows}",
+                "dtype": str(dtype).removeprefix("torch."),
+                "kernel_us": round(kernel_s * 1e6, 1),
+                "torch_us": round(torch_s * 1e6, 1),
+                "speedup": round(torch_s / kernel_s, 2),
+            }
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -91,9 +140,9 @@ def main() -> None:
     dtypes = (
         [torch.bfloat16, torch.float32] if args.dtype == "both" else [getattr(torch, args.dtype)]
     )
-    kernel = CpuPrefillKernel.load()
-    if kernel is None:
-        raise SystemExit("the prefill kernel could not be built (no C compiler?)")
+    kernel, ops = CpuPrefillKernel.load(), CpuFusedOps.load()
+    if kernel is None or ops is None:
+        raise SystemExit("the CPU kernels could not be built (no C compiler?)")
     torch.manual_seed(0)
     for dtype in dtypes:
         peak = matmul_gflops(dtype, args.rounds)
@@ -102,6 +151,9 @@ def main() -> None:
         for n, start in [(512, 0), (511, 0), (128, 0), (512, 1024), (64, 2000)]:
             print(json.dumps(prefill_case(kernel, dtype, n, start, 3, 3, 64, args.rounds)))
         print(json.dumps(prefill_case(kernel, dtype, 512, 0, 8, 4, 128, args.rounds)))
+        for rows in (512, 32, 1):
+            for result in fused_cases(ops, dtype, rows, args.rounds):
+                print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -85,5 +85,6 @@ def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
             runner = llm.engine.worker.runner
             assert (runner.decode_kernel is None) == bool(disabled)
             assert (runner.prefill_kernel is None) == bool(disabled)
+            assert (runner.model.fused_ops is None) == bool(disabled)
             outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
