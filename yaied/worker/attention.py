@@ -133,7 +133,8 @@ def paged_attention(
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     if meta.backend is not None:
         return meta.backend.attend(q, k_cache, v_cache, scale)
-    out = torch.empty_like(q)
+    # Contiguous whatever q's strides (the prefill kernel writes its rows of out in place).
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     fused = meta.kernel_decodes
     if fused is not None:
         rows = slice(0, fused.count)
