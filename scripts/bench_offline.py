@@ -18,6 +18,8 @@ hits the prefix cache filled by an earlier one):
 - W-decode: 16 prompts of 32..128 tokens, 256 output tokens each.
 - W-prefix: 8 groups x 4 prompts: a shared 1024-token prefix plus 32 own tokens; 32 outputs.
 - W-nano:   256 prompts, input and output lengths each uniform in 100..1024.
+- W-single: one 512-token prompt, 256 output tokens, alone: TTFT, decode tok/s and the memory
+  floor (scripts/single_stream.py); ``--compare-hf`` times transformers' batch-1 ``generate``.
 
 ``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
 batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
@@ -41,8 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hf_reference import hf_generate, load_hf_model
 
-WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano")
+WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-single")
 HF_NANO_BATCH = 64
 
 
@@ -80,6 +83,8 @@ def build_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
             prefix = _random_ids(rng, 1024, vocab_size)
             prompts += [prefix + _random_ids(rng, 32, vocab_size) for _ in range(4)]
         return Workload(name, prompts, [32] * len(prompts))
+    if name == "W-single":  # timed by scripts/single_stream.py
+        return Workload(name, [_random_ids(rng, 512, vocab_size)], [256])
     if name == "W-nano":
         input_lens = [rng.randint(100, 1024) for _ in range(256)]
         output_lens = [rng.randint(100, 1024) for _ in range(256)]
@@ -182,65 +187,6 @@ def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str,
 
 
 # -- transformers ----------------------------------------------------------------------------
-
-
-def load_hf_model(
-    args: argparse.Namespace, llm: Any, dtype: torch.dtype, device: torch.device
-) -> Any:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    # transformers renamed torch_dtype to dtype in 4.56.
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    if args.load_format == "dummy":  # random weights, as the engine's: fine for throughput
-        model = AutoModelForCausalLM.from_config(llm.hf_config, **{dtype_kw: dtype})
-    else:
-        from yaied.worker.model_files import resolve_model_folder
-
-        folder = resolve_model_folder(args.model)
-        model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_kw: dtype})
-    return model.to(device).eval()
-
-
-def _eos_id(hf_config: Any) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list | tuple):
-        eos = eos[0] if eos else None
-    return eos
-
-
-def hf_generate(model: Any, prompts: list[list[int]], num_new: int, device: torch.device) -> float:
-    """One left-padded greedy `generate` of exactly `num_new` tokens per prompt; its seconds."""
-    from transformers import GenerationConfig
-
-    eos = _eos_id(model.config)
-    pad = eos if eos is not None else 0
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=num_new,
-        min_new_tokens=num_new,
-        do_sample=False,
-        pad_token_id=pad,
-        eos_token_id=eos,
-    )
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    _sync(device)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
-        )
-    _sync(device)
-    elapsed = time.perf_counter() - started
-    if out.shape[1] != width + num_new:
-        raise RuntimeError(f"transformers generated {out.shape[1] - width} of {num_new} tokens")
-    return elapsed
 
 
 def run_hf(model: Any, workload: Workload, device: torch.device) -> float:
@@ -347,7 +293,15 @@ def main(argv: list[str] | None = None) -> None:
             workload = build_workload(args.workload, llm.vocab_size, seed=run)
             workload = trim_workload(workload, args.num_prompts, args.max_output_len)
             _log(f"run {run}: {args.workload}, {len(workload.prompts)} requests")
-            record = _run_once(args, llm, hf_model, workload, run, peak, params, device)
+            if args.workload == "W-single":
+                from single_stream import single_stream_record
+
+                record = {"workload": args.workload, "model": args.model, "dtype": args.dtype}
+                record |= {"device": str(device), "threads": threads, "seed": run}
+                prompt = workload.prompts[0]
+                record |= single_stream_record(llm, hf_model, prompt, run, params, dtype, device)
+            else:
+                record = _run_once(args, llm, hf_model, workload, run, peak, params, device)
             print(json.dumps(record), flush=True)
     finally:
         llm.close()

@@ -68,3 +68,12 @@ def test_spec_bandwidth_by_device_name():
     assert module.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert module.spec_bandwidth("NVIDIA H200") == 4.8e12
     assert module.spec_bandwidth("NVIDIA A100-SXM4-80GB") is None
+
+
+@pytest.mark.timeout(180)
+def test_w_single_with_compare_hf(tmp_path):
+    (record,) = run_bench(tmp_path, "--workload", "W-single", "--compare-hf", "--no-peak")
+    assert record["workload"] == "W-single" and record["output_tokens"] == 256
+    assert record["ttft_ms"] > 0 and record["decode_tok_s"] > 0 and record["hf_decode_tok_s"] > 0
+    assert record["copy_bandwidth_gb_s"] > 0 and record["memory_floor_tok_s"] > 0
+    assert record["weight_bytes"] > 0 and record["kv_bytes_per_token"] > 0

@@ -23,11 +23,12 @@ from yaied import LLM, AsyncEngine, SamplingParams
 from yaied.engine.async_engine import AsyncEngine as Engine
 from yaied.worker.worker import Worker
 import yaied.llm, yaied.engine, yaied.kernels, yaied.kernels.cpu_decode
+import yaied.kernels.cpu_prefill, yaied.kernels.cpu_fused
 if importlib.util.find_spec("triton") is not None:
     import yaied.kernels.triton_decode, yaied.kernels.triton_extend, yaied.kernels.triton_store_kv
     import yaied.worker.gpu_inputs, yaied.worker.cuda_graphs
 sys.path.insert(0, {scripts!r})
-import bench_offline, decode_step
+import bench_offline, decode_step, single_stream, hf_reference
 print("ok")
 """
 

@@ -74,7 +74,7 @@ def test_logits_match_transformers(pair):
 
 
 def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
-    """Where the CPU decode kernel cannot be built, the torch path serves the same tokens."""
+    """Where the CPU kernels cannot be built, the torch path serves the same tokens."""
     folder = str(tiny_model_dirs["qwen3"])
     prompts = random_prompts(12, 3, 80, 256, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -82,6 +82,9 @@ def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
     for disabled in ("", "1"):
         monkeypatch.setenv("YAIED_DISABLE_CPU_KERNELS", disabled)
         with LLM(folder, dtype="float32", kv_cache_gib=0.01, show_progress=False) as llm:
-            assert (llm.engine.worker.runner.decode_kernel is None) == bool(disabled)
+            runner = llm.engine.worker.runner
+            assert (runner.decode_kernel is None) == bool(disabled)
+            assert (runner.prefill_kernel is None) == bool(disabled)
+            assert (runner.model.fused_ops is None) == bool(disabled)
             outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]

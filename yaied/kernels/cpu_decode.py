@@ -4,39 +4,20 @@ The torch path (yaied.worker.attention._decode_attention) gathers every sequence
 padded copy and reads it again in two batched matmuls; on a CPU that is memory-bound work done
 three times. The C kernel reads K/V once, straight from the pages. It is compiled on first use with
 the system C compiler into the yaied cache folder and loaded with ctypes (no torch headers, so it
-builds in about a second); where no compiler is found the engine keeps the torch path.
+builds in about a second; yaied.kernels.cpu_build); where no compiler is found the engine keeps
+the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from yaied.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-# -fassociative-math lets the compiler vectorise the dot-product reductions; infinities stay
-# legal (the online softmax starts from -inf), so no -ffast-math.
-CFLAGS = [
-    "-O3",
-    "-march=native",
-    "-shared",
-    "-fPIC",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-signed-zeros",
-    "-fassociative-math",
-    "-fopenmp",
-]
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
 
@@ -54,17 +35,8 @@ class CpuDecodeKernel:
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> CpuDecodeKernel | None:
-        if os.environ.get("YAIED_DISABLE_CPU_KERNELS"):
-            return None
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            log.info("no C compiler found: CPU decode attention uses the torch path")
-            return None
-        try:
-            return cls(ctypes.CDLL(str(_build(compiler, cache_dir))))
-        except (OSError, subprocess.CalledProcessError) as exc:
-            log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
-            return None
+        library = load_library(SOURCE, cache_dir)
+        return None if library is None else cls(library)
 
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return dtype in self._functions and group <= 16 and head_dim <= 256
@@ -115,37 +87,3 @@ class CpuDecodeKernel:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _build(compiler: str, cache_dir: Path | None) -> Path:
-    """Compile once per source, flags and machine; later loads reuse the shared object."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + " ".join(CFLAGS).encode() + platform.machine().encode() + _cpu_flags()
-    ).hexdigest()[:16]
-    root = cache_dir or Path(os.environ.get("YAIED_CACHE_DIR", Path.home() / ".cache" / "yaied"))
-    target = root / "kernels" / f"cpu_paged_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(built, target)  # atomic: a concurrent build never leaves half a file
-    return target
-
-
-def _cpu_flags() -> bytes:
-    # -march=native code must not be reused on a different CPU sharing the cache folder.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode()

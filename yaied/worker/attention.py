@@ -13,7 +13,8 @@ pages into one padded block and runs two batched matmuls over (kv head, sequence
 grouped query heads of a kv head being the rows of its query matrix. (The CPU SDPA kernels are
 tuned for long queries and run this shape an order of magnitude slower.) A prefill chunk with no
 earlier context attends to its own fresh K/V (causal SDPA); a chunk over cached context gathers
-that context and masks causally with the chunk at its end.
+that context and masks causally with the chunk at its end. On CPU, C kernels replace both where
+they build (``KernelDecodes``, ``AttentionMetadata.prefill_kernel``): they read the pages in place.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ class PrefillChunk:
     num_tokens: int  # query length
     # [num_pages] pages of the whole context, and the causal mask [num_tokens, context_len];
     # both None when the chunk is its whole context (it then attends to its own fresh K/V).
+    # With a prefill kernel, pages are always set and the mask never: the kernel reads every
+    # position from the pages and masks by position.
     pages: torch.Tensor | None
     mask: torch.Tensor | None
+    start_pos: int = 0  # position of the chunk's first token; the context is [0, start_pos + n)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,9 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket]  # the torch path's decodes
     prefills: list[PrefillChunk]
     kernel_decodes: KernelDecodes | None = None  # set instead of buckets where a kernel runs
+    # (q, k_cache, v_cache, pages, start_pos, scale, out=) -> out: runs every prefill chunk
+    # where set (yaied.kernels.cpu_prefill)
+    prefill_kernel: Callable[..., torch.Tensor] | None = None
     backend: AttentionBackend | None = None  # set instead of everything above on the GPU path
 
 
@@ -126,7 +133,8 @@ def paged_attention(
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     if meta.backend is not None:
         return meta.backend.attend(q, k_cache, v_cache, scale)
-    out = torch.empty_like(q)
+    # Contiguous whatever q's strides (the prefill kernel writes its rows of out in place).
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     fused = meta.kernel_decodes
     if fused is not None:
         rows = slice(0, fused.count)
@@ -138,7 +146,14 @@ def paged_attention(
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        if meta.prefill_kernel is not None:
+            meta.prefill_kernel(
+                q[rows], k_cache, v_cache, chunk.pages, chunk.start_pos, scale, out=out[rows]
+            )
+        else:
+            out[rows] = _prefill_attention(
+                q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale
+            )
     return out
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
+from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
@@ -56,6 +57,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the worker once captured
         cpu_kernel = device.type == "cpu" and triton is None
         self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
+        self.prefill_kernel = self._load_prefill_kernel(model) if cpu_kernel else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -66,6 +68,13 @@ class ModelRunner:
         if kernel is None or not kernel.supports(self.dtype, group, shape.head_dim):
             return None
         return kernel
+
+    def _load_prefill_kernel(self, model: nn.Module) -> CpuPrefillKernel | None:
+        shape = model.shape
+        group = shape.num_heads // shape.num_kv_heads
+        if not CpuPrefillKernel.supports(self.dtype, group, shape.head_dim):
+            return None
+        return CpuPrefillKernel.load()
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -209,6 +218,7 @@ class ModelRunner:
             decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
             prefills=prefill_chunks,
             kernel_decodes=self._kernel_decodes(decodes) if self.decode_kernel else None,
+            prefill_kernel=self.prefill_kernel,
         )
         return PreparedInputs(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -220,14 +230,17 @@ class ModelRunner:
 
     def _prefill_chunk(self, seq: ScheduledSeq, row: int) -> PrefillChunk:
         n, context_len = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
+        num_pages = -(-context_len // self.page_size)
+        if self.prefill_kernel is not None:  # it reads the whole context from the pages
+            pages = torch.tensor(seq.page_ids[:num_pages], dtype=torch.int64)
+            return PrefillChunk(row, n, pages, None, seq.start_pos)
         if seq.start_pos == 0:
             return PrefillChunk(row, n, None, None)
-        num_pages = -(-context_len // self.page_size)
         pages = torch.tensor(seq.page_ids[:num_pages], dtype=torch.int64, device=self.device)
         query_pos = torch.arange(seq.start_pos, context_len, device=self.device)
         key_pos = torch.arange(context_len, device=self.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, context_len] causal, chunk at the end
-        return PrefillChunk(row, n, pages, mask)
+        return PrefillChunk(row, n, pages, mask, seq.start_pos)
 
     def _kernel_decodes(self, decodes: list[ScheduledSeq]) -> KernelDecodes | None:
         if not decodes:

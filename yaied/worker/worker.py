@@ -18,6 +18,7 @@ from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
+from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.worker.cpu_linear import can_pack, pack_linears
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -27,6 +28,7 @@ from yaied.worker.gpu_setup import (
 )
 from yaied.worker.loader import LoadedModel, load_model
 from yaied.worker.model_runner import ModelRunner
+from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class Worker:
         )
         if can_pack(self.loaded.dtype, self.device):
             pack_linears(self.loaded.model, config.scheduler.max_num_batched_tokens)
+        if self.device.type == "cpu" and isinstance(self.loaded.model, LlamaForCausalLM):
+            self.loaded.model.use_fused_ops(CpuFusedOps.load())
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
         num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)

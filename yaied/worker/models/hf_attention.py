@@ -166,7 +166,7 @@ def masked_paged_attention(
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv, n, d]
             key_pos = positions[rows]
         else:
-            context_len = chunk.mask.shape[1]
+            context_len = chunk.start_pos + n
             keys = gather_pages(k_cache, chunk.pages)[:, :context_len]
             values = gather_pages(v_cache, chunk.pages)[:, :context_len]
             key_pos = torch.arange(context_len, device=q.device)

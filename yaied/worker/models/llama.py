@@ -4,6 +4,8 @@ without sliding window, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 Tokens of all sequences in a step are packed into one row dimension, so every linear layer runs once
 per step over the whole batch; only attention looks at sequence boundaries (see attention.py).
 q/k/v and gate/up projections are fused into one matmul each when loading Hugging Face weights.
+On CPU the elementwise work runs in fused C kernels where they build (``use_fused_ops``): the
+residual add with the next RMSNorm, rotary in place on the qkv output, SiLU-and-multiply.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.worker.attention import AttentionMetadata, paged_attention, store_kv
 
 
@@ -96,17 +99,26 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        ops: CpuFusedOps | None = None,
     ) -> torch.Tensor:
-        # x: [num_tokens, hidden]; cos, sin: [num_tokens, 1, head_dim]
+        # x: [num_tokens, hidden]; cos, sin: [num_tokens, 1, head_dim], or with ops
+        # [num_tokens, head_dim / 2] fp32
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if ops is not None and self.q_norm is None:
+            ops.rotary(qkv, self.num_heads + self.num_kv_heads, cos, sin)  # q and k, in place
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            if ops is not None:
+                ops.rotary(q.view(n, -1), self.num_heads, cos, sin)
+                ops.rotary(k.view(n, -1), self.num_kv_heads, cos, sin)
+        if ops is None:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache
         store_kv(k_cache, v_cache, k, v, meta)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -120,7 +132,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * self.intermediate, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: CpuFusedOps | None = None) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -136,6 +150,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, delta, cos, sin, kv_cache, meta, ops: CpuFusedOps):
+        """The same layer with the residual adds folded into the norms: x is the residual
+        stream without the previous layer's output ``delta`` (None for the first layer); x is
+        updated in place. Returns (x, this layer's output, not yet added)."""
+        norm = self.input_layernorm
+        h = ops.add_rms_norm(delta, x, norm.weight, norm.eps)
+        attn = self.self_attn(h, cos, sin, kv_cache, meta, ops)
+        norm = self.post_attention_layernorm
+        h = ops.add_rms_norm(attn, x, norm.weight, norm.eps)
+        return x, self.mlp(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -159,6 +184,15 @@ class LlamaForCausalLM(nn.Module):
         # fp32 rotary frequencies; cos/sin are built per step for the positions in it.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
+        self.fused_ops: CpuFusedOps | None = None
+
+    def use_fused_ops(self, ops: CpuFusedOps | None) -> bool:
+        """Run the elementwise work through ops from now on (CPU tensors of a dtype they
+        support); returns whether they are used."""
+        weight = self.embed_tokens.weight
+        usable = ops is not None and weight.device.type == "cpu" and ops.supports(weight.dtype)
+        self.fused_ops = ops if usable else None
+        return usable
 
     def tie_weights(self) -> None:
         if self.shape.tie_word_embeddings:
@@ -180,6 +214,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
+        ops = self.fused_ops
+        if ops is not None:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, dim / 2]
+            cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
+            delta = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, delta = layer.forward_fused(x, delta, cos, sin, kv_cache, meta, ops)
+            return ops.add_rms_norm(delta, x, self.norm.weight, self.norm.eps)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)

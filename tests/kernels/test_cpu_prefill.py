@@ -1,0 +1,124 @@
+"""The CPU paged prefill kernel against the torch reference path: odd lengths, page boundaries,
+GQA, extend chunks over cached context, fp32 and bf16 (with and without AVX512-BF16 dots)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yaied.kernels.cpu_prefill import CpuPrefillKernel
+from yaied.worker.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    _prefill_attention,
+    paged_attention,
+    write_kv,
+)
+
+kernel = CpuPrefillKernel.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler for the CPU kernel")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_case(dtype, kv_heads, group, head_dim, page_size, n, start_pos, seed=0):
+    """A chunk of n queries at start_pos; its context's K/V sit in shuffled pages."""
+    generator = torch.Generator().manual_seed(seed)
+    context = start_pos + n
+    num_pages = -(-context // page_size) + 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    k_cache = randn(kv_heads, num_pages, page_size, head_dim)
+    v_cache = randn(kv_heads, num_pages, page_size, head_dim)
+    pages = torch.randperm(num_pages, generator=generator)[: -(-context // page_size)]
+    q = randn(n, kv_heads * group, head_dim) * 2
+    return q, k_cache, v_cache, pages
+
+
+def reference(q, k_cache, v_cache, pages, start_pos, scale):
+    n, kv_heads = q.shape[0], k_cache.shape[0]
+    context = start_pos + n
+    mask = torch.arange(context)[None, :] <= torch.arange(start_pos, context)[:, None]
+    # Over cached context the reference reads keys from the pages; k, v give only the kv heads.
+    unused = q.new_zeros(n, kv_heads, q.shape[2])
+    chunk = PrefillChunk(0, n, pages, mask, start_pos)
+    return _prefill_attention(q, unused, unused, k_cache, v_cache, chunk, scale)
+
+
+@pytest.mark.parametrize(
+    "dtype, bf16_dot",
+    [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "bf16-dot", "bf16-portable"],
+)
+@pytest.mark.parametrize(
+    "kv_heads, group, head_dim, page_size, n, start_pos",
+    [
+        (3, 3, 64, 16, 77, 0),  # the default model's heads, an odd fresh chunk
+        (3, 3, 64, 16, 32, 16),  # the chunk starts on a page boundary
+        (1, 4, 128, 16, 45, 333),  # extend mid-page over cached context
+        (2, 1, 32, 4, 1, 50),  # one query
+        (4, 2, 16, 1, 7, 20),  # page size 1
+        (2, 5, 64, 8, 40, 3),  # group 5: padded rows in the register tiles
+    ],
+)
+def test_kernel_matches_torch(dtype, bf16_dot, kv_heads, group, head_dim, page_size, n, start_pos):
+    if bf16_dot and not kernel.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    kernel.use_bf16_dot = bf16_dot  # off: bf16 through the portable fp32 path
+    q, k_cache, v_cache, pages = make_case(
+        dtype, kv_heads, group, head_dim, page_size, n, start_pos
+    )
+    scale = head_dim**-0.5
+    try:
+        ours = kernel(q, k_cache, v_cache, pages, start_pos, scale)
+    finally:
+        kernel.use_bf16_dot = True
+    theirs = reference(q, k_cache, v_cache, pages, start_pos, scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+def test_paged_attention_runs_chunks_through_the_kernel():
+    """Two chunks in one step (a fresh one and an extend), written by slot mapping first, as the
+    model does: the kernel path equals the torch path."""
+    torch.manual_seed(1)
+    kv_heads, group, head_dim, page_size = 3, 3, 64, 16
+    k_cache = torch.randn(kv_heads, 20, page_size, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    lengths, starts = [37, 20], [0, 50]
+    page_lists = [torch.arange(0, 3), torch.arange(10, 15)]
+    slots = torch.cat(
+        [
+            (p[:, None] * page_size + torch.arange(page_size)).flatten()[s : s + n]
+            for p, s, n in zip(page_lists, starts, lengths, strict=True)
+        ]
+    )
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, h, head_dim) for h in (kv_heads * group, kv_heads, kv_heads))
+    write_kv(k_cache, v_cache, k, v, slots)
+    torch_chunks, kernel_chunks = [], []
+    for row, (p, s, count) in enumerate(zip(page_lists, starts, lengths, strict=True)):
+        first = sum(lengths[:row])
+        context = s + count
+        mask = torch.arange(context)[None, :] <= torch.arange(s, context)[:, None]
+        torch_chunks.append(
+            PrefillChunk(first, count, None if s == 0 else p, None if s == 0 else mask, s)
+        )
+        kernel_chunks.append(PrefillChunk(first, count, p, None, s))
+    torch_meta = AttentionMetadata(slots, [], torch_chunks)
+    kernel_meta = AttentionMetadata(slots, [], kernel_chunks, prefill_kernel=kernel)
+    theirs = paged_attention(q, k, v, k_cache, v_cache, torch_meta, 0.125)
+    ours = paged_attention(q, k, v, k_cache, v_cache, kernel_meta, 0.125)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_launcher_checks_shapes():
+    q, k_cache, v_cache, pages = make_case(torch.float32, 2, 2, 32, 4, 8, 0)
+    with pytest.raises(ValueError, match="pages"):
+        kernel(q, k_cache, v_cache, pages[:1], 0, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, k_cache, v_cache, pages.int(), 0, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel(q.bfloat16(), k_cache, v_cache, pages, 0, 1.0)

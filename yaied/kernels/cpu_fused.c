@@ -1,0 +1,87 @@
+/* Fused elementwise kernels for the CPU model forward, each one pass over its rows:
+ *   add_rms_norm  residual += delta (optional), out = weight * rms_norm(residual)
+ *   rotary        rotate-half rotary embedding of the q and k heads, in place
+ *   silu_mul      out = silu(gate) * up, gate and up the two halves of one row
+ * In torch each is 2 to 6 ops with a temporary per op; on a 512-row prefill step they cost about
+ * a fifth of the step (docs/benchmarks.md), at batch 1 mostly per-op overhead.
+ *
+ * Math is fp32; bf16 values are rounded where the torch reference rounds them (the residual sum,
+ * the normalised value before the weight), so bf16 results stay within one rounding of it.
+ * The torch references are in yaied/kernels/cpu_fused.py. Rows are split over OpenMP threads
+ * only when there are enough of them to pay for the fork.
+ */
+#include "cpu_common.h"
+
+#define PARALLEL_MIN_ELEMENTS 65536
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+#define ROUND_F32(x) (x)
+#define ROUND_BF16(x) bf16_to_float(float_to_bf16(x))
+
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                        \
+    void NAME(const T *delta, T *residual, const T *weight, T *out, int64_t rows,               \
+              int64_t hidden, float eps, int64_t threads) {                                     \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * hidden >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                    \
+            T *x = residual + r * hidden;                                                       \
+            float sum_sq = 0.0f;                                                                \
+            if (delta) {                                                                        \
+                const T *dx = delta + r * hidden;                                               \
+                for (int64_t i = 0; i < hidden; i++) {                                          \
+                    float v = ROUND(LOAD(x[i]) + LOAD(dx[i]));                                  \
+                    x[i] = STORE(v);                                                            \
+                    sum_sq += v * v;                                                            \
+                }                                                                               \
+            } else {                                                                            \
+                for (int64_t i = 0; i < hidden; i++) sum_sq += LOAD(x[i]) * LOAD(x[i]);         \
+            }                                                                                   \
+            float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);                             \
+            T *y = out + r * hidden;                                                            \
+            for (int64_t i = 0; i < hidden; i++)                                                \
+                y[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(x[i]) * inv));                        \
+        }                                                                                       \
+    }
+
+/* x: rows of row_stride elements; each row holds `heads` heads of `dim` at its start (q then k
+ * of the fused qkv projection). cos, sin: [rows, dim / 2] fp32. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                     \
+    void NAME(T *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,               \
+              const float *cos, const float *sin, int64_t threads) {                            \
+        int64_t half = dim / 2;                                                                 \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * heads * dim >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                    \
+            const float *c = cos + r * half, *s = sin + r * half;                               \
+            for (int64_t h = 0; h < heads; h++) {                                               \
+                T *v = x + r * row_stride + h * dim;                                            \
+                for (int64_t i = 0; i < half; i++) {                                            \
+                    float a = LOAD(v[i]), b = LOAD(v[i + half]);                                \
+                    v[i] = STORE(a * c[i] - b * s[i]);                                          \
+                    v[i + half] = STORE(b * c[i] + a * s[i]);                                   \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+/* silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that the exp never overflows. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                   \
+    void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int64_t threads) {         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * width >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                    \
+            const T *gate = gate_up + r * 2 * width, *up = gate + width;                        \
+            T *y = out + r * width;                                                             \
+            for (int64_t i = 0; i < width; i++) {                                               \
+                float g = LOAD(gate[i]);                                                        \
+                float e = exp_nonpositive(g < 0.0f ? g : -g);                                   \
+                float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);                             \
+                y[i] = STORE(g * sigmoid * LOAD(up[i]));                                        \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, ROUND_BF16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)

@@ -1,0 +1,131 @@
+"""Launchers for the fused elementwise CPU kernels (cpu_fused.c), with the torch code each one
+replaces as its reference: RMSNorm with the residual add, rotary embedding, SiLU-and-multiply.
+
+Each kernel makes one pass over its rows where torch makes 2 to 6 with a temporary each; the
+launchers check only what the C side relies on (dtype, contiguity, sizes), since they run
+several times per layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from yaied.kernels.cpu_build import load_library
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
+    "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "silu_mul": [_P, _P, _I, _I, _I],
+}
+
+
+class CpuFusedOps:
+    """The compiled kernels; ``CpuFusedOps.load()`` returns None where they cannot be built."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes = argtypes
+                function.restype = None
+                self._functions[name, dtype] = function
+
+    @classmethod
+    def load(cls, cache_dir: Path | None = None) -> CpuFusedOps | None:
+        library = load_library(SOURCE, cache_dir)
+        return None if library is None else cls(library)
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIX
+
+    def add_rms_norm(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """residual += delta in place (when given); returns weight * rms_norm(residual).
+        delta, residual: [rows, hidden] contiguous; weight: [hidden]; one dtype."""
+        rows, hidden = residual.shape
+        _check(residual.is_contiguous() and weight.is_contiguous(), "tensors must be contiguous")
+        _check(weight.shape == (hidden,) and weight.dtype == residual.dtype, "bad weight")
+        if delta is not None:
+            _check(delta.shape == residual.shape and delta.dtype == residual.dtype, "bad delta")
+            delta = delta.contiguous()
+        out = torch.empty_like(residual)
+        self._functions["add_rms_norm", residual.dtype](
+            None if delta is None else delta.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the first ``heads`` heads of every row of x in place (rotate-half layout).
+        x: [rows, >= heads * head_dim] with unit stride along each row (a slice of the fused
+        qkv output works); cos, sin: [rows, head_dim / 2] fp32 contiguous."""
+        rows, half = cos.shape
+        _check(x.dim() == 2 and x.shape[0] == rows and x.stride(1) == 1, "bad x")
+        _check(x.shape[1] >= heads * 2 * half, "x is narrower than its heads")
+        _check(cos.dtype == sin.dtype == torch.float32, "cos and sin must be fp32")
+        _check(cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape, "bad sin")
+        self._functions["rotary", x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            heads,
+            2 * half,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""
+        rows, double = gate_up.shape
+        _check(gate_up.is_contiguous() and double % 2 == 0, "gate_up must be contiguous, even")
+        out = gate_up.new_empty(rows, double // 2)
+        self._functions["silu_mul", gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), rows, double // 2, torch.get_num_threads()
+        )
+        return out
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+# The torch references: what the model computes without the kernels.
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 and scale in the model dtype, as the Hugging Face implementation does.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [rows, heads, head_dim]; cos, sin: [rows, 1, head_dim] (both halves)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
