@@ -4,13 +4,17 @@ ids, states (router/pool.py)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from tests.router.test_manager import FakeEngine, params, started
+from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason
-from yaied.router.config import EngineEntry
+from yaied.engine.inputs import InputProcessor
+from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import Health
+from yaied.router.manager import EngineManager
 from yaied.router.pool import entry_names
 
 pytestmark = pytest.mark.timeout(30)
@@ -166,3 +170,36 @@ def test_generated_names_are_stable_for_one_config():
 
 async def gather(handles):
     return await asyncio.gather(*(h.result() for h in handles))
+
+
+def remote(name: str, port: int) -> EngineEntry:
+    return EngineEntry(kind="remote", url=f"http://127.0.0.1:{port}", name=name)  # nobody there
+
+
+async def test_apply_engines_is_a_diff_by_name_of_the_config_engines():
+    manager = EngineManager(RouterConfig())
+    manager.add_engine(FakeEngine("0"), origin="builtin")  # not the config's: never touched
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
+    await manager.start()
+
+    async def apply(*entries: EngineEntry) -> dict[str, list[str]]:
+        diff = manager.apply_engines(entries, timeout=1.0)
+        await asyncio.gather(*list(manager._waiters), *list(manager._starts.values()))
+        return diff
+
+    assert (await apply(remote("a", 9), remote("b", 10)))["added"] == ["a", "b"]
+    ids = {e.name: i for i, e in manager.pool.items()}
+    diff = await apply(remote("b", 10), remote("c", 11))
+    assert diff == {"added": ["c"], "removed": ["a"], "replaced": [], "unchanged": ["b"]}
+    assert manager.engine_state(ids["a"]) == "removed"
+    assert manager.find_engine("b") == ids["b"]  # untouched: the same engine
+    diff = await apply(remote("b", 12))  # b moved: a new engine under its name
+    assert (diff["replaced"], diff["removed"]) == (["b"], ["c"])
+    assert manager.find_engine("b") not in ids.values()
+    before = dict(manager.pool)
+    with pytest.raises(ValueError, match="share a name"):
+        manager.apply_engines([remote("x", 9), remote("x", 10)])
+    assert manager.pool == before  # nothing changed
+    await apply()  # the builtin engine stays, so an empty list is allowed
+    assert [e.name for e in manager.pool.values()] == ["engine-0"]
+    await manager.stop()

@@ -108,6 +108,7 @@ class EnginePool:
         self._next_id = 0
         self._starts: dict[str, asyncio.Task] = {}
         self._removals: dict[str, asyncio.Task] = {}
+        self._waiters: set[asyncio.Task] = set()  # removals waiting for their replacements
 
     # -- adding ------------------------------------------------------------------------------
 
@@ -260,8 +261,63 @@ class EnginePool:
 
     def _cancel_pool_tasks(self) -> None:
         """The daemon stops: starts and removals in progress give way to the stop itself."""
-        for task in [*self._starts.values(), *self._removals.values()]:
+        for task in [*self._starts.values(), *self._removals.values(), *self._waiters]:
             task.cancel()
+
+    # -- the config's engines, as a diff by name (a reload) ----------------------------------
+
+    def apply_engines(
+        self, entries: Iterable[EngineEntry], timeout: float = 30.0
+    ) -> dict[str, list[str]]:
+        """Make the engines that came from the config match ``entries``, by name: new names
+        start, missing ones are removed once the new ones have started (so the pool never
+        shrinks to nothing in between), changed ones are replaced, the rest are untouched.
+        Engines added over the API or by the autoscaler are not the config's, and stay. Every
+        check runs before any change: a ValueError means nothing changed."""
+        entries = list(entries)
+        names = entry_names(entries)
+        wanted = dict(zip(names, entries, strict=True))
+        current = {
+            e.name: i for i, e in self.pool.items() if e.origin == "config" and not e.draining
+        }
+        taken = self._names_in_use() - set(current)
+        if clash := sorted(set(wanted) & taken):
+            raise ValueError(f"engine names {clash} are held by engines not from the config")
+        if self.engine_config is None and any(e.kind == "local" for e in entries):
+            raise ValueError("local engines need the manager's engine_config")
+        others = [i for i, e in self.pool.items() if e.origin != "config" and not e.draining]
+        if not wanted and not others:
+            raise ValueError("the config lists no engine: the daemon would have none")
+        changed = [n for n in wanted if n in current and self.pool[current[n]].entry != wanted[n]]
+        leaving = [current[n] for n in current if n not in wanted or n in changed]
+        for name in changed:  # its name goes to the new engine at once
+            self.drain_engine(current[name])
+        new = [
+            self.add_engine(wanted[n], name=n, origin="config")
+            for n in names
+            if n not in current or n in changed
+        ]
+        if leaving:
+            task = asyncio.get_running_loop().create_task(
+                self._remove_after_start(new, leaving, timeout)
+            )
+            self._waiters.add(task)
+            task.add_done_callback(self._waiters.discard)
+        diff = {
+            "added": [n for n in names if n not in current],
+            "removed": [n for n in current if n not in wanted],
+            "replaced": changed,
+            "unchanged": [n for n in current if n in wanted and n not in changed],
+        }
+        log.info("engines from the config: %s", diff)
+        return diff
+
+    async def _remove_after_start(self, new: list[str], leaving: list[str], timeout: float):
+        await asyncio.gather(*(self.wait_started(i) for i in new), return_exceptions=True)
+        await asyncio.gather(
+            *(self.start_removal(i, timeout) for i in leaving if i in self.pool),
+            return_exceptions=True,
+        )
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -150,7 +150,7 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         import asyncio
 
-        server = ServerState(config, served)
+        server = ServerState(config, served, keys=keys)
         notifier = SystemdNotifier()
 
         async def load_then_notify() -> None:

@@ -56,6 +56,11 @@ class KeyTable:
                 keys.append(parse_entry(line, default_name=f"key{len(keys) + 1}"))
         return cls(keys)
 
+    def replace(self, other: KeyTable) -> None:
+        """Take ``other``'s keys (a reload): the middleware holds this table, so the next
+        request is checked against the new keys. On the event loop, between requests."""
+        self.keys, self._secrets = other.keys, other._secrets
+
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
