@@ -34,6 +34,7 @@ import time
 import uvicorn
 
 from yaied.core.config import EngineConfig
+from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
@@ -127,10 +128,12 @@ def run_server(
     router_config: RouterConfig | None = None,
     engines: tuple[EngineEntry, ...] = (),
     read_config: ConfigReader | None = None,
+    autoscale: AutoscaleConfig | None = None,
 ) -> None:
     """Serve until a signal. One engine runs in this process unless `[[engines]]` entries or
     ``router.engines > 1`` ask for engine processes or remote daemons behind the router.
-    ``read_config`` reads the config files again on SIGHUP (None: a reload changes nothing)."""
+    ``read_config`` reads the config files again on SIGHUP (None: a reload changes nothing);
+    ``autoscale`` turns the autoscaler on where it is enabled."""
     failure: list[BaseException] = []
     server: DrainingServer | None = None
     router_config = router_config or RouterConfig()
@@ -141,10 +144,13 @@ def run_server(
         from yaied.router.manager import EngineManager
 
         if engines or router_config.engines > 1:
-            return build_manager(engine_config, router_config, engines)
-        engine = AsyncEngine(engine_config, show_progress=False)
-        engine.on_dead = engine_died
-        return EngineManager.single(engine, router_config)
+            manager = build_manager(engine_config, router_config, engines)
+        else:
+            engine = AsyncEngine(engine_config, show_progress=False)
+            engine.on_dead = engine_died
+            manager = EngineManager.single(engine, router_config)
+        manager.autoscale = autoscale or manager.autoscale
+        return manager
 
     def load_failed(exc: BaseException) -> None:
         failure.append(exc)

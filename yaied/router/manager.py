@@ -112,6 +112,7 @@ class EngineManager(ManagerStatus, EnginePool):
             self.inputs = await asyncio.to_thread(front_inputs, self.engine_config.model, infos)
         self.info = self.inputs.info
         self.running = True
+        self._start_autoscaler()  # when [autoscale] enabled is set
 
     async def stop(self, timeout: float = 20.0) -> None:
         """Abort every call, then stop every engine, within ``timeout`` seconds (the daemon's

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from yaied.router.autoscale import AutoscaleConfig, Autoscaler
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle, Health
 
@@ -109,6 +110,8 @@ class EnginePool:
         self._starts: dict[str, asyncio.Task] = {}
         self._removals: dict[str, asyncio.Task] = {}
         self._waiters: set[asyncio.Task] = set()  # removals waiting for their replacements
+        self.autoscale = AutoscaleConfig()  # set before start() to turn the autoscaler on
+        self.autoscaler: Autoscaler | None = None
 
     # -- adding ------------------------------------------------------------------------------
 
@@ -259,8 +262,15 @@ class EnginePool:
             self.removed.popitem(last=False)
         log.info("engine %s (%s) removed", engine_id, entry.name)
 
+    def _start_autoscaler(self) -> None:
+        if self.autoscale.enabled:
+            self.autoscaler = Autoscaler(self, self.autoscale)  # type: ignore[arg-type]
+            self.autoscaler.start()
+
     def _cancel_pool_tasks(self) -> None:
         """The daemon stops: starts and removals in progress give way to the stop itself."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for task in [*self._starts.values(), *self._removals.values(), *self._waiters]:
             task.cancel()
 

@@ -51,6 +51,11 @@ class ManagerStatus:
         live = [self.get_engine_status(i).as_json() for i in self.handles]
         return live + list(self.removed.values())
 
+    def autoscale_events(self) -> dict[str, int]:
+        """Scaling events so far by direction (``yaied:autoscale_events_total``)."""
+        scaler = getattr(self, "autoscaler", None)
+        return {"up": 0, "down": 0} if scaler is None else dict(scaler.events)
+
     def get_stats(self) -> dict[str, Any]:
         live = self.lifecycle.live()
         totals = self.kv.totals()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yaied.core.config import load_config
+from yaied.router.autoscale import AutoscaleConfig, load_autoscale_config
 from yaied.router.build import local_entries
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config
 from yaied.server.config import ServerConfig, load_server_config
@@ -38,7 +39,8 @@ class DaemonConfig:
 
     server: ServerConfig
     router: RouterConfig
-    engines: tuple[EngineEntry, ...]  # the [[engines]] list, else router.engines local ones
+    engines: tuple[EngineEntry, ...]  # the [[engines]] list
+    autoscale: AutoscaleConfig  # read at start only
 
 
 ConfigReader = Callable[[], DaemonConfig]  # reads the files again; raises when they do not load
@@ -48,19 +50,16 @@ def config_reader(
     path: str | None,
     server_flags: Mapping[str, Any],
     router_flags: Mapping[str, Any],
-    device: str,
 ) -> ConfigReader:
-    """The daemon's reader (on SIGHUP): ``path`` under the same flags as at start. The engine's
-    sections are not applied by a reload, only checked, so that a file broken anywhere changes
-    nothing."""
+    """The daemon's reader, at start and on SIGHUP: ``path`` under the command's flags. The
+    engine's sections are not applied by a reload, only checked, so that a file broken anywhere
+    changes nothing."""
 
     def read() -> DaemonConfig:
         load_config(path)
         server = load_server_config(path, overrides=server_flags)
         router, entries = load_router_config(path, overrides=router_flags)
-        if not entries and router.engines > 1:  # as build_manager makes them, so named alike
-            entries = local_entries(router.engines, device)
-        return DaemonConfig(server, router, entries)
+        return DaemonConfig(server, router, entries, load_autoscale_config(path))
 
     return read
 
@@ -76,7 +75,12 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
         # entries may ask torch how many GPUs there are.
         config = await asyncio.to_thread(read)
         keys = KeyTable.parse(config.server.api_keys)
-        diff = manager.apply_engines(config.engines)
+        entries = config.engines
+        if not entries and config.router.engines > 1 and manager.engine_config is not None:
+            # As build_manager makes them at start, so named alike: a reload leaves them be.
+            device = manager.engine_config.device.device
+            entries = await asyncio.to_thread(local_entries, config.router.engines, device)
+        diff = manager.apply_engines(entries)
     except Exception as exc:  # whatever stops the load, the daemon goes on as it was
         log.error("reload failed, nothing changed: %s", exc)
         return False

@@ -49,10 +49,16 @@ class ServerState:
     )
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
+        self.metrics = ServerMetrics(
+            self.model_name, self._stats, self._grammar_stats, self._pool_stats
+        )
 
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
+
+    def _pool_stats(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        manager = self.manager
+        return None if manager is None else (manager.engine_counts(), manager.autoscale_events())
 
     def _grammar_stats(self) -> dict[str, int | float] | None:
         inputs = None if self.manager is None else self.manager.inputs
