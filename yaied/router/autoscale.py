@@ -29,14 +29,11 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from yaied.core.config import load_section, read_toml
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle
-
-if TYPE_CHECKING:
-    from yaied.router.manager import EngineManager
 
 log = logging.getLogger(__name__)
 COUNTED = ("starting", "up", "down")  # states that count towards min and max (down: restarting)
@@ -160,7 +157,7 @@ class Autoscaler:
 
     def __init__(
         self,
-        manager: EngineManager,
+        manager: Any,  # the EngineManager (which imports this module: typed loosely)
         config: AutoscaleConfig,
         *,
         clock: Callable[[], float] = time.monotonic,

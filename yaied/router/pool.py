@@ -186,7 +186,7 @@ class EnginePool:
         """Wait for an added engine's start to end; returns its state then."""
         task = self._starts.get(engine_id)
         if task is not None:
-            await asyncio.shield(task)
+            await asyncio.wait({task})  # never raises: a failed start shows in the state
         return self.engine_state(engine_id)
 
     # -- draining and removing ---------------------------------------------------------------
