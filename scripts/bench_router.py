@@ -2,6 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --sessions 4 --turns 2   # a smoke run
+    PYTHONPATH=. .venv/bin/python scripts/bench_router.py --elastic   # the autoscaler: see
+                                                        # scripts/bench_elastic.py
 
 16 sessions x 6 turns. A session starts from a 2,500-token context of its own (random ids); each
 turn sends the whole context, gets 32 tokens (greedy, ignore_eos), and the next turn appends those
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import bench_elastic  # scripts/: python puts the script's folder first on sys.path
 import numpy as np
 
 from yaied.core.config import load_config
@@ -187,7 +190,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--step-tokens", type=int, default=1024, help="token budget per step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--elastic", action="store_true", help="the autoscaler's ramp instead")
+    bench_elastic.add_arguments(parser)
     args = parser.parse_args()
+    if args.elastic:
+        return bench_elastic.run(args)
     config = model_config(args)
     gib = kv_cache_gib(config, args.kv_tokens)
     results = {}

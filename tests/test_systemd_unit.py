@@ -25,6 +25,7 @@ def test_unit_declares_notify_watchdog_and_sandbox():
     assert "yaied serve" in service["ExecStart"]
     assert int(service["WatchdogSec"]) > 0
     assert service["Restart"] == "on-failure"
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"  # SIGHUP: a reload (daemon.py)
     for key in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "CacheDirectory"):
         assert key in service
     assert "YAIED_CACHE_DIR=%C/yaied" in service["Environment"]

@@ -201,8 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
     from yaied.engine.faults import EngineDeadError
-    from yaied.router.config import load_router_config
-    from yaied.server.config import load_server_config
+    from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
 
     config = load_cli_config(args)
@@ -217,15 +216,15 @@ def _serve_http(args: argparse.Namespace) -> int:
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
     }
-    server = load_server_config(
-        args.config, overrides={k: v for k, v in flags.items() if v is not None}
-    )
     router_flags = {"engines": args.engines, "policy": args.router_policy}
-    router, engines = load_router_config(
-        args.config, overrides={k: v for k, v in router_flags.items() if v is not None}
+    read_config = config_reader(  # again on SIGHUP
+        args.config,
+        {k: v for k, v in flags.items() if v is not None},
+        {k: v for k, v in router_flags.items() if v is not None},
     )
+    start = read_config()
     try:
-        run_server(config, server, router, engines)
+        run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
         sys.stderr.flush()

@@ -15,6 +15,9 @@ all within ``server.stop_timeout_seconds`` (server/shutdown.py spends it), below
 TimeoutStopSec. A second signal skips what is left of the drain. A stop while the model still
 loads (a long conversion) gives up on the load and exits without waiting for its thread.
 
+Reload (SIGHUP, `systemctl reload yaied`): the config file is read again and its keys and
+engines applied (server/reload.py), between RELOADING=1 and READY=1 to systemd.
+
 A single engine that stops for good (see yaied/engine/faults.py) stops the server too, and
 ``run_server`` raises EngineDeadError: `yaied serve` then exits non-zero for its supervisor.
 """
@@ -26,15 +29,19 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import uvicorn
 
 from yaied.core.config import EngineConfig
+from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 from yaied.server.guard import is_loopback
+from yaied.server.reload import ConfigReader, reload
 from yaied.server.shutdown import StopClock
+from yaied.systemd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +49,28 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with the first exit signal turned into a drain of the engine."""
 
-    def __init__(self, config: uvicorn.Config, server_config: ServerConfig) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_config: ServerConfig,
+        read_config: ConfigReader | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain_timeout = server_config.drain_timeout_seconds
         self.stop_timeout = server_config.stop_timeout_seconds
+        self.read_config = read_config
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._reloading: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        # SIGHUP's default action ends the process: caught from the start, reload or not.
+        self._loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
+        try:
+            await super().serve(sockets)
+        finally:
+            self._loop.remove_signal_handler(signal.SIGHUP)
         state = getattr(self.config.app.state, "server", None)
         if state is not None and state.load_abandoned:
             # The load's threads (a conversion, the engine's worker) cannot be stopped, and the
@@ -67,6 +86,29 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(sig)))
+
+    def _reload_soon(self) -> None:
+        if self._reloading is not None and not self._reloading.done():
+            log.warning("SIGHUP: a reload is still running; ignored")
+            return
+        assert self._loop is not None
+        self._reloading = self._loop.create_task(self._reload())
+
+    async def _reload(self) -> None:
+        server = getattr(self.config.app.state, "server", None)
+        if self.read_config is None:
+            log.warning("SIGHUP: this daemon has no config file to read again; ignored")
+            return
+        if server is None or server.manager is None:
+            log.warning("SIGHUP: the engines are still loading; ignored")
+            return  # READY=1 has not been sent either: systemd still waits for the start
+        notifier = SystemdNotifier()
+        notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        log.info("SIGHUP: reloading the config")
+        try:
+            await reload(server, self.read_config)
+        finally:
+            notifier.notify("READY=1")
 
     async def _drain(self, sig: int) -> None:
         clock = StopClock(self.stop_timeout)
@@ -85,9 +127,13 @@ def run_server(
     server_config: ServerConfig,
     router_config: RouterConfig | None = None,
     engines: tuple[EngineEntry, ...] = (),
+    read_config: ConfigReader | None = None,
+    autoscale: AutoscaleConfig | None = None,
 ) -> None:
     """Serve until a signal. One engine runs in this process unless `[[engines]]` entries or
-    ``router.engines > 1`` ask for engine processes or remote daemons behind the router."""
+    ``router.engines > 1`` ask for engine processes or remote daemons behind the router.
+    ``read_config`` reads the config files again on SIGHUP (None: a reload changes nothing);
+    ``autoscale`` turns the autoscaler on where it is enabled."""
     failure: list[BaseException] = []
     server: DrainingServer | None = None
     router_config = router_config or RouterConfig()
@@ -98,10 +144,13 @@ def run_server(
         from yaied.router.manager import EngineManager
 
         if engines or router_config.engines > 1:
-            return build_manager(engine_config, router_config, engines)
-        engine = AsyncEngine(engine_config, show_progress=False)
-        engine.on_dead = engine_died
-        return EngineManager.single(engine, router_config)
+            manager = build_manager(engine_config, router_config, engines)
+        else:
+            engine = AsyncEngine(engine_config, show_progress=False)
+            engine.on_dead = engine_died
+            manager = EngineManager.single(engine, router_config)
+        manager.autoscale = autoscale or manager.autoscale
+        return manager
 
     def load_failed(exc: BaseException) -> None:
         failure.append(exc)
@@ -131,7 +180,7 @@ def run_server(
         # Connections and tasks at once: past it, 503 at once instead of a daemon out of memory.
         limit_concurrency=server_config.limit_concurrency,
     )
-    server = DrainingServer(config, server_config)
+    server = DrainingServer(config, server_config, read_config)
     # uvicorn re-raises the signal it caught under the handlers it found once it has stopped.
     # No-op handlers here make that harmless, so a stopped daemon exits 0, as systemd expects.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -120,7 +120,7 @@ class EngineConfig:
 T = TypeVar("T")
 
 # Sections of config/yaied.toml that other components (the daemon, the router) read.
-OTHER_SECTIONS = ("server", "router", "engines")
+OTHER_SECTIONS = ("server", "router", "engines", "autoscale")
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

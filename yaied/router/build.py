@@ -5,6 +5,7 @@ from __future__ import annotations
 from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.manager import EngineManager
+from yaied.router.pool import entry_names
 
 
 def build_manager(
@@ -15,8 +16,8 @@ def build_manager(
     manager = EngineManager(router_config, engine_config=engine_config)
     if not entries:
         entries = local_entries(router_config.engines, engine_config.device.device)
-    for entry in entries:
-        manager.add_engine(entry)
+    for entry, name in zip(entries, entry_names(entries), strict=True):
+        manager.add_engine(entry, name=name)
     return manager
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from yaied.core.config import load_section, read_toml
 from yaied.router.policy import POLICIES, RoutingThresholds
 
 ENGINE_KINDS = ("local", "remote")
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,7 @@ class EngineEntry:
     """One `[[engines]]` table."""
 
     kind: str = "local"  # local (a process on this machine) | remote (another yaied daemon)
+    name: str = ""  # stable, for reloads and logs; "" = made from kind and device or url
     device: str = "auto"  # local: auto | cpu | cuda | cuda:N
     threads: int = 0  # local on CPU: torch threads; 0 = the cores divided among local engines
     url: str = ""  # remote: the daemon's base URL, say http://10.0.0.2:8000
@@ -95,6 +98,8 @@ class EngineEntry:
             raise ValueError(f"engines.kind must be local or remote, got {self.kind!r}")
         if self.kind == "remote" and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"a remote engine needs url = http(s)://host:port, got {self.url!r}")
+        if self.name and not _NAME.fullmatch(self.name):
+            raise ValueError(f"engines.name is 1 to 64 of [A-Za-z0-9._:-], got {self.name!r}")
         if self.threads < 0:
             raise ValueError(f"engines.threads must be >= 0, got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -135,10 +140,10 @@ def load_router_config(
     entries = data.get("engines", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("engines must be an array of tables: [[engines]]")
-    return router, tuple(_entry(e) for e in entries)
+    return router, tuple(parse_engine_entry(e) for e in entries)
 
 
-def _entry(table: dict[str, Any]) -> EngineEntry:
+def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
     known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry) if f.init}
     for key, value in table.items():
         if key not in known:

@@ -65,11 +65,15 @@ class EngineStatus:
     hit_rate: float
     stats: Stats | None = None
     where: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    state: str = ""  # the pool's view (router/pool.py): starting, up, draining, down, removed
 
     def as_json(self) -> dict[str, Any]:
         return {
             "id": self.engine_id,
+            "name": self.name,
             "kind": self.kind,
+            "state": self.state,
             "health": self.health,
             "load": {"requests": self.num_requests, "tokens": self.num_tokens},
             "hit_rate": round(self.hit_rate, 4),

@@ -9,8 +9,9 @@ policy reads), the session pins and hit rates (kv_coordinator.py), and each call
 of it is mutated on the event loop only, so it needs no locks.
 
 A call whose engine is lost before it streamed a token is retried once on another engine; one
-that had streamed ends FAILED with an error event. The single-engine daemon is this same code with
-one in-process engine.
+that had streamed ends FAILED with an error event. Engines join, drain and leave while calls
+run (pool.py); a removed engine's calls take that same path. The single-engine daemon is this
+same code with one in-process engine.
 """
 
 from __future__ import annotations
@@ -25,19 +26,19 @@ from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call, RequestHandle
-from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.config import RouterConfig
 from yaied.router.front import front_inputs
 from yaied.router.handle import (
     CallSink,
     EngineHandle,
     EngineUnavailable,
-    Health,
     InProcessHandle,
     StepObserver,
 )
 from yaied.router.kv_coordinator import KVCoordinator
 from yaied.router.lifecycle import CallState, LifecycleTracker
 from yaied.router.policy import EngineLoad, route
+from yaied.router.pool import EnginePool
 from yaied.router.status import ManagerStatus
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class NoEngineAvailable(RuntimeError):
     """No healthy engine can take the call (all are down, restarting or unsuited)."""
 
 
-class EngineManager(ManagerStatus):
+class EngineManager(ManagerStatus, EnginePool):
     def __init__(
         self, config: RouterConfig | None = None, *, engine_config: EngineConfig | None = None
     ) -> None:
@@ -75,41 +76,17 @@ class EngineManager(ManagerStatus):
         self._turn = 0  # calls routed so far (round_robin's counter)
         self._background: set[asyncio.Task] = set()
         self._step_observer: StepObserver | None = None
+        self._init_pool()
 
     @classmethod
     def single(cls, engine: AsyncEngine, config: RouterConfig | None = None) -> EngineManager:
         """The classic daemon: one engine on the router's own event loop, engine id "0"."""
         manager = cls(config, engine_config=engine.config)
-        manager.add_engine(InProcessHandle("0", engine))
+        manager.add_engine(InProcessHandle("0", engine), name="inprocess", origin="builtin")
         manager.inputs = engine.inputs
         return manager
 
-    # -- engines ----------------------------------------------------------------------------
-
-    def add_engine(self, config: EngineEntry | EngineHandle) -> str:
-        """Add an engine (before ``start``); returns its id: "0", "1", ... in the order added."""
-        if isinstance(config, EngineHandle):
-            handle = config
-        else:
-            handle = self._build_handle(str(len(self.handles)), config)
-        if handle.engine_id in self.handles:
-            raise ValueError(f"engine id {handle.engine_id!r} is already in use")
-        handle.on_lost = self._engine_lost
-        handle.step_observer = self._step_observer
-        self.handles[handle.engine_id] = handle
-        self._outstanding[handle.engine_id] = {}
-        return handle.engine_id
-
-    def _build_handle(self, engine_id: str, entry: EngineEntry) -> EngineHandle:
-        if entry.kind == "remote":
-            from yaied.router.remote import RemoteHandle
-
-            return RemoteHandle(engine_id, entry, self.config)
-        from yaied.router.local_process import LocalProcessHandle
-
-        if self.engine_config is None:
-            raise ValueError("a local engine needs the manager's engine_config")
-        return LocalProcessHandle(engine_id, entry, self.engine_config, self.config)
+    # -- engines (adding, draining and removing them: pool.py) -----------------------------
 
     @property
     def step_observer(self) -> StepObserver | None:
@@ -134,10 +111,13 @@ class EngineManager(ManagerStatus):
             assert self.engine_config is not None
             self.inputs = await asyncio.to_thread(front_inputs, self.engine_config.model, infos)
         self.info = self.inputs.info
+        self.running = True
+        self._start_autoscaler()  # when [autoscale] enabled is set
 
     async def stop(self, timeout: float = 20.0) -> None:
         """Abort every call, then stop every engine, within ``timeout`` seconds (the daemon's
         stop budget): up to a quarter for the aborts' final events, the rest for the engines."""
+        self._cancel_pool_tasks()
         loop = asyncio.get_running_loop()
         deadline, aborts_until = loop.time() + timeout, loop.time() + min(5.0, timeout / 4)
         self.abort_all()
@@ -229,7 +209,7 @@ class EngineManager(ManagerStatus):
         """Hand the call to ``engine``; one that cannot take it passes it on (see _give_up_on)."""
         while engine is not None:
             sink = CallSink(
-                functools.partial(self._deliver, call),
+                functools.partial(self._deliver_from, engine.engine_id, call),
                 functools.partial(self._lost, call, engine.engine_id),
             )
             try:
@@ -244,6 +224,12 @@ class EngineManager(ManagerStatus):
                 return
             except EngineUnavailable as exc:
                 engine = self._give_up_on(call, engine.engine_id, str(exc))
+
+    def _deliver_from(self, engine_id: str, call: Call, event: TokenEvent) -> None:
+        """An engine's event for a call that is still that engine's: a call moved off a
+        removed engine may hear from it until it stops, and that is dropped here."""
+        if call.engine_id == engine_id:
+            self._deliver(call, event)
 
     def _lost(self, call: Call, engine_id: str, reason: str) -> None:
         """The engine running the call was lost before its final event."""
@@ -270,7 +256,7 @@ class EngineManager(ManagerStatus):
                 engine_id,
                 len(self._outstanding[engine_id]),
                 sum(self._outstanding[engine_id].values()),
-                handle.health is Health.UP
+                self.routable(engine_id)
                 and engine_id not in exclude
                 and handle.supports(call.params),
             )
@@ -378,8 +364,8 @@ class EngineManager(ManagerStatus):
 
     @property
     def dead(self) -> str | None:
-        """Why no engine can serve now, or None while at least one is up."""
-        if any(h.health is Health.UP for h in self.handles.values()):
+        """Why no engine can serve now, or None while at least one is up (and not draining)."""
+        if any(self.routable(engine_id) for engine_id in self.handles):
             return None
-        states = ", ".join(f"{i}: {h.health.value}" for i, h in self.handles.items())
+        states = ", ".join(f"{i}: {self.engine_state(i)}" for i in self.handles)
         return f"no engine is up ({states})"

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from yaied.router.config import RouterConfig
     from yaied.router.kv_coordinator import KVCoordinator
     from yaied.router.lifecycle import LifecycleTracker
+    from yaied.router.pool import PoolEntry
 
 
 class ManagerStatus:
@@ -24,6 +25,8 @@ class ManagerStatus:
     kv: KVCoordinator
     lifecycle: LifecycleTracker
     config: RouterConfig
+    pool: dict[str, PoolEntry]  # and engine_state: router/pool.py
+    removed: dict[str, dict[str, Any]]
 
     def get_engine_status(self, engine_id: str) -> EngineStatus:
         handle = self.handles.get(engine_id)
@@ -39,7 +42,19 @@ class ManagerStatus:
             self.kv.engine_hit_rate(engine_id),
             handle.stats(),
             handle.describe(),
+            self.pool[engine_id].name,
+            self.engine_state(engine_id),
         )
+
+    def engine_listing(self) -> list[dict[str, Any]]:
+        """Every engine, live then recently removed (``GET /v1/engines``)."""
+        live = [self.get_engine_status(i).as_json() for i in self.handles]
+        return live + list(self.removed.values())
+
+    def autoscale_events(self) -> dict[str, int]:
+        """Scaling events so far by direction (``yaied:autoscale_events_total``)."""
+        scaler = getattr(self, "autoscaler", None)
+        return {"up": 0, "down": 0} if scaler is None else dict(scaler.events)
 
     def get_stats(self) -> dict[str, Any]:
         live = self.lifecycle.live()

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server import generate, router_routes
+from yaied.server import engines_routes, generate, router_routes
 from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
@@ -150,7 +150,7 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         import asyncio
 
-        server = ServerState(config, served)
+        server = ServerState(config, served, keys=keys)
         notifier = SystemdNotifier()
 
         async def load_then_notify() -> None:
@@ -185,6 +185,7 @@ def build_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *router_routes.routes(),
+        *engines_routes.routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -209,7 +210,7 @@ def build_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.cors_allow_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Session-Id"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )

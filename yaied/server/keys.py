@@ -9,7 +9,7 @@ A bare secret (the older format) is a key with no rights beyond calling the API:
 requests in flight. With keys set, every request and session id is namespaced by the caller's key
 (``scoped_id``), so no key can cancel, read or join another key's work: to it, that work is
 absent. The table is pure data (no web framework), so any layer may read it: the auth middleware
-(server/auth.py) and, later, the admin routes.
+(server/auth.py) and the admin routes (server/engines_routes.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _FLAGS = ("admin", "may_set_priority")
 class ApiKey:
     name: str  # in logs and in the namespace of the key's ids; never the secret
     secret: str = field(repr=False)
-    admin: bool = False  # may change the engines (add, remove), when that exists
+    admin: bool = False  # may change the engines: add, drain, remove (engines_routes.py)
     may_set_priority: bool = False  # the request's `priority` is honoured; else it is 0
     max_in_flight: int = 0  # generation requests at once; past it, 429; 0 = no bound of its own
 
@@ -55,6 +55,11 @@ class KeyTable:
             if line and not line.startswith("#"):
                 keys.append(parse_entry(line, default_name=f"key{len(keys) + 1}"))
         return cls(keys)
+
+    def replace(self, other: KeyTable) -> None:
+        """Take ``other``'s keys (a reload): the middleware holds this table, so the next
+        request is checked against the new keys. On the event loop, between requests."""
+        self.keys, self._secrets = other.keys, other._secrets
 
     @property
     def enabled(self) -> bool:

@@ -35,6 +35,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A small schema compiles in milliseconds, a large one in a second or more (the timeout is 10 s).
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The pool: engines per state, and the autoscaler's events per direction; None before loading.
+PoolStatsFn = Callable[[], tuple[dict[str, int], dict[str, int]] | None]
 # Engine stats keys engine_restarts_<reason>: the engine_restarts_total{reason} counter.
 RESTARTS_PREFIX = "engine_restarts_"
 
@@ -121,9 +123,44 @@ class GrammarStatsCollector:
             yield family
 
 
+class PoolCollector:
+    """``yaied:engines{state}`` and ``yaied:autoscale_events_total{direction}``, read from the
+    manager at scrape time (router/pool.py, router/autoscale.py)."""
+
+    def __init__(self, pool_stats: PoolStatsFn, model_name: str) -> None:
+        self._pool_stats = pool_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._pool_stats()
+        if stats is None:
+            return
+        states, events = stats
+        engines = GaugeMetricFamily(
+            "yaied:engines",
+            "Engines behind the router, by state (starting, up, draining, down, removed).",
+            labels=["model_name", "state"],
+        )
+        for state, count in states.items():
+            engines.add_metric([self._model_name, state], count)
+        scaling = CounterMetricFamily(
+            "yaied:autoscale_events",
+            "Engines the autoscaler added (up) and removed (down).",
+            labels=["model_name", "direction"],
+        )
+        for direction, count in events.items():
+            scaling.add_metric([self._model_name, direction], count)
+        yield engines
+        yield scaling
+
+
 class ServerMetrics:
     def __init__(
-        self, model_name: str, stats: StatsFn, grammar_stats: GrammarStatsFn | None = None
+        self,
+        model_name: str,
+        stats: StatsFn,
+        grammar_stats: GrammarStatsFn | None = None,
+        pool_stats: PoolStatsFn | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name, "engine": "0"}
@@ -161,6 +198,7 @@ class ServerMetrics:
         )
         self.registry.register(EngineStatsCollector(stats, model_name))
         self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), self.labels))
+        self.registry.register(PoolCollector(pool_stats or (lambda: None), model_name))
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.iteration_tokens, self.compile_seconds):  # fmt: skip
             metric.labels(**self.labels)  # present (at 0) before the first request

@@ -168,6 +168,24 @@ def _cancel(summary: str, param: str) -> dict[str, Any]:
     }
 
 
+def _engine_change(method: str, summary: str) -> dict[str, Any]:
+    parameter = {"name": "engine_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    responses = {"200": {"description": "JSON: the engine"}, "403": {"description": "not admin"}}
+    return {method: {"summary": summary, "parameters": [parameter], "responses": responses}}
+
+
+# POST /v1/engines: an [[engines]] table (router/config.py EngineEntry) as JSON; the settings
+# below, and any other the table takes (tensor_parallel_size where engines have it).
+_ENGINE = {
+    "kind": {"type": "string", "enum": ["local", "remote"]},
+    "name": {"type": "string"},
+    "device": {"type": "string"},
+    "threads": {"type": "integer", "minimum": 0},
+    "url": {"type": "string"},
+    "api_key": {"type": "string"},
+}
+
+
 def openapi_schema(version: str) -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
@@ -199,6 +217,20 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/v1/sessions/{session_id}/cancel": _cancel(
                 "Cancel every request of a session (its X-Session-Id)", "session_id"
             ),
-            "/v1/engines": _get("The engines behind the router: health, load, hit rate"),
+            "/v1/engines": {
+                **_get("The engines behind the router: state, health, load, hit rate"),
+                **_post(
+                    "Add an engine (admin key): a local one's device and threads, or a remote "
+                    "daemon's url and api_key; 202",
+                    _ENGINE,
+                    [],
+                ),
+            },
+            "/v1/engines/{engine_id}/drain": _engine_change(
+                "post", "Stop routing new calls to an engine (admin key)"
+            ),
+            "/v1/engines/{engine_id}": _engine_change(
+                "delete", "Drain an engine, then stop it (admin key); ?timeout= seconds; 202"
+            ),
         },
     }

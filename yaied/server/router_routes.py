@@ -1,10 +1,9 @@
-"""The router's HTTP surface: cancel a request or a whole session, list the engines.
+"""The router's HTTP surface: cancel a request or a whole session (the engines: engines_routes.py).
 
     POST /v1/requests/{id}/cancel   every running call whose X-Request-Id is exactly id: each
                                     choice of it, and any other request that sent the same id
     POST /v1/sessions/{id}/cancel   every running request of an X-Session-Id (or `user`)
                                     (with API keys, both ids are the caller's key's own)
-    GET  /v1/engines                id, kind, health, load and prefix-cache hit rate per engine
 
 A cancelled request's stream ends with finish_reason "abort" once its engine has let it go, which
 frees its KV pages within one engine step.
@@ -50,18 +49,8 @@ async def cancel_session(request: Request) -> Response:
     return json_response({"id": session_id, "object": "session.cancel", "cancelled": cancelled})
 
 
-async def engines(request: Request) -> Response:
-    server: ServerState = request.state.server
-    if server.manager is None:
-        raise APIError(503, "the engines are still loading", code="engine_not_ready")
-    manager = server.manager
-    data = [manager.get_engine_status(engine_id).as_json() for engine_id in manager.handles]
-    return json_response({"object": "list", "policy": manager.config.policy, "data": data})
-
-
 def routes() -> list[Route]:
     return [
         Route("/v1/requests/{request_id}/cancel", cancel_request, methods=["POST"]),
         Route("/v1/sessions/{session_id}/cancel", cancel_session, methods=["POST"]),
-        Route("/v1/engines", engines, methods=["GET"]),
     ]

@@ -15,6 +15,7 @@ from yaied.router.manager import EngineManager
 from yaied.server.chat_output import ChatSettings
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
+from yaied.server.keys import KeyTable
 from yaied.server.metrics import ServerMetrics
 from yaied.server.shutdown import StopClock
 
@@ -39,6 +40,7 @@ class ServerState:
     stop_clock: StopClock | None = None  # set on SIGTERM: what is left of the stop's budget
     load_abandoned: bool = False  # stopped while the model loaded: its thread still runs
     starting: EngineManager | None = None  # the manager while its engines start
+    keys: KeyTable = field(default_factory=KeyTable)  # the auth middleware's; a reload swaps them
     metrics: ServerMetrics = field(init=False)
     _chat: ChatSettings | None = None
     # Tokenizing and echo offsets of large requests (off_loop); shut down with the app.
@@ -47,10 +49,16 @@ class ServerState:
     )
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name, self._stats, self._grammar_stats)
+        self.metrics = ServerMetrics(
+            self.model_name, self._stats, self._grammar_stats, self._pool_stats
+        )
 
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
+
+    def _pool_stats(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        manager = self.manager
+        return None if manager is None else (manager.engine_counts(), manager.autoscale_events())
 
     def _grammar_stats(self) -> dict[str, int | float] | None:
         inputs = None if self.manager is None else self.manager.inputs

@@ -1,0 +1,205 @@
+"""The elastic pool over fake engines: add while serving, drain, remove with a timeout, names,
+ids, states (router/pool.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tests.router.test_manager import FakeEngine, params, started
+from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason
+from yaied.engine.inputs import InputProcessor
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import Health
+from yaied.router.manager import EngineManager
+from yaied.router.pool import entry_names
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class SlowStart(FakeEngine):
+    """Takes ``delay`` seconds to come up, like a process loading a model."""
+
+    def __init__(self, engine_id: str, delay: float = 0.2, fail: bool = False) -> None:
+        super().__init__(engine_id)
+        self.delay, self.fail = delay, fail
+        self.stopped = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("the model does not load")
+        self.health = Health.UP
+
+    async def stop(self, timeout: float = 15.0) -> None:
+        self.stopped = True
+        await super().stop(timeout)
+
+
+async def test_an_added_engine_joins_routing_once_up():
+    manager, engines = await started(1)
+    new = SlowStart("1", delay=0.2)
+    assert manager.add_engine(new, origin="api") == "1"
+    assert manager.engine_state("1") == "starting"
+    before = [await manager.submit_request(prompt=[1], sampling_params=params(20))]
+    assert before[0].engine_id == "0"  # not routed while starting
+    assert await manager.wait_started("1") == "up"
+    after = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(2)]
+    assert {h.engine_id for h in after} == {"1"}  # engine 0 has the long call: least loaded
+    assert all(o.finish_reason is FinishReason.LENGTH for o in await gather(before + after))
+    await manager.stop()
+
+
+async def test_an_engine_that_fails_to_start_is_removed_with_its_error():
+    manager, _ = await started(1)
+    manager.add_engine(SlowStart("1", delay=0.01, fail=True), origin="api")
+    assert await manager.wait_started("1") == "removed"
+    listing = manager.engine_listing()
+    assert [(e["id"], e["state"]) for e in listing] == [("0", "up"), ("1", "removed")]
+    assert "does not load" in listing[1]["error"]
+    await manager.stop()
+
+
+async def test_drain_finishes_in_flight_calls_sends_new_ones_elsewhere_and_releases_pins():
+    manager, engines = await started(2, long_call_threshold=2)
+    long_prompt = [1, 2, 3, 4]
+    first = await manager.submit_request(session_id="s", prompt=long_prompt)
+    await first.result()
+    pinned = first.engine_id
+    running = await manager.submit_request(prompt=[1], sampling_params=params(30))
+    manager.drain_engine(pinned)
+    assert manager.engine_state(pinned) == "draining"
+    assert manager.kv.pin_of("s") is None  # the session's next call goes elsewhere
+    later = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(3)]
+    turn = await manager.submit_request(session_id="s", prompt=long_prompt)
+    assert {h.engine_id for h in [*later, turn]} == {"1" if pinned == "0" else "0"}
+    outputs = await gather([running, *later, turn])
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outputs)
+    await manager.stop()
+
+
+async def test_remove_waits_for_calls_then_stops_the_engine_and_never_reuses_its_id():
+    manager, engines = await started(2)
+    calls = [await manager.submit_request(prompt=[1], sampling_params=params(10)) for _ in range(4)]
+    removal = manager.start_removal("0", timeout=5.0)
+    assert manager.engine_state("0") == "draining"
+    outputs = await gather(calls)
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outputs)  # none cut short
+    await removal
+    assert "0" not in manager.handles and engines[0].health is Health.STOPPED
+    assert manager.engine_state("0") == "removed"
+    assert manager.engine_counts() == {
+        "starting": 0,
+        "up": 1,
+        "draining": 0,
+        "down": 0,
+        "removed": 1,
+    }
+    third = manager.add_engine(FakeEngine("2"))
+    assert third == "2"
+    with pytest.raises(ValueError, match="already in use"):
+        manager.add_engine(FakeEngine("0"))  # a removed id stays retired
+    with pytest.raises(ValueError, match="removed"):
+        manager.drain_engine("0")
+    await manager.stop()
+
+
+async def test_calls_left_at_the_timeout_are_retried_or_ended_with_an_error():
+    manager, engines = await started(2)
+    engines[0].tick = 0.05
+    streaming = await manager.submit_request(prompt=[1], sampling_params=params(200))
+    assert streaming.engine_id == "0"
+    await asyncio.sleep(0.12)  # it has streamed a token or two
+    waiting = await manager.submit_request(prompt=[1], sampling_params=params(5))
+    assert waiting.engine_id == "1"
+    engines[1].health = Health.STARTING  # engine 1 takes nothing for now
+    queued = await manager.submit_request(prompt=[1], sampling_params=params(5))
+    assert queued.engine_id == "0"
+    engines[0].tick = 10.0  # the queued call has no token yet
+    engines[1].health = Health.UP
+    await manager.remove_engine("0", timeout=0.2)
+    out_streaming, out_queued = await gather([streaming, queued])
+    assert out_streaming.finish_reason is FinishReason.ERROR
+    assert "was removed" in manager.lifecycle.get(streaming.request_id).error
+    assert out_queued.finish_reason is FinishReason.LENGTH  # retried on engine 1
+    assert manager.lifecycle.get(queued.request_id).engine_id == "1"
+    assert (await waiting.result()).finish_reason is FinishReason.LENGTH
+    assert manager.num_requests_in_flight == 0
+    await manager.stop()
+
+
+async def test_removing_an_engine_still_starting_stops_it():
+    manager, _ = await started(1)
+    slow = SlowStart("1", delay=5.0)
+    manager.add_engine(slow)
+    await manager.remove_engine("1", timeout=1.0)
+    assert slow.stopped and manager.engine_state("1") == "removed"
+    await manager.stop()
+
+
+async def test_names_are_unique_among_serving_engines_and_found_by_find_engine():
+    manager, _ = await started(1)
+    manager.add_engine(FakeEngine("1"), name="box-b")
+    with pytest.raises(ValueError, match="already serving"):
+        manager.add_engine(FakeEngine("2"), name="box-b")
+    assert manager.find_engine("box-b") == "1" and manager.find_engine("1") == "1"
+    manager.drain_engine("1")
+    manager.add_engine(FakeEngine("3"), name="box-b")  # replaces the draining one
+    assert manager.find_engine("box-b") == "3"
+    with pytest.raises(ValueError, match="no engine"):
+        manager.find_engine("nope")
+    await manager.stop()
+
+
+def test_generated_names_are_stable_for_one_config():
+    entries = [
+        EngineEntry(device="cpu"),
+        EngineEntry(device="cpu"),
+        EngineEntry(kind="remote", url="http://10.0.0.2:8000"),
+        EngineEntry(device="cuda:1", name="big"),
+    ]
+    assert entry_names(entries) == ["local-cpu", "local-cpu-2", "remote-10.0.0.2:8000", "big"]
+    with pytest.raises(ValueError, match="share a name"):
+        entry_names([EngineEntry(name="a"), EngineEntry(name="a")])
+    with pytest.raises(ValueError, match="engines.name"):
+        EngineEntry(name="no spaces")
+
+
+async def gather(handles):
+    return await asyncio.gather(*(h.result() for h in handles))
+
+
+def remote(name: str, port: int) -> EngineEntry:
+    return EngineEntry(kind="remote", url=f"http://127.0.0.1:{port}", name=name)  # nobody there
+
+
+async def test_apply_engines_is_a_diff_by_name_of_the_config_engines():
+    manager = EngineManager(RouterConfig())
+    manager.add_engine(FakeEngine("0"), origin="builtin")  # not the config's: never touched
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
+    await manager.start()
+
+    async def apply(*entries: EngineEntry) -> dict[str, list[str]]:
+        diff = manager.apply_engines(entries, timeout=1.0)
+        await asyncio.gather(*list(manager._waiters), *list(manager._starts.values()))
+        return diff
+
+    assert (await apply(remote("a", 9), remote("b", 10)))["added"] == ["a", "b"]
+    ids = {e.name: i for i, e in manager.pool.items()}
+    diff = await apply(remote("b", 10), remote("c", 11))
+    assert diff == {"added": ["c"], "removed": ["a"], "replaced": [], "unchanged": ["b"]}
+    assert manager.engine_state(ids["a"]) == "removed"
+    assert manager.find_engine("b") == ids["b"]  # untouched: the same engine
+    diff = await apply(remote("b", 12))  # b moved: a new engine under its name
+    assert (diff["replaced"], diff["removed"]) == (["b"], ["c"])
+    assert manager.find_engine("b") not in ids.values()
+    before = dict(manager.pool)
+    with pytest.raises(ValueError, match="share a name"):
+        manager.apply_engines([remote("x", 9), remote("x", 10)])
+    assert manager.pool == before  # nothing changed
+    await apply()  # the builtin engine stays, so an empty list is allowed
+    assert [e.name for e in manager.pool.values()] == ["engine-0"]
+    await manager.stop()

@@ -1,0 +1,106 @@
+"""The engine routes: listing for anyone the keys let in; add, drain and remove for admin keys
+only (403 for other keys and for everyone on a daemon without keys), over fake engines."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.router.test_manager import FakeEngine
+from tests.server.conftest import in_process_server
+from yaied.core.model_info import ModelInfo
+from yaied.engine.inputs import InputProcessor
+from yaied.router.config import RouterConfig
+from yaied.router.manager import EngineManager
+from yaied.server.config import ServerConfig
+
+pytestmark = pytest.mark.timeout(60)
+ADMIN = {"Authorization": "Bearer admin-secret"}
+USER = {"Authorization": "Bearer user-secret"}
+KEYS = ("admin-secret name=ops admin=true", "user-secret name=user")
+UNREACHABLE = {"kind": "remote", "url": "http://127.0.0.1:9", "api_key": "k", "name": "far"}
+
+
+def fake_manager() -> EngineManager:
+    manager = EngineManager(RouterConfig(health_check_interval_seconds=0.2))
+    manager.add_engine(FakeEngine("0"), name="first")
+    hf_config = SimpleNamespace(eos_token_id=None)
+    manager.inputs = InputProcessor(None, hf_config, ModelInfo(8192, 256))
+    return manager
+
+
+def serve(keys: tuple[str, ...] = ()):
+    return in_process_server(ServerConfig(api_keys=keys), fake_manager, "tiny")
+
+
+def changes(client, headers: dict[str, str]) -> list[int]:
+    """The status of each mutating route for these headers."""
+    return [
+        client.post("/v1/engines", json=UNREACHABLE, headers=headers).status_code,
+        client.post("/v1/engines/first/drain", headers=headers).status_code,
+        client.delete("/v1/engines/first", headers=headers).status_code,
+    ]
+
+
+def test_without_keys_anyone_lists_and_nobody_changes_the_engines():
+    with serve() as client:
+        listing = client.get("/v1/engines").json()["data"]
+        assert [(e["id"], e["name"], e["state"]) for e in listing] == [("0", "first", "up")]
+        assert changes(client, {}) == [403, 403, 403]
+        assert changes(client, ADMIN) == [403, 403, 403]
+        error = client.post("/v1/engines", json=UNREACHABLE).json()["error"]
+        assert error["code"] == "admin_key_required"
+
+
+def test_only_an_admin_key_changes_the_engines():
+    with serve(KEYS) as client:
+        assert client.get("/v1/engines").status_code == 401
+        assert client.get("/v1/engines", headers=USER).status_code == 200
+        assert changes(client, {}) == [401, 401, 401]
+        assert changes(client, {"Authorization": "Bearer wrong"}) == [401, 401, 401]
+        assert changes(client, USER) == [403, 403, 403]
+        # The admin: add a remote engine (nothing answers there, so it is down and probed).
+        added = client.post("/v1/engines", json=UNREACHABLE, headers=ADMIN)
+        assert added.status_code == 202, added.text
+        assert (added.json()["id"], added.json()["name"]) == ("1", "far")
+
+        def states() -> dict[str, str]:
+            listing = client.get("/v1/engines", headers=USER).json()["data"]
+            return {engine["name"]: engine["state"] for engine in listing}
+
+        wait_for(lambda: states()["far"] == "down")
+        again = client.post("/v1/engines", json=UNREACHABLE, headers=ADMIN)
+        assert again.status_code == 409  # names are unique among serving engines
+        drained = client.post("/v1/engines/far/drain", headers=ADMIN)
+        assert drained.status_code == 200 and drained.json()["state"] == "draining"
+        assert client.delete("/v1/engines/1?timeout=0", headers=ADMIN).status_code == 202
+        wait_for(lambda: states()["far"] == "removed")
+        assert client.delete("/v1/engines/first", headers=ADMIN).status_code == 409  # the last
+        assert client.delete("/v1/engines/nope", headers=ADMIN).status_code == 404
+        assert client.delete("/v1/engines/0?timeout=x", headers=ADMIN).status_code == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"kind": "remote", "url": "http://h:1", "api_key_file": "/etc/shadow"},
+        {"kind": "remote", "url": "http://h:1", "api_key_env": "HOME"},
+        {"kind": "remote", "url": "ftp://h"},
+        {"kind": "local", "gpu": 3},
+        {"kind": "local", "device": "tpu"},
+        {"kind": "local", "name": "bad name"},
+    ],
+)
+def test_bad_engine_bodies_get_400(body):
+    with serve(KEYS) as client:
+        response = client.post("/v1/engines", json=body, headers=ADMIN)
+        assert response.status_code == 400, response.text
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)

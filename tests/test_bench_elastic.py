@@ -1,0 +1,33 @@
+"""`scripts/bench_router.py --elastic` smoke run: a short ramp on sleep-based fake engines; the
+elastic pool scales up, and no call fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_imports import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_elastic_bench_short_ramp():
+    args = ["--elastic", "--phases", "1,4,4", "--high-rate", "30", "--max-engines", "2"]
+    args += ["--window", "0.5", "--cooldown", "0.5", "--idle", "1", "--load-seconds", "0.2"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_router.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert result.returncode == 0, result.stderr
+    pools = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [p["pool"] for p in pools] == ["fixed-1", "fixed-2", "elastic-1..2"]
+    assert all(p["failed"] == 0 and p["calls"] > 0 for p in pools)
+    elastic = pools[-1]
+    assert elastic["scale_events"]["up"] >= 1 and elastic["reaction_engine_up_s"] is not None

@@ -1,0 +1,224 @@
+"""The autoscaler: local engines added when calls queue, removed when idle (`[autoscale]`, off by
+default).
+
+Each ``interval_seconds`` the loop reads the pool (a ``PoolSample``) and asks ``decide``, a pure
+function of that sample, the settings and what it remembers from earlier samples:
+
+    up    calls waiting (no token yet) per serving engine above ``scale_up_waiting_per_engine``
+          for ``scale_up_window_seconds`` on end, and fewer than ``max_engines`` local engines
+          (none still starting: a new engine's load is not counted twice)
+    down  an engine the autoscaler added has had no call for ``scale_down_idle_seconds``, the
+          queue is not high, and more than ``min_engines`` local engines remain
+    min   fewer than ``min_engines`` local engines: up without waiting for a window
+    after an up or a down, nothing for ``cooldown_seconds``: a load near a threshold does not
+          make the pool flap, and an engine that fails to start is not respawned at once
+
+Only engines the autoscaler added are scaled down; the config's and the API's are the
+operator's. A scale-down is a ``remove_engine``: its calls finish first. "Local" means not
+remote: engine processes here, and the in-process engine. Decisions are logged and counted
+(``events``, exported as ``yaied:autoscale_events_total{direction}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from yaied.core.config import load_section, read_toml
+from yaied.router.config import EngineEntry
+from yaied.router.handle import EngineHandle
+
+log = logging.getLogger(__name__)
+COUNTED = ("starting", "up", "down")  # states that count towards min and max (down: restarting)
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    """The `[autoscale]` section of config/yaied.toml."""
+
+    enabled: bool = False  # off by default: the pool is what the config and the API make it
+    min_engines: int = 1  # local engines never fewer (the autoscaler adds up to it)
+    max_engines: int = 4  # local engines never more
+    scale_up_waiting_per_engine: float = 4.0  # calls without a token yet, per serving engine
+    scale_up_window_seconds: float = 30.0  # ... above that this long on end: one engine more
+    scale_down_idle_seconds: float = 300.0  # an added engine with no call this long: removed
+    cooldown_seconds: float = 120.0  # after a scaling event, no other for this long
+    interval_seconds: float = 1.0  # how often the pool is sampled
+    device: str = "auto"  # what new engines run on (as [[engines]] device)
+    threads: int = 0  # CPU threads of a new engine; 0 = the cores shared among local engines
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_engines <= self.max_engines or self.max_engines < 1:
+            raise ValueError("autoscale needs 0 <= min_engines <= max_engines, max_engines >= 1")
+        for name in ("scale_up_waiting_per_engine", "interval_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"autoscale.{name} must be > 0")
+        for name in ("scale_up_window_seconds", "scale_down_idle_seconds", "cooldown_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"autoscale.{name} must be >= 0")
+        EngineEntry(device=self.device, threads=self.threads)  # checks both
+
+
+def load_autoscale_config(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None
+) -> AutoscaleConfig:
+    """`[autoscale]`, then ``YAIED_AUTOSCALE_*``."""
+    return load_section(AutoscaleConfig, "autoscale", read_toml(path), env, None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    engine_id: str
+    state: str  # the pool's: starting, up, draining, down
+    num_calls: int  # calls routed there and not finished
+    removable: bool  # added by the autoscaler: it may remove it
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSample:
+    now: float  # seconds, any monotonic clock
+    num_waiting: int  # calls without a token yet, all engines
+    num_serving: int  # engines taking calls (up, not draining), remote ones too
+    local: tuple[EngineSample, ...]  # the local engines, draining ones too
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What ``decide`` carries from one sample to the next."""
+
+    high_since: float | None = None  # when the queue went above the threshold
+    idle_since: Mapping[str, float] = field(default_factory=dict)  # engine id -> since when
+    last_event_at: float = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    direction: str  # up | down
+    engine_id: str | None  # down: the engine to remove
+    reason: str
+
+
+def decide(
+    config: AutoscaleConfig, sample: PoolSample, memory: Memory
+) -> tuple[Decision | None, Memory]:
+    """The scaling decision for one sample, and the memory to pass with the next."""
+    now = sample.now
+    counted = [e for e in sample.local if e.state in COUNTED]
+    per_engine = sample.num_waiting / max(1, sample.num_serving)
+    high = per_engine > config.scale_up_waiting_per_engine
+    high_since = (memory.high_since if memory.high_since is not None else now) if high else None
+    idle_since = {
+        e.engine_id: memory.idle_since.get(e.engine_id, now)
+        for e in sample.local
+        if e.state == "up" and e.num_calls == 0
+    }
+    memory = Memory(high_since, idle_since, memory.last_event_at)
+    if now - memory.last_event_at < config.cooldown_seconds:
+        return None, memory  # also between ups to min: an engine that fails to start is
+    if len(counted) < config.min_engines:  # not respawned every interval
+        reason = f"{len(counted)} local engines, min {config.min_engines}"
+        return _event(now, "up", None, reason, memory)
+    starting = any(e.state == "starting" for e in counted)
+    if high_since is not None and now - high_since >= config.scale_up_window_seconds:
+        if len(counted) < config.max_engines and not starting:
+            reason = f"{per_engine:.1f} calls waiting per engine for {now - high_since:.0f} s"
+            return _event(now, "up", None, reason, dataclasses.replace(memory, high_since=None))
+        return None, memory
+    idle = [
+        e
+        for e in counted
+        if e.removable and now - idle_since.get(e.engine_id, now) >= config.scale_down_idle_seconds
+    ]
+    if not high and idle and len(counted) > config.min_engines:
+        victim = min(idle, key=lambda e: idle_since[e.engine_id])  # the longest idle
+        reason = f"idle for {now - idle_since[victim.engine_id]:.0f} s"
+        return _event(now, "down", victim.engine_id, reason, memory)
+    return None, memory
+
+
+def _event(
+    now: float, direction: str, engine_id: str | None, reason: str, memory: Memory
+) -> tuple[Decision, Memory]:
+    return Decision(direction, engine_id, reason), dataclasses.replace(memory, last_event_at=now)
+
+
+EngineFactory = Callable[[], EngineEntry | EngineHandle]
+
+
+class Autoscaler:
+    """The loop around ``decide``: samples the manager's pool, applies the decisions."""
+
+    def __init__(
+        self,
+        manager: Any,  # the EngineManager (which imports this module: typed loosely)
+        config: AutoscaleConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        new_engine: EngineFactory | None = None,  # tests: fake engines
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.clock = clock
+        self.new_engine = new_engine or (
+            lambda: EngineEntry(device=config.device, threads=config.threads)
+        )
+        self.memory = Memory()
+        self.events: Counter[str] = Counter({"up": 0, "down": 0})
+        self._added = 0
+        self._task: asyncio.Task | None = None
+
+    def sample(self) -> PoolSample:
+        manager = self.manager
+        local = tuple(
+            EngineSample(
+                engine_id,
+                manager.engine_state(engine_id),
+                len(manager._outstanding[engine_id]),
+                manager.pool[engine_id].origin == "autoscale",
+            )
+            for engine_id, handle in manager.handles.items()
+            if handle.kind != "remote"
+        )
+        serving = sum(manager.routable(engine_id) for engine_id in manager.handles)
+        return PoolSample(self.clock(), manager.num_calls_waiting, serving, local)
+
+    def tick(self) -> Decision | None:
+        """One sample, one decision, applied."""
+        decision, self.memory = decide(self.config, self.sample(), self.memory)
+        if decision is None:
+            return None
+        self.events[decision.direction] += 1
+        if decision.direction == "up":
+            self._added += 1
+            engine_id = self.manager.add_engine(
+                self.new_engine(), name=f"auto-{self._added}", origin="autoscale"
+            )
+            log.info("autoscale up: engine %s added (%s)", engine_id, decision.reason)
+        else:
+            assert decision.engine_id is not None
+            self.manager.start_removal(decision.engine_id)
+            log.info("autoscale down: engine %s removed (%s)", decision.engine_id, decision.reason)
+        return decision
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # a failed add (say, no engine_config) must not end the loop
+                log.exception("autoscale: the decision could not be applied")
+            await asyncio.sleep(self.config.interval_seconds)
+
+    def start(self) -> None:
+        log.info("autoscale on: %s", self.config)
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="yaied-autoscale")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,103 @@
+"""A reload (SIGHUP, `systemctl reload yaied`): the config file read again, its engines and keys
+applied, nothing else touched.
+
+    read the file (TOML, [server], [router], [[engines]], the key file)   all or nothing:
+      a config that does not load is logged and changes nothing
+    keys      the table swapped in whole: the next request sees the new keys
+    engines   a diff by name (router/pool.py apply_engines): new ones start, missing ones drain
+              and stop once the new ones are up, changed ones are replaced, the rest untouched
+    the rest  other settings take a restart: a reload that changes them says so in the log
+
+The daemon tells systemd RELOADING=1 before and READY=1 after (daemon.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from yaied.core.config import load_config
+from yaied.router.autoscale import AutoscaleConfig, load_autoscale_config
+from yaied.router.build import local_entries
+from yaied.router.config import EngineEntry, RouterConfig, load_router_config
+from yaied.server.config import ServerConfig, load_server_config
+from yaied.server.keys import KeyTable
+from yaied.server.state import ServerState
+
+log = logging.getLogger(__name__)
+# Applied by a reload; every other setting of [server] and [router] takes a restart.
+_RELOADED = ("api_keys", "api_key_file", "engines")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """What a reload reads: the sections it applies, and the ones it only compares."""
+
+    server: ServerConfig
+    router: RouterConfig
+    engines: tuple[EngineEntry, ...]  # the [[engines]] list
+    autoscale: AutoscaleConfig  # read at start only
+
+
+ConfigReader = Callable[[], DaemonConfig]  # reads the files again; raises when they do not load
+
+
+def config_reader(
+    path: str | None,
+    server_flags: Mapping[str, Any],
+    router_flags: Mapping[str, Any],
+) -> ConfigReader:
+    """The daemon's reader, at start and on SIGHUP: ``path`` under the command's flags. The
+    engine's sections are not applied by a reload, only checked, so that a file broken anywhere
+    changes nothing."""
+
+    def read() -> DaemonConfig:
+        load_config(path)
+        server = load_server_config(path, overrides=server_flags)
+        router, entries = load_router_config(path, overrides=router_flags)
+        return DaemonConfig(server, router, entries, load_autoscale_config(path))
+
+    return read
+
+
+async def reload(server: ServerState, read: ConfigReader) -> bool:
+    """Apply the config file again; False (and a log line) when nothing could be applied."""
+    manager = server.manager
+    if manager is None or not manager.running or server.draining:
+        log.warning("reload ignored: the daemon is starting or stopping")
+        return False
+    try:
+        # The files are read off the event loop (a key file on a slow mount). Local engine
+        # entries may ask torch how many GPUs there are.
+        config = await asyncio.to_thread(read)
+        keys = KeyTable.parse(config.server.api_keys)
+        entries = config.engines
+        if not entries and config.router.engines > 1 and manager.engine_config is not None:
+            # As build_manager makes them at start, so named alike: a reload leaves them be.
+            device = manager.engine_config.device.device
+            entries = await asyncio.to_thread(local_entries, config.router.engines, device)
+        diff = manager.apply_engines(entries)
+    except Exception as exc:  # whatever stops the load, the daemon goes on as it was
+        log.error("reload failed, nothing changed: %s", exc)
+        return False
+    server.keys.replace(keys)
+    log.info(
+        "reload: %d API keys (%d admin); engines %s",
+        len(keys.keys),
+        sum(key.admin for key in keys.keys),
+        ", ".join(f"{what} {names}" for what, names in diff.items() if names) or "unchanged",
+    )
+    stale = _needs_restart(server.config, config.server, "server")
+    stale += _needs_restart(manager.config, config.router, "router")
+    if stale:
+        log.warning("reload: %s changed; these take a restart", ", ".join(stale))
+    return True
+
+
+def _needs_restart(old: object, new: object, section: str) -> list[str]:
+    fields = [f.name for f in dataclasses.fields(old) if f.name not in _RELOADED]  # type: ignore[arg-type]
+    return [f"{section}.{name}" for name in fields if getattr(old, name) != getattr(new, name)]
