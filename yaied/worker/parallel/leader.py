@@ -69,6 +69,16 @@ def core_shares(world_size: int, threads: int) -> list[tuple[int, tuple[int, ...
     return [(per_rank, tuple(cores[r * size : (r + 1) * size])) for r in range(world_size)]
 
 
+def _allow_children() -> None:
+    """A router's engine process is daemonic (the router's exit ends it), and multiprocessing
+    refuses a daemonic process children lest they be orphaned. Ranks never are: each exits when
+    this process does (it watches its sentinel), and ``close`` kills them. The flag only
+    matters to this process's own exit, which never waits for the ranks anyway."""
+    process = multiprocessing.current_process()
+    if process.daemon:
+        process.daemon = False
+
+
 @dataclass(slots=True)
 class _Rank:
     process: multiprocessing.process.BaseProcess
@@ -93,6 +103,7 @@ class TensorParallel:
         if device.type == "cpu":
             bind_cpu(*shares[0])  # the worker thread: this is the thread every step runs in
         devices = rank_devices(device, world_size)
+        _allow_children()
         ctx = multiprocessing.get_context("spawn")
         ranks: list[_Rank] = []
         parallel = cls(group, ranks)
