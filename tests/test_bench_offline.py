@@ -68,3 +68,15 @@ def test_spec_bandwidth_by_device_name():
     assert module.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert module.spec_bandwidth("NVIDIA H200") == 4.8e12
     assert module.spec_bandwidth("NVIDIA A100-SXM4-80GB") is None
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_reports_communication_per_step(tmp_path):
+    (record,) = run_bench(
+        tmp_path, "--workload", "W-mixed", "--num-prompts", "2", "--max-output-len", "4",
+        "--tensor-parallel-size", "2", "--no-peak",
+    )  # fmt: skip
+    assert record["output_tokens"] == 8
+    assert record["comm_ms_per_step"] > 0 and 0 < record["comm_share"] < 1
+    # two all-reduces a layer (2 layers), the embedding's, the step and the logits commands
+    assert record["collectives_per_step"] >= 5

@@ -172,6 +172,7 @@ class Worker:
             error = _describe(exc)
             log.error("step failed: %s\n%s", error, traceback.format_exc())
             if is_fatal(exc) or self._ranks_out_of_step():
+                self.close()  # tensor parallel: the other ranks go now, not at their timeout
                 return StepOutput([], error=error, fatal=True)
             if len(batch.seqs) == 1:
                 return StepOutput([], error=error)
@@ -187,11 +188,8 @@ class Worker:
     def _ranks_out_of_step(self) -> bool:
         """Tensor parallel: rank 0 failed between a command and the end of its collectives, so
         the other ranks wait in one it will never reach. Nothing can resync them: the engine
-        stops (and is restarted), and the ranks go now rather than at their timeout."""
-        if self.parallel is None or not self.parallel.group.pending:
-            return False
-        self.parallel.close()
-        return True
+        stops (and is restarted)."""
+        return self.parallel is not None and self.parallel.group.pending
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any; safe from any thread, and twice."""
@@ -208,6 +206,7 @@ class Worker:
                 out = self._execute(alone)
             except Exception as exc:
                 if is_fatal(exc) or self._ranks_out_of_step():
+                    self.close()
                     return StepOutput([], error=_describe(exc), fatal=True)
                 log.error("request %s failed alone: %s", seq.request_id, _describe(exc))
                 out = StepOutput([0] if seq.sample else [], failed={seq.request_id: _describe(exc)})
