@@ -66,12 +66,16 @@ async def test_a_killed_rank_fails_the_calls_and_ends_the_engine(tiny_model_dirs
 
 
 @pytest.mark.timeout(120)
-async def test_a_hung_rank_times_out_instead_of_hanging(tiny_model_dirs):
+async def test_a_hung_rank_times_out_but_an_idle_one_does_not(tiny_model_dirs):
     """SIGSTOP: the rank holds its sockets open and answers nothing; rank 0's collective gives
-    up after the group's timeout (engine.step_timeout_s)."""
+    up after the group's timeout (engine.step_timeout_s). Ranks waiting for work through a
+    longer idle spell stay."""
     engine = await start_engine(tiny_model_dirs["llama"], step_timeout_s=3.0)
     pids = engine.worker.parallel.pids
     try:
+        await asyncio.sleep(4)  # idle past the timeout: waiting for work is no fault
+        events = [e async for e in engine.generate([5, 6, 7], SamplingParams(max_tokens=3))]
+        assert events[-1].finish_reason is FinishReason.LENGTH
         final, seconds = await run_until_final(engine, lambda: os.kill(pids[0], signal.SIGSTOP))
         assert final.finish_reason is FinishReason.ERROR
         assert seconds < 15

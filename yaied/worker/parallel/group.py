@@ -31,6 +31,9 @@ from yaied.core.step import ScheduledSeq
 
 STEP, LOGITS, POOL, GRAPHS, STOP = 1, 2, 3, 4, 5
 HEADER_SIZE = 4
+# Ranks 1..N-1 wait this long for rank 0's next command: an idle engine is no fault. (A rank 0
+# that hangs is the engine's own step timeout to catch; one that dies, the ranks' parent watch.)
+IDLE_TIMEOUT = timedelta(days=365)
 _GREEDY = SamplingParams()  # other ranks never sample: one shared, unused params object
 
 
@@ -91,10 +94,14 @@ class RankGroup:
         self._wait(self.data.allreduce([tensor]))
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, *, control: bool = False) -> torch.Tensor:
+    def broadcast(
+        self, tensor: torch.Tensor, *, control: bool = False, timeout: timedelta | None = None
+    ) -> torch.Tensor:
         """Rank 0's tensor into everyone's, in place."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        if timeout is not None:
+            options.timeout = timeout
         group = self.control if control else self.data
         self._wait(group.broadcast([tensor], options))
         return tensor
@@ -122,7 +129,7 @@ class RankGroup:
     def receive(self) -> list[int]:
         """The next command's header: [command, arg0, arg1, arg2]."""
         header = torch.empty(HEADER_SIZE, dtype=torch.int64)
-        return self.broadcast(header, control=True).tolist()
+        return self.broadcast(header, control=True, timeout=IDLE_TIMEOUT).tolist()
 
     def receive_payload(self, size: int) -> torch.Tensor:
         return self.broadcast(torch.empty(size, dtype=torch.int64), control=True)
