@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from hf_reference import hf_generate, load_hf_model
+from tp_comm import comm_counters, comm_record
 
 WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-single")
 HF_NANO_BATCH = 64
@@ -148,6 +149,7 @@ def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "load_format": args.load_format,
         "threads": threads,
         "model_impl": args.model_impl,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
@@ -164,11 +166,11 @@ def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str,
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
     ]
-    before = llm.stats()
+    before = llm.stats() | comm_counters(llm)
     started = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - started
-    after = llm.stats()
+    after = llm.stats() | comm_counters(llm)
     for i, (out, wanted) in enumerate(zip(outputs, workload.output_lens, strict=True)):
         error = getattr(out, "error", None)
         if error or len(out.token_ids) != wanted:
@@ -179,6 +181,7 @@ def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str,
     deltas = {
         key: after[key] - before.get(key, 0)
         for key in ("prefix_cache_queries", "prefix_cache_hits", "num_steps", "num_preemptions")
+        + ("comm_s", "num_collectives")
         if key in after
     }
     output_tokens = sum(len(out.token_ids) for out in outputs)
@@ -227,6 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--runs", type=int, default=1, help="timed runs; run k uses seed k")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = every core")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks; CPU splits cores"
+    )
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-gib", type=float)
@@ -348,6 +354,7 @@ def _run_once(
             deltas["prefix_cache_hits"] / deltas["prefix_cache_queries"], 4
         )
     record.update({k: v for k, v in deltas.items() if k in ("num_steps", "num_preemptions")})
+    record.update(comm_record(deltas, elapsed))
     if hf_model is not None:
         hf_elapsed = run_hf(hf_model, workload, device)
         hf_tok_s = workload.num_output_tokens / hf_elapsed

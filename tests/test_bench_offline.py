@@ -77,3 +77,15 @@ def test_w_single_with_compare_hf(tmp_path):
     assert record["ttft_ms"] > 0 and record["decode_tok_s"] > 0 and record["hf_decode_tok_s"] > 0
     assert record["copy_bandwidth_gb_s"] > 0 and record["memory_floor_tok_s"] > 0
     assert record["weight_bytes"] > 0 and record["kv_bytes_per_token"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_reports_communication_per_step(tmp_path):
+    (record,) = run_bench(
+        tmp_path, "--workload", "W-mixed", "--num-prompts", "2", "--max-output-len", "4",
+        "--tensor-parallel-size", "2", "--no-peak",
+    )  # fmt: skip
+    assert record["output_tokens"] == 8
+    assert record["comm_ms_per_step"] > 0 and 0 < record["comm_share"] < 1
+    # two all-reduces a layer (2 layers), the embedding's, the step and the logits commands
+    assert record["collectives_per_step"] >= 5

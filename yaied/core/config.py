@@ -101,11 +101,15 @@ class LoopConfig:
     # a full budget, Triton's interpreter in tests), so it only ever catches a hang.
     step_timeout_s: float = 300.0
     max_failed_steps: int = 3  # whole steps failing in a row before the engine rebuilds its cache
+    # Devices one engine spans (tensor parallelism, yaied/worker/parallel/): rank r runs on
+    # cuda:(K + r) from device.device = cuda:K, or on its share of the cores on CPU.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.step_timeout_s > 0:
             raise ValueError(f"engine.step_timeout_s must be > 0, got {self.step_timeout_s}")
         _at_least("engine.max_failed_steps", self.max_failed_steps, 1)
+        _at_least("engine.tensor_parallel_size", self.tensor_parallel_size, 1)
 
 
 @dataclass(frozen=True, slots=True)

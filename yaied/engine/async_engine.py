@@ -288,8 +288,8 @@ class AsyncEngine:
             self._task = None
         for request_id in list(self._streams):
             self._finish_stream(request_id, FinishReason.ABORT, error=None)
-        # A dead engine's worker thread may be stuck in a hung step: do not wait for it.
-        self._executor.shutdown(wait=self.dead is None)
+        self._executor.shutdown(wait=self.dead is None)  # a dead engine's may hang: no wait
+        self.worker.close()  # tensor-parallel ranks go after the last step (a stuck one raises)
 
     # -- the loop ---------------------------------------------------------------------------
 

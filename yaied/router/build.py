@@ -15,20 +15,29 @@ def build_manager(
     per GPU when there are that many GPUs, else CPU processes). Nothing starts here."""
     manager = EngineManager(router_config, engine_config=engine_config)
     if not entries:
-        entries = local_entries(router_config.engines, engine_config.device.device)
+        size = engine_config.engine.tensor_parallel_size
+        entries = local_entries(router_config.engines, engine_config.device.device, size)
     for entry, name in zip(entries, entry_names(entries), strict=True):
         manager.add_engine(entry, name=name)
     return manager
 
 
-def local_entries(count: int, device: str) -> tuple[EngineEntry, ...]:
+def local_entries(
+    count: int, device: str, tensor_parallel_size: int = 1
+) -> tuple[EngineEntry, ...]:
+    """``count`` engines of ``tensor_parallel_size`` GPUs each (engine i on cuda:i*N ..), when
+    there are that many GPUs, else CPU processes."""
     if device in ("auto", "cuda"):
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus >= count:
-            return tuple(EngineEntry(device=f"cuda:{i}") for i in range(count))
+        size = tensor_parallel_size
+        if gpus >= count * size:
+            return tuple(EngineEntry(device=f"cuda:{i * size}") for i in range(count))
         if device == "cuda":
-            raise ValueError(f"router.engines = {count} asks for more GPUs than the {gpus} here")
+            raise ValueError(
+                f"router.engines = {count} of tensor_parallel_size {size} asks for more GPUs "
+                f"than the {gpus} here"
+            )
         device = "cpu"
     return tuple(EngineEntry(device=device) for _ in range(count))

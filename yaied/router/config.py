@@ -86,6 +86,10 @@ class EngineEntry:
     name: str = ""  # stable, for reloads and logs; "" = made from kind and device or url
     device: str = "auto"  # local: auto | cpu | cuda | cuda:N
     threads: int = 0  # local on CPU: torch threads; 0 = the cores divided among local engines
+    # local: devices this engine spans (tensor parallelism); 0 = engine.tensor_parallel_size,
+    # or the number of device_ids when they are given
+    tensor_parallel_size: int = 0
+    device_ids: tuple[int, ...] = ()  # local on CUDA: its GPUs, say [2, 3]; () = from device
     url: str = ""  # remote: the daemon's base URL, say http://10.0.0.2:8000
     api_key: str = field(default="", repr=False)  # remote: its Bearer key (better: the two below)
     api_key_env: str = ""  # remote: the environment variable that holds its key
@@ -104,6 +108,20 @@ class EngineEntry:
             raise ValueError(f"engines.threads must be >= 0, got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"engines.device must be auto, cpu, cuda or cuda:N: {self.device!r}")
+        if self.tensor_parallel_size < 0:
+            raise ValueError(
+                f"engines.tensor_parallel_size must be >= 0: {self.tensor_parallel_size}"
+            )
+        size, ids = self.tensor_parallel_size, self.device_ids
+        if ids and (
+            size not in (0, len(ids))
+            or self.device not in ("auto", "cuda")
+            or len(set(ids)) < len(ids)
+        ):
+            raise ValueError(
+                f"engines.device_ids {list(ids)} must name tensor_parallel_size ({size}) distinct "
+                'GPUs, with device = "cuda" (or "auto")'
+            )
 
     def _read_key(self) -> str:
         """The remote's key, read once at load: a missing variable or file stops the start."""
@@ -145,9 +163,14 @@ def load_router_config(
 
 def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
     known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry) if f.init}
+    table = dict(table)
     for key, value in table.items():
         if key not in known:
             raise ValueError(f"unknown setting engines.{key}; known: {', '.join(known)}")
+        if known[key] is tuple and isinstance(value, list):  # device_ids = [2, 3]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"engines.{key} must be a list of integers, got {value!r}")
+            table[key] = value = tuple(value)
         if not isinstance(value, known[key]) or isinstance(value, bool):
             raise ValueError(f"engines.{key} must be a {known[key].__name__}, got {value!r}")
     return EngineEntry(**table)

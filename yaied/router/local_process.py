@@ -28,7 +28,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from yaied.core.config import DeviceConfig, EngineConfig
+from yaied.core.config import EngineConfig
 from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.child import ChildSpec, Sender, child_main
 from yaied.router.config import EngineEntry, RouterConfig
@@ -74,20 +74,29 @@ class LocalProcessHandle(EngineHandle):
     # -- process management -----------------------------------------------------------------
 
     def child_spec(self) -> ChildSpec:
-        """The engine config for the child, and the CUDA device it may see."""
+        """The engine config for the child, and the CUDA devices it may see: its one device,
+        or with tensor parallelism its device_ids (else cuda:K..K+N-1 from device = cuda:K),
+        renumbered from cuda:0 in the child."""
         device, visible = self.entry.device, None
+        size = self.entry.tensor_parallel_size or len(self.entry.device_ids)
+        size = size or self.engine_config.engine.tensor_parallel_size
         if device == "auto":
             device = self.engine_config.device.device
+        indices = list(self.entry.device_ids)
         if device.startswith("cuda:"):
-            index = int(device.split(":", 1)[1])
+            first = int(device.split(":", 1)[1])
+            indices = list(range(first, first + size))
+        if indices:
             parent = os.environ.get("CUDA_VISIBLE_DEVICES")
             ids = [d.strip() for d in parent.split(",")] if parent else None
-            visible = ids[index] if ids and index < len(ids) else str(index)
-            device = "cuda:0"  # the only device the child sees
+            visible = ",".join(ids[i] if ids and i < len(ids) else str(i) for i in indices)
+            device = "cuda:0"  # the first device the child sees
         threads = self.entry.threads or self.engine_config.device.threads
         threads = threads or default_threads(self.num_local_engines)
         config = dataclasses.replace(
-            self.engine_config, device=DeviceConfig(device=device, threads=threads)
+            self.engine_config,
+            device=dataclasses.replace(self.engine_config.device, device=device, threads=threads),
+            engine=dataclasses.replace(self.engine_config.engine, tensor_parallel_size=size),
         )
         return ChildSpec(self.engine_id, config, visible, threads)
 
@@ -254,7 +263,12 @@ class LocalProcessHandle(EngineHandle):
         return self._stats
 
     def describe(self) -> dict[str, Any]:
-        return {"device": self.entry.device, "pid": self.pid, "restarts": self.num_restarts}
+        return {
+            "device": self.entry.device,
+            "pid": self.pid,
+            "restarts": self.num_restarts,
+            "tensor_parallel_size": self.child_spec().engine_config.engine.tensor_parallel_size,
+        }
 
 
 def default_threads(num_local_engines: int) -> int:

@@ -41,7 +41,7 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
     started = time.perf_counter()
     dtype = resolve_dtype(config.dtype, device)
     folder, hf_config = _resolve_config(config, show_progress)
-    max_len = _max_model_len(hf_config, config.max_model_len)
+    max_len = max_model_len_of(hf_config, config.max_model_len)
     torch.manual_seed(config.seed)
     if pick_impl(config, hf_config) == "transformers":
         model = build_transformers_model(
@@ -135,7 +135,7 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.copy_(values)
 
 
-def _max_model_len(hf_config, configured: int) -> int:
+def max_model_len_of(hf_config, configured: int) -> int:
     native = getattr(hf_config, "max_position_embeddings", None) or 2048
     if configured and configured > native:
         raise ValueError(f"max_model_len {configured} exceeds the model's context length {native}")

@@ -26,10 +26,13 @@ from yaied.worker.gpu_setup import (
     resolve_attention_backend,
     warmup_seqs,
 )
-from yaied.worker.loader import LoadedModel, load_model
+from yaied.worker.loader import load_model
 from yaied.worker.model_runner import ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
+from yaied.worker.parallel.group import RankFailure
+from yaied.worker.parallel.leader import LeaderRunner, TensorParallel
+from yaied.worker.runner_setup import KVCaches, allocate_kv, build_runner, capture_graphs
 
 if TYPE_CHECKING:
     from yaied.worker.cuda_graphs import DecodeGraphs
@@ -61,9 +64,22 @@ class Worker:
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
-        self.loaded: LoadedModel = load_model(
-            config.model, self.device, show_progress=show_progress
-        )
+        # Tensor parallelism: this thread is rank 0; the other ranks are processes it spawns.
+        self.parallel: TensorParallel | None = None
+        if config.engine.tensor_parallel_size > 1:
+            self.parallel, self.loaded = TensorParallel.start(config, self.device)
+        else:
+            self.loaded = load_model(config.model, self.device, show_progress=show_progress)
+        try:
+            self._set_up(config)
+        except BaseException:
+            self.close()  # no tensor-parallel rank outlives a failed start
+            raise
+        # Test-only fault injection: a callable run before each step (see tests).
+        self.fault_hook = None
+
+    def _set_up(self, config: EngineConfig) -> None:
+        """The KV pool sized, allocated, and the runner (and CUDA graphs) built around it."""
         self.backend = resolve_attention_backend(
             config.device.attention_backend,
             self.device.type,
@@ -94,64 +110,28 @@ class Worker:
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             device=str(self.device),
         )
-        # Test-only fault injection: a callable run before each step (see tests).
-        self.fault_hook = None
 
-    def _allocate_kv(self, num_pages: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Per layer: K and V pools [kv_heads, num_pages, page_size, head_dim] (see attention.py).
-        shape = self.loaded.model.shape
-        kv_shape = (shape.num_kv_heads, num_pages, self.config.cache.page_size, shape.head_dim)
-        dtype, device = self.loaded.dtype, self.device
-        return [
-            (
-                torch.zeros(kv_shape, dtype=dtype, device=device),
-                torch.zeros(kv_shape, dtype=dtype, device=device),
-            )
-            for _ in range(shape.num_layers)
-        ]
+    def _allocate_kv(self, num_pages: int) -> KVCaches:
+        page_size, dtype = self.config.cache.page_size, self.loaded.dtype
+        return allocate_kv(self.loaded.model, num_pages, page_size, dtype, self.device)
 
-    def _runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunner:
-        shape = self.loaded.model.shape
-        triton = None
-        if self.backend == "triton":
-            from yaied.worker.gpu_inputs import TritonInputBuilder
-
-            triton = TritonInputBuilder(
-                self.config.cache.page_size, shape.num_kv_heads, self.device, self._num_sms()
-            )
-        return ModelRunner(
-            self.loaded.model,
-            kv_caches,
-            self.config.cache.page_size,
-            shape.vocab_size,
-            self.device,
-            seed=self.config.model.seed,
-            triton=triton,
-        )
-
-    def _num_sms(self) -> int:
-        if self.device.type != "cuda":
-            return 1
-        return torch.cuda.get_device_properties(self.device).multi_processor_count
+    def _runner(self, kv_caches: KVCaches) -> ModelRunner:
+        model, config, device, backend = self.loaded.model, self.config, self.device, self.backend
+        if self.parallel is None:
+            return build_runner(model, kv_caches, config, device, backend)
+        self.parallel.send_pool(kv_caches[0][0].shape[1])  # the same pool on every rank
+        runner = build_runner(model, kv_caches, config, device, backend, LeaderRunner)
+        runner.parallel = self.parallel
+        return runner
 
     def _use_graphs(self) -> bool:
         cuda = self.device.type == "cuda"
         return cuda and self.backend == "triton" and self.config.device.cuda_graphs
 
     def _capture_graphs(self, max_len: int) -> DecodeGraphs:
-        from yaied.worker.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs(
-            self.loaded.model,
-            self.kv_caches,
-            self.config.scheduler.max_num_seqs,
-            -(-max_len // self.config.cache.page_size),
-            max_len,
-            self._num_sms(),
-            self.device,
-        )
-        graphs.capture()
-        return graphs
+        if self.parallel is not None:
+            self.parallel.send_graphs(max_len)  # every rank captures: collectives inside
+        return capture_graphs(self.loaded.model, self.kv_caches, self.config, max_len, self.device)
 
     def _num_pages(self, page_bytes: int) -> int:
         if self.device.type == "cuda":
@@ -195,16 +175,30 @@ class Worker:
         except Exception as exc:
             error = _describe(exc)
             log.error("step failed: %s\n%s", error, traceback.format_exc())
-            if is_fatal(exc):
+            if is_fatal(exc) or self._ranks_out_of_step():
+                self.close()  # tensor parallel: the other ranks go now, not at their timeout
                 return StepOutput([], error=error, fatal=True)
             if len(batch.seqs) == 1:
                 return StepOutput([], error=error)
             return self._execute_one_by_one(batch, error)
 
     def _execute(self, batch: Batch) -> StepOutput:
+        if self.parallel is not None:
+            self.parallel.check_ranks()
         if self.fault_hook is not None:
             self.fault_hook(batch)
         return self.runner.execute(batch)
+
+    def _ranks_out_of_step(self) -> bool:
+        """Tensor parallel: rank 0 failed between a command and the end of its collectives, so
+        the other ranks wait in one it will never reach. Nothing can resync them: the engine
+        stops (and is restarted)."""
+        return self.parallel is not None and self.parallel.group.pending
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any; safe from any thread, and twice."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _execute_one_by_one(self, batch: Batch, error: str) -> StepOutput:
         """The step again, one sequence a step, merged into one StepOutput in batch order."""
@@ -215,7 +209,8 @@ class Worker:
                 alone = Batch([seq], len(seq.token_ids), grammar_bitmask=batch.grammar_bitmask)
                 out = self._execute(alone)
             except Exception as exc:
-                if is_fatal(exc):
+                if is_fatal(exc) or self._ranks_out_of_step():
+                    self.close()
                     return StepOutput([], error=_describe(exc), fatal=True)
                 log.error("request %s failed alone: %s", seq.request_id, _describe(exc))
                 out = StepOutput([0] if seq.sample else [], failed={seq.request_id: _describe(exc)})
@@ -236,8 +231,8 @@ class Worker:
 def is_fatal(exc: BaseException) -> bool:
     """Errors after which the device cannot be trusted: CUDA's sticky errors (an illegal address,
     a device-side assert) fail every later call in this process."""
-    if isinstance(exc, torch.AcceleratorError):
-        return True
+    if isinstance(exc, torch.AcceleratorError | RankFailure):
+        return True  # a RankFailure: another tensor-parallel rank died or hangs
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         mark in text for mark in ("CUDA error", "device-side assert", "CUBLAS_STATUS")
