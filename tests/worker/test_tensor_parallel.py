@@ -154,7 +154,9 @@ def test_tp2_logits_equal_tp1_at_prefill_decode_and_over_a_cached_prefix(workers
     for step in steps:
         one, two = (w.logits(step) for w in workers)
         assert one.shape == two.shape == (sum(len(s.token_ids) for s in step), 256)
-        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
+        # fp32 tolerance: the all-reduce sums the ranks' partial products in another order than
+        # one rank's matmul, and the CPU prefill kernel's blocked softmax rounds on its own.
+        torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
     assert workers[1].worker.parallel.group.num_collectives > 0
 
 
