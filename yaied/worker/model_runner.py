@@ -15,6 +15,7 @@ from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
+from yaied.worker.speculative import position_rows, verify
 
 if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
     from yaied.worker.cuda_graphs import DecodeGraphs
@@ -72,28 +73,38 @@ class ModelRunner:
         start = time.perf_counter()
         hidden, sample_rows, first_row = self._forward(batch.seqs)
         sampling = [seq for seq in batch.seqs if seq.sample]
-        logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
+        # Speculative drafts: a row per position from the last real token on, each with the
+        # knobs as they stand there (yaied/worker/speculative.py); else a row per sequence.
+        drafted = any(seq.num_draft_tokens for seq in sampling)
+        rows = sampling
+        if drafted:
+            row_ids, rows = position_rows(sampling, first_row)
+            sample_rows = torch.tensor(row_ids, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden[sample_rows])  # raw, [rows, vocab]
         # Grammars first, in place: every knob after, and the logprobs, see only allowed tokens.
-        mask_time = _apply_grammars(logits, sampling, batch.grammar_bitmask)
-        token_ids = self._sample(logits, sampling)
-        logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
-        finite = self._finite_rows(batch.seqs, hidden, first_row, logits)
+        mask_time = _apply_grammars(logits, rows, batch.grammar_bitmask)
+        token_ids = self._sample(logits, rows)
+        logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in rows])
+        finite = self._finite_rows(batch.seqs, hidden, first_row, _per_seq_max(logits, sampling))
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
         # With no logprobs asked for, the step's one host sync: tokens, then the finite marks.
         host = torch.cat([token_ids, finite.to(token_ids.dtype)]).tolist()
         failed = {
             seq.request_id: "the model produced non-finite values (NaN or inf)"
-            for seq, ok in zip(batch.seqs, host[len(sampling) :], strict=True)
+            for seq, ok in zip(batch.seqs, host[len(rows) :], strict=True)
             if not ok
         }
-        return StepOutput(
-            host[: len(sampling)],
+        out = StepOutput(
+            host[: len(rows)],
             failed=failed,
             model_time=time.perf_counter() - start,
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
             mask_time=mask_time,
         )
+        if drafted:
+            verify(sampling, out)  # rows -> one token per sequence, after its accepted drafts
+        return out
 
     @staticmethod
     def _finite_rows(
@@ -268,6 +279,17 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
+
+
+def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """[len(seqs), 1]: each sequence's logits maxima summed over its rows (one row unless it
+    had drafts), finite exactly when every one of its rows has a finite maximum."""
+    if logits.shape[0] == len(seqs):
+        return logits.amax(dim=-1, keepdim=True)
+    owner = [i for i, s in enumerate(seqs) for _ in range(s.num_draft_tokens + 1)]
+    index = torch.tensor(owner, dtype=torch.int64, device=logits.device)
+    summed = torch.zeros(len(seqs), dtype=logits.dtype, device=logits.device)
+    return summed.index_add_(0, index, logits.amax(dim=-1)).unsqueeze(1)
 
 
 def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
