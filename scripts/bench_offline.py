@@ -18,6 +18,11 @@ hits the prefix cache filled by an earlier one):
 - W-decode: 16 prompts of 32..128 tokens, 256 output tokens each.
 - W-prefix: 8 groups x 4 prompts: a shared 1024-token prefix plus 32 own tokens; 32 outputs.
 - W-nano:   256 prompts, input and output lengths each uniform in 100..1024.
+- W-agent:  ``--batch-size`` chat prompts carrying a document to copy (scripts/agent_bench.py).
+
+``--speculative-compare`` runs a workload with n-gram speculation off and on, interleaved, and
+reports the ratio of decode tok/s (scripts/agent_bench.py); ``--speculative-method ngram`` alone
+runs it on.
 
 ``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
 batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
@@ -41,9 +46,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hf_baseline import hf_generate, load_hf_model, run_hf
 
-WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano")
-HF_NANO_BATCH = 64
+WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-agent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +143,18 @@ def matmul_params(hf_config: Any) -> int:
 # -- our engine ------------------------------------------------------------------------------
 
 
-def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def engine_overrides(
+    args: argparse.Namespace, threads: int, speculative: bool = False
+) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         "load_format": args.load_format,
         "threads": threads,
         "model_impl": args.model_impl,
+        "speculative_method": "ngram" if speculative else "",
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
+    if args.speculative_max_batch_size is not None:
+        overrides["speculative_max_batch_size"] = args.speculative_max_batch_size
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -181,81 +192,6 @@ def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str,
     return elapsed, output_tokens, cached, deltas
 
 
-# -- transformers ----------------------------------------------------------------------------
-
-
-def load_hf_model(
-    args: argparse.Namespace, llm: Any, dtype: torch.dtype, device: torch.device
-) -> Any:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    # transformers renamed torch_dtype to dtype in 4.56.
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    if args.load_format == "dummy":  # random weights, as the engine's: fine for throughput
-        model = AutoModelForCausalLM.from_config(llm.hf_config, **{dtype_kw: dtype})
-    else:
-        from yaied.worker.model_files import resolve_model_folder
-
-        folder = resolve_model_folder(args.model)
-        model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_kw: dtype})
-    return model.to(device).eval()
-
-
-def _eos_id(hf_config: Any) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list | tuple):
-        eos = eos[0] if eos else None
-    return eos
-
-
-def hf_generate(model: Any, prompts: list[list[int]], num_new: int, device: torch.device) -> float:
-    """One left-padded greedy `generate` of exactly `num_new` tokens per prompt; its seconds."""
-    from transformers import GenerationConfig
-
-    eos = _eos_id(model.config)
-    pad = eos if eos is not None else 0
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=num_new,
-        min_new_tokens=num_new,
-        do_sample=False,
-        pad_token_id=pad,
-        eos_token_id=eos,
-    )
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    _sync(device)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
-        )
-    _sync(device)
-    elapsed = time.perf_counter() - started
-    if out.shape[1] != width + num_new:
-        raise RuntimeError(f"transformers generated {out.shape[1] - width} of {num_new} tokens")
-    return elapsed
-
-
-def run_hf(model: Any, workload: Workload, device: torch.device) -> float:
-    """Seconds for the whole workload; W-nano (mixed output lengths) goes in batches of 64."""
-    if len(set(workload.output_lens)) == 1:
-        return hf_generate(model, workload.prompts, workload.output_lens[0], device)
-    elapsed = 0.0
-    for start in range(0, len(workload.prompts), HF_NANO_BATCH):
-        batch = slice(start, start + HF_NANO_BATCH)
-        elapsed += hf_generate(
-            model, workload.prompts[batch], max(workload.output_lens[batch]), device
-        )
-    return elapsed
-
-
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -288,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, help="only the first N prompts (smoke tests)")
     parser.add_argument("--max-output-len", type=int, help="cap each output (smoke tests)")
     parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak")
+    parser.add_argument("--batch-size", type=int, default=1, help="W-agent: prompts at once")
+    parser.add_argument("--speculative-method", choices=("", "ngram"), default="")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--speculative-max-batch-size", type=int)
+    parser.add_argument("--speculative-compare", action="store_true", help="off vs on")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -321,7 +262,17 @@ def main(argv: list[str] | None = None) -> None:
     from yaied import LLM, SamplingParams
 
     _log(f"loading {args.model} ({args.dtype}, load_format={args.load_format})")
-    llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads))
+    if args.speculative_compare or args.workload == "W-agent":
+        from agent_bench import run_agent
+
+        def make_llm(speculative: bool) -> Any:
+            overrides = engine_overrides(args, threads, speculative)
+            return LLM(model=args.model, dtype=args.dtype, show_progress=False, **overrides)
+
+        run_agent(args, make_llm)
+        return
+    speculative = bool(args.speculative_method)
+    llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads, speculative))
     try:
         llm.generate(
             [list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

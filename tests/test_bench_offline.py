@@ -68,3 +68,15 @@ def test_spec_bandwidth_by_device_name():
     assert module.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert module.spec_bandwidth("NVIDIA H200") == 4.8e12
     assert module.spec_bandwidth("NVIDIA A100-SXM4-80GB") is None
+
+
+@pytest.mark.timeout(180)
+def test_speculative_compare_mode(tmp_path):
+    lines = run_bench(
+        tmp_path, "--workload", "W-mixed", "--num-prompts", "2", "--max-output-len", "6",
+        "--speculative-compare", "--no-peak",
+    )  # fmt: skip
+    runs, (summary,) = lines[:-1], lines[-1:]
+    assert [r["speculative"] for r in runs] == [False, True]
+    assert all(r["output_tokens"] == 12 and r["decode_tok_s"] > 0 for r in runs)
+    assert summary["summary"] and summary["outputs_identical"] and summary["speedup"] > 0
