@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -199,16 +200,22 @@ class ModelRunner:
         """Pack the batch into rows: decodes first, sorted by context length so that each decode
         bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order."""
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
-        chunks = [s for s in seqs if len(s.token_ids) > 1]
+        # With the decode kernel, a decode carrying speculative drafts runs as one decode row
+        # per position (each attends up to itself, K/V being written first): a prefill chunk
+        # over cached context costs a gather and an SDPA call per layer, several times more.
+        drafted = [s for s in seqs if s.num_draft_tokens and self.decode_kernel is not None]
+        chunks = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft_tokens] + [
+            s for s in seqs if s.num_draft_tokens and self.decode_kernel is None
+        ]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         first_row: dict[str, int] = {}
         prefill_chunks: list[PrefillChunk] = []
-        for seq in decodes + chunks:
+        for seq in decodes + drafted + chunks:
             n = len(seq.token_ids)
             first_row[seq.request_id] = len(input_ids)
-            if n > 1:
+            if n > 1 and not (seq.num_draft_tokens and self.decode_kernel is not None):
                 prefill_chunks.append(self._prefill_chunk(seq, len(input_ids)))
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.start_pos + n)
@@ -219,7 +226,11 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
             prefills=prefill_chunks,
-            kernel_decodes=self._kernel_decodes(decodes) if self.decode_kernel else None,
+            kernel_decodes=(
+                self._kernel_decodes(decodes + _position_decodes(drafted))
+                if self.decode_kernel
+                else None
+            ),
         )
         return PreparedInputs(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -279,6 +290,15 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
+
+
+def _position_decodes(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Each position of each drafted sequence as a one-token decode, in row order."""
+    return [
+        dataclasses.replace(seq, token_ids=[token], start_pos=seq.start_pos + j)
+        for seq in seqs
+        for j, token in enumerate(seq.token_ids)
+    ]
 
 
 def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
