@@ -20,6 +20,11 @@ hits the prefix cache filled by an earlier one):
 - W-nano:   256 prompts, input and output lengths each uniform in 100..1024.
 - W-single: one 512-token prompt, 256 output tokens, alone: TTFT, decode tok/s and the memory
   floor (scripts/single_stream.py); ``--compare-hf`` times transformers' batch-1 ``generate``.
+- W-agent:  ``--batch-size`` chat prompts carrying a document to copy (scripts/agent_bench.py).
+
+``--speculative-compare`` runs a workload with n-gram speculation off and on, interleaved, and
+reports the ratio of decode tok/s (scripts/agent_bench.py); ``--speculative-method ngram`` alone
+runs it on.
 
 ``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
 batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
@@ -43,11 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hf_reference import hf_generate, load_hf_model
+from hf_baseline import hf_generate, load_hf_model, run_hf
 from tp_comm import comm_counters, comm_record
 
-WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-single")
-HF_NANO_BATCH = 64
+WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-single", "W-agent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +148,19 @@ def matmul_params(hf_config: Any) -> int:
 # -- our engine ------------------------------------------------------------------------------
 
 
-def engine_overrides(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def engine_overrides(
+    args: argparse.Namespace, threads: int, speculative: bool = False
+) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         "load_format": args.load_format,
         "threads": threads,
         "model_impl": args.model_impl,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "speculative_method": "ngram" if speculative else "",
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
+    if args.speculative_max_batch_size is not None:
+        overrides["speculative_max_batch_size"] = args.speculative_max_batch_size
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -189,22 +199,6 @@ def run_engine(llm: Any, workload: Workload) -> tuple[float, int, int, dict[str,
     return elapsed, output_tokens, cached, deltas
 
 
-# -- transformers ----------------------------------------------------------------------------
-
-
-def run_hf(model: Any, workload: Workload, device: torch.device) -> float:
-    """Seconds for the whole workload; W-nano (mixed output lengths) goes in batches of 64."""
-    if len(set(workload.output_lens)) == 1:
-        return hf_generate(model, workload.prompts, workload.output_lens[0], device)
-    elapsed = 0.0
-    for start in range(0, len(workload.prompts), HF_NANO_BATCH):
-        batch = slice(start, start + HF_NANO_BATCH)
-        elapsed += hf_generate(
-            model, workload.prompts[batch], max(workload.output_lens[batch]), device
-        )
-    return elapsed
-
-
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -240,6 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, help="only the first N prompts (smoke tests)")
     parser.add_argument("--max-output-len", type=int, help="cap each output (smoke tests)")
     parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak")
+    parser.add_argument("--batch-size", type=int, default=1, help="W-agent: prompts at once")
+    parser.add_argument("--speculative-method", choices=("", "ngram"), default="")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--speculative-max-batch-size", type=int)
+    parser.add_argument("--speculative-compare", action="store_true", help="off vs on")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -273,7 +272,17 @@ def main(argv: list[str] | None = None) -> None:
     from yaied import LLM, SamplingParams
 
     _log(f"loading {args.model} ({args.dtype}, load_format={args.load_format})")
-    llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads))
+    if args.speculative_compare or args.workload == "W-agent":
+        from agent_bench import run_agent
+
+        def make_llm(speculative: bool) -> Any:
+            overrides = engine_overrides(args, threads, speculative)
+            return LLM(model=args.model, dtype=args.dtype, show_progress=False, **overrides)
+
+        run_agent(args, make_llm)
+        return
+    speculative = bool(args.speculative_method)
+    llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads, speculative))
     try:
         llm.generate(
             [list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -92,7 +92,7 @@ def single_stream_record(
         "floor_share": round(decode_tok_s / floor_tok_s, 3),
     }
     if hf_model is not None:
-        from hf_reference import hf_generate
+        from hf_baseline import hf_generate
 
         hf_ttft = min(hf_generate(hf_model, [fresh()], 1, device) for _ in range(TTFT_REPEATS))
         hf_total = hf_generate(hf_model, [prompt], OUTPUT_TOKENS, device)

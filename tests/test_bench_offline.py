@@ -89,3 +89,14 @@ def test_tensor_parallel_reports_communication_per_step(tmp_path):
     assert record["comm_ms_per_step"] > 0 and 0 < record["comm_share"] < 1
     # two all-reduces a layer (2 layers), the embedding's, the step and the logits commands
     assert record["collectives_per_step"] >= 5
+
+
+def test_speculative_compare_mode(tmp_path):
+    lines = run_bench(
+        tmp_path, "--workload", "W-mixed", "--num-prompts", "2", "--max-output-len", "6",
+        "--speculative-compare", "--no-peak",
+    )  # fmt: skip
+    runs, (summary,) = lines[:-1], lines[-1:]
+    assert [r["speculative"] for r in runs] == [False, True]
+    assert all(r["output_tokens"] == 12 and r["decode_tok_s"] > 0 for r in runs)
+    assert summary["summary"] and summary["outputs_identical"] and summary["speedup"] > 0

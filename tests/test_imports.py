@@ -28,7 +28,7 @@ if importlib.util.find_spec("triton") is not None:
     import yaied.kernels.triton_decode, yaied.kernels.triton_extend, yaied.kernels.triton_store_kv
     import yaied.worker.gpu_inputs, yaied.worker.cuda_graphs
 sys.path.insert(0, {scripts!r})
-import bench_offline, decode_step, single_stream, hf_reference
+import bench_offline, decode_step, single_stream, hf_baseline
 print("ok")
 """
 

@@ -110,6 +110,7 @@ class FuzzSetup:
     attention_backend: str = "auto"  # triton runs in Triton's interpreter on CPU: ~500x slower
     max_open: int = 12  # a submission first steps the engine until fewer streams are open
     carry_cache: bool = False  # keep the prefix cache across examples (replays less exactly)
+    num_speculative_tokens: int = 0  # > 0: n-gram speculative decoding on, every step
 
     @property
     def kv_cache_gib(self) -> float:
@@ -149,11 +150,12 @@ def write_byte_tokenizer(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def build_model_folder(root: Path) -> Path:
-    """The tiny "llama" of tests/conftest.py (seed 0), with the byte tokenizer."""
+def build_model_folder(root: Path, std: float = 0.3) -> Path:
+    """The tiny "llama" of tests/conftest.py (seed 0), with the byte tokenizer. A smaller std
+    makes a model whose greedy output loops (speculative drafts get accepted)."""
     from tests.conftest import make_tiny_model
 
-    folder = make_tiny_model("llama", root / "llama-bytes")
+    folder = make_tiny_model("llama", root / "llama-bytes", std=std)
     write_byte_tokenizer(folder)
     return folder
 
@@ -327,6 +329,10 @@ class FuzzWorld:
                 "attention_backend": s.attention_backend,
                 "device": "cpu",  # a CUDA pool is sized from free memory, not num_pages
                 "threads": 1,
+                "speculative_method": "ngram" if s.num_speculative_tokens else "",
+                "num_speculative_tokens": max(s.num_speculative_tokens, 1),
+                "speculative_max_batch_size": 0,
+                "prompt_lookup_min": 1,  # draft as often as possible
             },
         )
         engine = AsyncEngine(config, show_progress=False)
@@ -781,13 +787,15 @@ def machine_class(world: FuzzWorld) -> type[RuleBasedStateMachine]:
                 self.fail(f"event of {event.request_id} in the stream of {tracked.rid}")
             if event.num_prompt_tokens != len(tracked.prompt):
                 self.fail(f"num_prompt_tokens {event.num_prompt_tokens}", tracked)
+            # A speculative step adds its accepted drafts and the sampled token at once.
+            most = 1 + self.setup.num_speculative_tokens
             if event.finished:
                 if event.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                     ok = not event.token_ids
                 else:
-                    ok = len(event.token_ids) == 1
+                    ok = 1 <= len(event.token_ids) <= most
             else:
-                ok = len(event.token_ids) == 1
+                ok = 1 <= len(event.token_ids) <= most
             if not ok:
                 self.fail(f"event with {len(event.token_ids)} tokens: {event}", tracked)
             if event.token_ids and params.prompt_logprobs is not None and not tracked.tokens:

@@ -9,6 +9,7 @@ import pytest
 from tests.engine.engine_fuzz import (
     EOS,
     FuzzFailure,
+    FuzzSetup,
     FuzzWorld,
     build_model_folder,
     check_pages,
@@ -48,6 +49,23 @@ def test_engine_fuzz(world):
         "echo_scored",
     ):
         assert stats[what] > 0, what
+
+
+def test_engine_fuzz_with_speculative_decoding(tmp_path_factory):
+    """The same invariants with n-gram drafts in every step: greedy and seeded outputs still
+    equal the request run alone without speculation, pages still all come back."""
+    folder = build_model_folder(tmp_path_factory.mktemp("fuzz-spec-model"), std=0.08)
+    world = FuzzWorld(folder, FuzzSetup(num_speculative_tokens=3))
+    try:
+        run(world, fuzz_settings(derandomize=True, max_examples=80, stateful_step_count=40))
+        stats = world.stats
+        print(dict(sorted(stats.items())), world.engine.stats())
+        for what in ("alone_checked_preempted", "logprobs_checked", "stopped_by_string"):
+            assert stats[what] > 0, what
+        spec = world.engine.stats()
+        assert spec["spec_decode_num_accepted_tokens"] > 0.2 * spec["spec_decode_num_draft_tokens"]
+    finally:
+        world.close()
 
 
 def fail(message, tracked=None):

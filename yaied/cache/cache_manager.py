@@ -71,6 +71,14 @@ class KVCacheManager:
         request.page_ids.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the request's pages past its tokens: the slots of rejected draft tokens
+        (speculative decoding). Those pages are the request's own, never the tree's."""
+        keep = max(self.pool.pages_for(request.num_tokens), request.num_shared_pages)
+        if len(request.page_ids) > keep:
+            self.pool.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
     def cache(self, request: Request) -> None:
         """Move a running request's computed full pages into the tree and share them from there."""
         num_full = request.num_computed_tokens // self.page_size

@@ -113,12 +113,38 @@ class LoopConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (the [speculative] section; see yaied/engine/speculative.py): draft
+    tokens proposed without a second model, verified in one forward pass."""
+
+    speculative_method: str = ""  # "" (off) | ngram (prompt lookup: copy what followed a match)
+    num_speculative_tokens: int = 4  # the most draft tokens per sequence per step
+    prompt_lookup_min: int = 2  # the shortest suffix n-gram that may propose drafts
+    prompt_lookup_max: int = 4  # the longest suffix n-gram tried (longest first)
+    # Steps with more running requests than this do not speculate: verifying drafts then costs
+    # more than it saves (measured on a 2-core CPU, docs/benchmarks.md). 0: always speculate.
+    speculative_max_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _one_of("speculative.speculative_method", self.speculative_method, ("", "ngram"))
+        _at_least("speculative.num_speculative_tokens", self.num_speculative_tokens, 1)
+        _at_least("speculative.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _at_least("speculative.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        _at_least("speculative.speculative_max_batch_size", self.speculative_max_batch_size, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method != ""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     engine: LoopConfig = field(default_factory=LoopConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 T = TypeVar("T")
@@ -132,6 +158,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
     "engine": LoopConfig,
+    "speculative": SpeculativeConfig,
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -212,6 +212,8 @@ class OutputMatcher(Protocol):
     error: str | None  # why it refused a token; the request then fails alone
 
     def accept(self, token_id: int) -> bool: ...
+
+    def num_acceptable(self, token_ids: Sequence[int]) -> int: ...
 
     @property
     def is_terminated(self) -> bool: ...

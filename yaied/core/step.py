@@ -41,6 +41,11 @@ class ScheduledSeq:
     # tokens its grammar allows next (the engine filled it before handing the batch over). The
     # worker masks this sequence's logits with it before any other processing. None: free text.
     grammar_row: int | None = None
+    # Speculative decoding: the last num_draft_tokens of token_ids are guesses of the tokens
+    # after the request's last one (yaied/engine/speculative.py). The worker samples at every
+    # position from the last real token on (logits rows in order, grammar rows grammar_row,
+    # grammar_row + 1...) and keeps the drafts up to the first the model disagrees with.
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -79,3 +84,9 @@ class StepOutput:
     # Concatenated over a prompt's chunks: one entry per prompt token.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     mask_time: float = 0.0  # seconds the worker spent applying grammar masks (metrics)
+    # Speculative decoding, aligned with sampled_token_ids: how many of each sequence's draft
+    # tokens the model accepted; they come before its sampled token in the output. None when no
+    # sequence of the step had drafts.
+    num_accepted_drafts: list[int] | None = None
+    # The accepted drafts' logprobs, by request id, for the sequences that asked for logprobs.
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -101,7 +101,7 @@ class AsyncEngine:
         self.kv = KVCacheManager(
             self.pool, enable_prefix_caching=self.config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.info.max_model_len)
+        self.scheduler = Scheduler.for_engine(self.config, self.kv, self.info.max_model_len)
 
     @property
     def tokenizer(self):
@@ -261,7 +261,7 @@ class AsyncEngine:
             "num_cached_pages": self.kv.tree.num_cached_pages,
             "prefix_cache_queries": self.kv.num_queried_tokens,
             "prefix_cache_hits": self.kv.num_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
+            **self.scheduler.counters(),  # preemptions, speculative drafts
             "num_steps": self.num_steps,
             # Filling and applying grammar masks, over the steps that had a constrained row.
             "structured_output_mask_seconds": self.masks.seconds,
@@ -443,14 +443,14 @@ class AsyncEngine:
         if stream is not None:
             stream.add_prompt_logprobs(scored)
 
-    def _emit_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> None:
+    def _emit_token(self, request: Request, token_logprobs: list[TokenLogprobs] | None) -> None:
         stream = self._streams[request.request_id]
         if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
             error = request.grammar.error if request.grammar is not None else None
             log.error("request %s failed: %s", request.request_id, error)
             self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
             return
-        finish = lambda: self.scheduler.finish(request, FinishReason.STOP)  # noqa: E731
+        finish = lambda drop: self.scheduler.finish(request, FinishReason.STOP, drop)  # noqa: E731
         self._send(stream, stream.token_event(token_logprobs, finish))
 
     def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:

@@ -12,7 +12,8 @@ vocabulary, about half a second), never at start-up: a daemon that serves no str
 pays nothing. Compiles run on the compiler's own small pool, off the event loop.
 
 `StepMasks`, one per engine, owns the bitmask (allocated on first use for `max_num_seqs` rows,
-never reallocated) and fills it right before the batch goes to the worker. The engine task and
+reallocated only when a step with speculative drafts needs a row per position) and fills it
+right before the batch goes to the worker. The engine task and
 the worker thread never run at once for one engine, so they share the host buffer safely.
 """
 
@@ -133,7 +134,8 @@ class StepMasks:
 
     def fill(self, batch: Batch, requests: dict[str, Request]) -> None:
         """Give each constrained sampling sequence its bitmask row (its logits row: sampled
-        sequences in batch order), fill the rows, and attach the bitmask to the batch."""
+        sequences in batch order, a sequence with d speculative drafts taking d + 1 rows),
+        fill the rows, and attach the bitmask to the batch."""
         seqs, matchers = [], []
         row = 0
         for seq in batch.seqs:
@@ -144,14 +146,20 @@ class StepMasks:
                 seq.grammar_row = row
                 seqs.append(seq)
                 matchers.append(cast(SequenceMatcher, request.grammar))
-            row += 1
+            row += 1 + seq.num_draft_tokens
         if not seqs:
             return
         start = time.perf_counter()
-        if self._bitmask is None:
-            self._bitmask = allocate_bitmask(*self._shape)
+        max_rows, vocab_size, device = self._shape
+        if self._bitmask is None or self._bitmask.max_rows < row:
+            self._bitmask = allocate_bitmask(max(max_rows, row), vocab_size, device)
         bitmask = self._bitmask
-        fill_bitmasks(matchers, bitmask, [seq.grammar_row for seq in seqs])
+        plain = [(m, s) for m, s in zip(matchers, seqs, strict=True) if not s.num_draft_tokens]
+        fill_bitmasks([m for m, _ in plain], bitmask, [s.grammar_row for _, s in plain])
+        for matcher, seq in zip(matchers, seqs, strict=True):
+            if seq.num_draft_tokens:
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+                matcher.fill_bitmask_rows(bitmask, seq.grammar_row, drafts)
         for seq in seqs:
             # min_tokens bans EOS; where the grammar allows nothing else (it is complete), the
             # grammar wins: a row with every token banned could sample nothing.

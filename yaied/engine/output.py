@@ -25,6 +25,7 @@ class RequestStream:
     detokenizer: IncrementalDetokenizer | None
     # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_emitted: int = 0  # output tokens sent so far (a speculative step may add several)
 
     def add_prompt_logprobs(self, scored: list[TokenLogprobs | None]) -> None:
         # A chunk from position 0 (it leads with None) starts the list anew: after a
@@ -33,22 +34,30 @@ class RequestStream:
         self.prompt_logprobs = scored if restart else (self.prompt_logprobs or []) + scored
 
     def token_event(
-        self, token_logprobs: TokenLogprobs | None, finish_on_stop_string: Callable[[], None]
+        self,
+        token_logprobs: list[TokenLogprobs] | None,
+        finish_on_stop_string: Callable[[int], None],
     ) -> TokenEvent:
-        """The event for the request's newest token: its text (stop strings held back until
-        decided), the finish reason, logprobs, and the prompt's logprobs with the first token.
-        A stop string completed by the token calls ``finish_on_stop_string`` (the scheduler's)."""
+        """The event for the request's new tokens (one, or several after a speculative step):
+        their text (stop strings held back until decided), the finish reason, logprobs, and the
+        prompt's logprobs with the first token. A stop string completed by one of them calls
+        ``finish_on_stop_string`` (the scheduler's) with how many tokens after it to drop."""
         request = self.request
-        token = request.output_token_ids[-1]
+        tokens = request.output_token_ids[self.num_emitted :]
         text, stop_string = "", None
         if self.detokenizer is not None:
-            text = self.detokenizer.push(token)
-            stop_string = self.detokenizer.stop_reason
-            if stop_string is not None:
-                finish_on_stop_string()
-                # The stop string may end on the last token max_tokens allows: the request is
-                # then finished already (as LENGTH), but it stopped on the string.
-                request.finish_reason = FinishReason.STOP
+            for i, new in enumerate(tokens):
+                text += self.detokenizer.push(new)
+                stop_string = self.detokenizer.stop_reason
+                if stop_string is not None:
+                    finish_on_stop_string(len(tokens) - i - 1)
+                    tokens = tokens[: i + 1]
+                    # The stop string may end on the last token max_tokens allows: the request
+                    # is then finished already (as LENGTH), but it stopped on the string.
+                    request.finish_reason = FinishReason.STOP
+                    break
+        self.num_emitted += len(tokens)
+        token = tokens[-1]
         reason = request.finish_reason
         stop_reason: str | int | None = stop_string
         if reason is FinishReason.STOP and stop_string is None:
@@ -57,12 +66,12 @@ class RequestStream:
             text += self.detokenizer.flush()
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return self.event(
-            [token],
+            tokens,
             text,
             reason,
             stop_reason,
             None,
-            logprobs=None if token_logprobs is None else [token_logprobs],
+            logprobs=None if token_logprobs is None else token_logprobs[: len(tokens)],
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -95,10 +104,12 @@ class RequestStream:
         )
 
 
-def logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, TokenLogprobs]:
-    """The sampled tokens' logprobs, by request id, for the rows that asked for them."""
+def logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, list[TokenLogprobs]]:
+    """The new tokens' logprobs (accepted drafts first, then the sampled token), by request id,
+    for the rows that asked for them."""
     if output.sampled_logprobs is None:
         return {}
     sampled = [seq.request_id for seq in batch.seqs if seq.sample]
     pairs = zip(sampled, output.sampled_logprobs, strict=True)
-    return {request_id: lp for request_id, lp in pairs if lp is not None}
+    drafts = output.draft_logprobs
+    return {rid: [*drafts.get(rid, ()), lp] for rid, lp in pairs if lp is not None}

@@ -17,6 +17,11 @@ the same pages again (as SGLang does for prefixes shared within a batch); reques
 share nothing are admitted meanwhile. A running request that cannot get a page preempts the
 worst-ranked (then smallest, then newest) running request not yet in the step (recompute: its
 pages go to the prefix cache, and it re-queues at the front with its output kept).
+
+With speculative decoding on (yaied/engine/speculative.py), a decode may carry draft tokens after
+its last token, when pages for them are free (drafts never preempt anyone); update() then appends
+the drafts the worker accepted plus its sampled token, stopping at the first stop condition, and
+rolls num_computed_tokens back to the verified tokens, freeing the pages of the rejected ones.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from collections import deque
 from collections.abc import Callable
 
 from yaied.cache.cache_manager import KVCacheManager
-from yaied.core.config import SchedulerConfig
+from yaied.core.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
+from yaied.engine.speculative import NgramProposer, SpecCounters
 
 # `_admit`'s answer for a request that waits for a prefix another request is prefilling: unlike
 # 0 (no seat, no pages) it does not stop admission of the requests behind it.
@@ -44,6 +50,7 @@ class Scheduler:
         max_model_len: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -55,6 +62,20 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.proposer = (
+            NgramProposer(speculative, max_model_len)
+            if speculative is not None and speculative.enabled
+            else None
+        )
+        self.spec = SpecCounters()
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> Scheduler:
+        return cls(config.scheduler, kv, max_model_len, speculative=config.speculative)
+
+    def counters(self) -> dict[str, int]:
+        """The scheduler's counters for the engine's stats()."""
+        return {"num_preemptions": self.num_preemptions, **self.spec.stats()}
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -74,6 +95,7 @@ class Scheduler:
         ranks = self._ranks()
         scheduled: set[str] = set()
         admitting = True
+        speculating = self.proposer is not None and self.proposer.active(len(self.running))
         for request, was_running in self._walk(ranks):
             if budget == 0:
                 break
@@ -81,8 +103,14 @@ class Scheduler:
                 if request.status is not RequestStatus.RUNNING:
                     continue  # preempted earlier in this pass
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
+                drafts = self._drafts(request, budget) if speculating and n == 1 else []
                 if not self._reserve_pages(request, n, scheduled, ranks):
                     continue  # the request preempted itself
+                if drafts:
+                    prefills.append(self._slice(request, 1, drafts))  # a multi-token chunk
+                    scheduled.add(request.request_id)
+                    budget -= 1 + len(drafts)
+                    continue
             else:
                 n = self._admit(request, budget, scheduled, ranks) if admitting else 0
                 if n == _DEFERRED:
@@ -97,6 +125,15 @@ class Scheduler:
         if not seqs:
             return None
         return Batch(seqs, self.config.max_num_batched_tokens - budget)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """A decode's draft tokens, with pages for them when free ones allow (a draft never
+        preempts anyone); [] otherwise."""
+        assert self.proposer is not None
+        drafts = self.proposer.drafts(request, budget)
+        if drafts and not self.kv.reserve(request, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _ranks(self) -> dict[str, Rank]:
         now = self.clock()
@@ -173,9 +210,11 @@ class Scheduler:
                 return True
         return False
 
-    def _slice(self, request: Request, n: int) -> ScheduledSeq:
+    def _slice(self, request: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + n] if n > 1 else [request.token_at(start)]
+        if drafts:
+            tokens += drafts
         params, output = request.params, request.output_token_ids
         seq = ScheduledSeq(
             request_id=request.request_id,
@@ -185,6 +224,7 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             params=params,
             num_output_tokens=len(output),
+            num_draft_tokens=len(drafts or ()),
         )
         if seq.sample and params.has_penalties:
             seq.penalty_output_ids = list(output)
@@ -261,17 +301,26 @@ class Scheduler:
         those that finished (EOS, stop token, length, a terminated grammar, or ERROR for a token
         the grammar refused) are already released."""
         sampled = iter(output.sampled_token_ids)
+        accepted = iter(output.num_accepted_drafts or ())  # aligned with sampled when present
         got_token: list[Request] = []
         now = self.clock()
         for seq in batch.seqs:
             request = self.requests.get(seq.request_id)
             token = next(sampled) if seq.sample else None
+            num_accepted = next(accepted, 0) if seq.sample else 0
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             # Service is the model time of the steps a call ran in, each counted in full: a
             # batch runs its calls in parallel, and a share by tokens would make prompt-heavy
             # calls look long on hardware where a step costs about the same whatever its size.
             self.policy.on_step(request, output.model_time)
+            if seq.num_draft_tokens:
+                assert token is not None
+                self._append_verified(request, seq, num_accepted, token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                got_token.append(request)
+                continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if len(seq.token_ids) > 1:
                 self.kv.cache(request)  # a prefill chunk's pages serve other requests at once
@@ -285,6 +334,25 @@ class Scheduler:
                 self.finish(request, reason)
             got_token.append(request)
         return got_token
+
+    def _append_verified(
+        self, request: Request, seq: ScheduledSeq, num_accepted: int, token: int
+    ) -> None:
+        """A speculative decode's result: the accepted drafts, then the sampled token, each
+        through the stop checks (whatever follows a stop is dropped). Every appended token but
+        the last has its K/V computed now; the rejected drafts' slots are given back."""
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+        self.spec.count(seq.num_draft_tokens, num_accepted)
+        reason = None
+        for new in [*drafts[:num_accepted], token]:
+            request.output_token_ids.append(new)
+            reason = self._stop_reason(request, new)
+            if reason is not None:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.trim(request)
+        if reason is not None:
+            self.finish(request, reason)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         # The grammar advances where the token is appended, so it has accepted exactly the
@@ -307,8 +375,12 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request (any reason) and give back its pages. Idempotent."""
+    def finish(self, request: Request, reason: FinishReason, num_dropped_tokens: int = 0) -> None:
+        """End a request (any reason) and give back its pages. Idempotent. num_dropped_tokens:
+        output tokens to drop from the end first (accepted drafts after a stop string)."""
+        if num_dropped_tokens:
+            del request.output_token_ids[-num_dropped_tokens:]
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         if request.status is RequestStatus.FINISHED:
             return
         if request.status is RequestStatus.RUNNING:

@@ -67,6 +67,11 @@ class EngineStatsCollector:
                 "constrained row: structured_output_masked_steps)."
             ),
             "structured_output_masked_steps": "Engine steps with at least one constrained row.",
+            # Speculative decoding, as vLLM names it; mean acceptance length is
+            # 1 + accepted_tokens / drafts (tokens per step of a drafting sequence).
+            "spec_decode_num_drafts": "Sequence-steps that carried draft tokens.",
+            "spec_decode_num_draft_tokens": "Draft tokens verified.",
+            "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
         }
         families: dict[str, Metric] = {}
         for name, doc in gauges.items():

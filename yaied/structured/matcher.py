@@ -192,6 +192,37 @@ class SequenceMatcher:
         _stop_only_row(host[row], self.stop_token_ids)
         return True
 
+    def fill_bitmask_rows(self, bitmask: TokenBitmask, row: int, drafts: Sequence[int]) -> None:
+        """Fill `row` as fill_bitmask does, then rows row + 1, row + 2... as they stand after
+        each draft token in turn (speculative decoding verifies every position at once). The
+        drafts were checked with num_acceptable; the state is left as it was."""
+        self.fill_bitmask(bitmask, row)
+        count = 0
+        for token in drafts:
+            if self.error is not None or not self.matcher.accept_token(int(token)):
+                break
+            count += 1
+            self.fill_bitmask(bitmask, row + count)
+        if count:
+            self.matcher.rollback(count)
+
+    def num_acceptable(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would accept from here (speculative
+        drafts are cut at the first refused one). The state is left as it was, error included."""
+        if self.error is not None:
+            return 0
+        count = 0
+        try:
+            for token in token_ids:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                    break
+                count += 1
+        except Exception:  # refusing a draft must never fail the request
+            pass
+        if count:
+            self.matcher.rollback(count)
+        return count
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -16,6 +17,7 @@ from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
+from yaied.worker.speculative import position_rows, verify
 
 if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
     from yaied.worker.cuda_graphs import DecodeGraphs
@@ -81,28 +83,38 @@ class ModelRunner:
         start = time.perf_counter()
         hidden, sample_rows, first_row = self._forward(batch.seqs)
         sampling = [seq for seq in batch.seqs if seq.sample]
-        logits = self.model.compute_logits(hidden[sample_rows])  # raw, [sampled, vocab]
+        # Speculative drafts: a row per position from the last real token on, each with the
+        # knobs as they stand there (yaied/worker/speculative.py); else a row per sequence.
+        drafted = any(seq.num_draft_tokens for seq in sampling)
+        rows = sampling
+        if drafted:
+            row_ids, rows = position_rows(sampling, first_row)
+            sample_rows = torch.tensor(row_ids, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden[sample_rows])  # raw, [rows, vocab]
         # Grammars first, in place: every knob after, and the logprobs, see only allowed tokens.
-        mask_time = _apply_grammars(logits, sampling, batch.grammar_bitmask)
-        token_ids = self._sample(logits, sampling)
-        logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in sampling])
-        finite = self._finite_rows(batch.seqs, hidden, first_row, logits)
+        mask_time = _apply_grammars(logits, rows, batch.grammar_bitmask)
+        token_ids = self._sample(logits, rows)
+        logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in rows])
+        finite = self._finite_rows(batch.seqs, hidden, first_row, _per_seq_max(logits, sampling))
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
         # With no logprobs asked for, the step's one host sync: tokens, then the finite marks.
         host = torch.cat([token_ids, finite.to(token_ids.dtype)]).tolist()
         failed = {
             seq.request_id: "the model produced non-finite values (NaN or inf)"
-            for seq, ok in zip(batch.seqs, host[len(sampling) :], strict=True)
+            for seq, ok in zip(batch.seqs, host[len(rows) :], strict=True)
             if not ok
         }
-        return StepOutput(
-            host[: len(sampling)],
+        out = StepOutput(
+            host[: len(rows)],
             failed=failed,
             model_time=time.perf_counter() - start,
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
             mask_time=mask_time,
         )
+        if drafted:
+            verify(sampling, out)  # rows -> one token per sequence, after its accepted drafts
+        return out
 
     @staticmethod
     def _finite_rows(
@@ -197,16 +209,22 @@ class ModelRunner:
         """Pack the batch into rows: decodes first, sorted by context length so that each decode
         bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order."""
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
-        chunks = [s for s in seqs if len(s.token_ids) > 1]
+        # With the decode kernel, a decode carrying speculative drafts runs as one decode row
+        # per position (each attends up to itself, K/V being written first): a prefill chunk
+        # over cached context costs a gather and an SDPA call per layer, several times more.
+        drafted = [s for s in seqs if s.num_draft_tokens and self.decode_kernel is not None]
+        chunks = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft_tokens] + [
+            s for s in seqs if s.num_draft_tokens and self.decode_kernel is None
+        ]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         first_row: dict[str, int] = {}
         prefill_chunks: list[PrefillChunk] = []
-        for seq in decodes + chunks:
+        for seq in decodes + drafted + chunks:
             n = len(seq.token_ids)
             first_row[seq.request_id] = len(input_ids)
-            if n > 1:
+            if n > 1 and not (seq.num_draft_tokens and self.decode_kernel is not None):
                 prefill_chunks.append(self._prefill_chunk(seq, len(input_ids)))
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.start_pos + n)
@@ -217,7 +235,11 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
             prefills=prefill_chunks,
-            kernel_decodes=self._kernel_decodes(decodes) if self.decode_kernel else None,
+            kernel_decodes=(
+                self._kernel_decodes(decodes + _position_decodes(drafted))
+                if self.decode_kernel
+                else None
+            ),
             prefill_kernel=self.prefill_kernel,
         )
         return PreparedInputs(
@@ -281,6 +303,26 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
+
+
+def _position_decodes(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Each position of each drafted sequence as a one-token decode, in row order."""
+    return [
+        dataclasses.replace(seq, token_ids=[token], start_pos=seq.start_pos + j)
+        for seq in seqs
+        for j, token in enumerate(seq.token_ids)
+    ]
+
+
+def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """[len(seqs), 1]: each sequence's logits maxima summed over its rows (one row unless it
+    had drafts), finite exactly when every one of its rows has a finite maximum."""
+    if logits.shape[0] == len(seqs):
+        return logits.amax(dim=-1, keepdim=True)
+    owner = [i for i, s in enumerate(seqs) for _ in range(s.num_draft_tokens + 1)]
+    index = torch.tensor(owner, dtype=torch.int64, device=logits.device)
+    summed = torch.zeros(len(seqs), dtype=logits.dtype, device=logits.device)
+    return summed.index_add_(0, index, logits.amax(dim=-1)).unsqueeze(1)
 
 
 def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

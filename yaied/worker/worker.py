@@ -204,6 +204,7 @@ class Worker:
         """The step again, one sequence a step, merged into one StepOutput in batch order."""
         merged = StepOutput([])
         logprobs: list[TokenLogprobs | None] = []
+        accepted: list[int] = []  # drafts accepted, per sampling sequence
         for seq in batch.seqs:
             try:
                 alone = Batch([seq], len(seq.token_ids), grammar_bitmask=batch.grammar_bitmask)
@@ -217,7 +218,9 @@ class Worker:
             merged.sampled_token_ids += out.sampled_token_ids
             if seq.sample:
                 logprobs.append(out.sampled_logprobs[0] if out.sampled_logprobs else None)
+                accepted.append(out.num_accepted_drafts[0] if out.num_accepted_drafts else 0)
             merged.failed.update(out.failed)
+            merged.draft_logprobs.update(out.draft_logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.model_time += out.model_time
             merged.mask_time += out.mask_time
@@ -225,6 +228,8 @@ class Worker:
             return StepOutput([], error=error)  # nothing ran: the step failed as a whole
         if any(lp is not None for lp in logprobs):
             merged.sampled_logprobs = logprobs
+        if any(accepted):
+            merged.num_accepted_drafts = accepted
         return merged
 
 

@@ -1,5 +1,5 @@
-"""transformers' own `generate` as the reference the benchmarks compare against (greedy, exact
-output lengths, left-padded batches)."""
+"""The transformers baseline of bench_offline.py (``--compare-hf``): the same prompts through
+``generate`` in one left-padded greedy batch (W-nano: batches of 64)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 import torch
+
+HF_NANO_BATCH = 64
 
 
 def _sync(device: torch.device) -> None:
@@ -71,4 +73,17 @@ def hf_generate(model: Any, prompts: list[list[int]], num_new: int, device: torc
     elapsed = time.perf_counter() - started
     if out.shape[1] != width + num_new:
         raise RuntimeError(f"transformers generated {out.shape[1] - width} of {num_new} tokens")
+    return elapsed
+
+
+def run_hf(model: Any, workload: Any, device: torch.device) -> float:
+    """Seconds for the whole workload; W-nano (mixed output lengths) goes in batches of 64."""
+    if len(set(workload.output_lens)) == 1:
+        return hf_generate(model, workload.prompts, workload.output_lens[0], device)
+    elapsed = 0.0
+    for start in range(0, len(workload.prompts), HF_NANO_BATCH):
+        batch = slice(start, start + HF_NANO_BATCH)
+        elapsed += hf_generate(
+            model, workload.prompts[batch], max(workload.output_lens[batch]), device
+        )
     return elapsed
