@@ -205,7 +205,10 @@ async def _collect(
             out.append(R.chat_message_choice(index, message, lps, finish, c.stop_reason))
         else:
             lps = None if c.completion_logprobs is None else c.completion_logprobs.take()
-            out.append(R.completion_choice(index, text, lps, c.finish_reason, c.stop_reason))
+            item = R.completion_choice(index, text, lps, c.finish_reason, c.stop_reason)
+            if parsed.return_token_ids:  # as streamed: the sampled ids, never the prompt's
+                item["token_ids"] = c.token_ids
+            out.append(item)
     kind = "chat.completion" if parsed.kind == "chat" else "text_completion"
     return R.response_body(head, kind, out, R.usage_body(*total_usage(choices)))
 

@@ -75,6 +75,7 @@ class ChoiceState:
     completion_logprobs: CompletionLogprobs | None = None
     message: ChoiceMessage | None = None  # chat: the reasoning / content / tool-call parsers
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # sampled, for return_token_ids
     chat_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -102,6 +103,7 @@ class ChoiceState:
             text, lps = "", []
         else:
             self.num_output_tokens = event.num_output_tokens
+            self.token_ids.extend(event.token_ids)
         if self.completion_logprobs is not None:
             for lp in lps:
                 self.completion_logprobs.add(lp.token_id, lp)
