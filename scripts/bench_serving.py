@@ -9,6 +9,12 @@ Every request is a streamed ``/v1/completions`` call with a token-id prompt (gre
 ``--request-rate`` (inf: all at once), optionally capped at ``--max-concurrency`` in flight.
 One JSON line goes to stdout; logs go to stderr. Only loopback targets are allowed.
 
+``--runs N`` repeats the load N times against the same daemon, run k with seed ``--seed + k``, so
+every run sends fresh prompts the prefix cache cannot serve; one JSON line per run.
+``--compare-hf`` then (the daemon stopped, so nothing competes for the cores) times transformers'
+left-padded greedy ``generate`` on each run's prompts in this process and adds its output tok/s
+and the ratio to that run's line (scripts/hf_baseline.py, as bench_offline.py does).
+
 Datasets: ``--workload W-mixed|W-decode|W-prefix`` reuses ``bench_offline.build_workload``
 (the DESIGN.md prompts); ``--dataset random`` draws lengths (``--input-len`` or
 ``--input-len-min/max``), then token ids, from one ``random.Random(--seed)``. Token ids are drawn
@@ -84,15 +90,35 @@ def random_dataset(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]
     return prompts, [args.output_len] * args.num_prompts
 
 
-def build_requests(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+def build_requests(args: argparse.Namespace, seed: int) -> tuple[list[list[int]], list[int]]:
     vocab = args.vocab_size or vocab_size_of(args.model)
     if args.workload is None:
-        return random_dataset(args, vocab)
+        return random_dataset(argparse.Namespace(**{**vars(args), "seed": seed}), vocab)
     sys.path.insert(0, str(SCRIPTS))
     from bench_offline import build_workload  # the exact DESIGN.md prompts
 
-    workload = build_workload(args.workload, vocab, seed=args.seed)
+    workload = build_workload(args.workload, vocab, seed=seed)
     return workload.prompts, workload.output_lens
+
+
+Dataset = tuple[list[list[int]], list[int]]  # prompts, output lengths
+
+
+def hf_output_tok_s(args: argparse.Namespace, runs: list[Dataset]) -> list[float]:
+    """transformers' generate on each run's prompts, in this process: output tok/s per run."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPTS))
+    from hf_baseline import load_hf_model, run_hf
+
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16  # auto: bf16 on CPU
+    device = torch.device("cpu")
+    model = load_hf_model(args, None, dtype, device)
+    rates = []
+    for prompts, output_lens in runs:
+        workload = argparse.Namespace(prompts=prompts, output_lens=output_lens)
+        rates.append(sum(output_lens) / run_hf(model, workload, device))
+    return rates
 
 
 # -- one request ---------------------------------------------------------------------------------
@@ -308,7 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst")
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
+    parser.add_argument("--runs", type=int, default=1, help="run k uses seed --seed + k")
+    parser.add_argument("--compare-hf", action="store_true", help="also time transformers")
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
     if args.request_rate <= 0:
         parser.error("--request-rate must be positive (inf for all at once)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -328,27 +358,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost,::1")
-    prompts, output_lens = build_requests(args)
+    datasets = [build_requests(args, args.seed + k) for k in range(args.runs)]
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    records = []
     proc = None
     try:
         base_url = args.base_url.rstrip("/")
         if args.launch:
             proc, base_url = launch_daemon(args)
-        rate = "inf" if math.isinf(args.request_rate) else args.request_rate
-        _log(f"{len(prompts)} requests at rate {rate}, max concurrency {args.max_concurrency}")
-        results, duration = asyncio.run(run_load(args, base_url, prompts, output_lens))
+        for k, (prompts, output_lens) in enumerate(datasets):
+            _log(f"run {k}: {len(prompts)} requests at rate {rate}, max concurrency "
+                 f"{args.max_concurrency}")  # fmt: skip
+            results, duration = asyncio.run(run_load(args, base_url, prompts, output_lens))
+            record = {"dataset": args.workload or args.dataset, "model": args.model}
+            record |= {"seed": args.seed + k, "request_rate": rate}
+            record |= {"max_concurrency": args.max_concurrency}
+            records.append(record | summarize(results, duration))
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         if proc is not None:
             stop_daemon(proc)
-    record = {"dataset": args.workload or args.dataset, "model": args.model}
-    record |= {"request_rate": rate, "max_concurrency": args.max_concurrency}
-    record |= summarize(results, duration)
-    sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
+    if args.compare_hf:
+        _log("transformers generate on the same prompts")
+        for record, hf in zip(records, hf_output_tok_s(args, datasets), strict=True):
+            record["hf_output_tok_s"] = round(hf, 2)
+            record["ratio"] = round(record["output_throughput"] / hf, 3)
+    for record in records:
+        sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
     sys.stdout.flush()
-    return 0 if record["failed"] == 0 else 1
+    return 0 if all(record["failed"] == 0 for record in records) else 1
 
 
 if __name__ == "__main__":

@@ -41,9 +41,14 @@ def test_bench_serving_launch_random(tmp_path):
         "3",
         "--request-rate",
         "50",
+        "--runs",
+        "2",
+        "--compare-hf",
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    record = orjson.loads(done.stdout.strip().splitlines()[-1])
+    first, record = (orjson.loads(line) for line in done.stdout.strip().splitlines())
+    assert (first["seed"], record["seed"]) == (0, 1)  # fresh prompts each run
+    assert record["hf_output_tok_s"] > 0 and record["ratio"] > 0
     assert record["num_requests"] == record["completed"] == 6 and record["failed"] == 0
     assert record["total_output_tokens"] == 36
     assert record["output_throughput"] > 0
