@@ -32,31 +32,26 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
-from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
+from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent
 from yaied.core.step import Batch, StepOutput
 from yaied.core.stream import EventSink, EventStream
-from yaied.engine.faults import (
-    RESTART_REASONS,
-    EngineDeadError,
-    check_invariants,
-    restart_reason,
-)
+from yaied.engine.faults import RESTART_REASONS, EngineDeadError, check_invariants
 from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
-from yaied.engine.output import RequestStream, logprobs_by_request
+from yaied.engine.output import OutputPhase, RequestStream
+from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
 from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(Recovery, OutputPhase):
     def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
         self.config = config
         # The one worker thread: it builds the worker, so model and KV tensors live with it.
@@ -346,69 +341,6 @@ class AsyncEngine:
         check_invariants(self.scheduler, len(self._streams), self._num_queued)
         self._rebuilds_in_a_row = 0
 
-    def _fail_step(self, batch: Batch, error: str) -> None:
-        """Nothing of the step ran: its requests fail. Steps failing over and over point at the
-        bookkeeping (a page table the model cannot use): rebuild it."""
-        for seq in batch.seqs:
-            self._finish_stream(seq.request_id, FinishReason.ERROR, error=error)
-        self._failed_steps += 1
-        limit = self.config.engine.max_failed_steps
-        if self._failed_steps >= limit:
-            self._failed_steps = 0
-            self._rebuild("failed_steps", RuntimeError(f"{limit} steps failed in a row: {error}"))
-
-    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a piece of the loop; an exception escaping it is level 2 (rebuild, return None),
-        or level 3 when it is EngineDeadError or the rebuild fails (stop, raise)."""
-        try:
-            return fn(*args)
-        except EngineDeadError as exc:
-            self._die(exc)
-            raise
-        except Exception as exc:
-            try:
-                self._rebuild(restart_reason(exc), exc)
-            except Exception as failed:
-                dead = EngineDeadError(f"could not recover from {exc!r}: {failed}")
-                self._die(dead)
-                raise dead from failed
-            return None
-
-    def _rebuild(self, reason: str, exc: BaseException) -> None:
-        """Level 2: fail the in-flight requests, start over with empty bookkeeping. Requests
-        still in the inbox never reached the scheduler; they are served after the rebuild."""
-        log.error("engine restart (%s): %s", reason, exc, exc_info=exc)
-        self._rebuilds_in_a_row += 1
-        if self._rebuilds_in_a_row > self.config.engine.max_failed_steps:
-            raise EngineDeadError(f"{self._rebuilds_in_a_row} rebuilds with no good step between")
-        self.restarts[reason] += 1
-        error = f"the engine failed ({reason}: {exc}) and restarted; retry the request"
-        queued = {id(stream) for stream in self._inbox}
-        for request_id, stream in list(self._streams.items()):
-            if id(stream) not in queued and request_id not in self._compiling:
-                self._end_stream(stream, FinishReason.ERROR, error)
-        self._failed_steps = 0
-        self._new_bookkeeping()
-        check_invariants(self.scheduler, len(self._streams), self._num_queued)
-
-    def _die(self, exc: BaseException) -> None:
-        """Level 3: fail every request, refuse new ones, tell on_dead (once)."""
-        if self.dead is not None:
-            return
-        log.critical("engine stopped: %s", exc)
-        self.dead = exc
-        self._inbox.clear()
-        for task in self._compiling.values():
-            task.cancel()
-        self._compiling.clear()
-        for stream in list(self._streams.values()):
-            self._end_stream(stream, FinishReason.ERROR, f"the engine stopped: {exc}")
-        if self.on_dead is not None:
-            try:
-                self.on_dead(exc)
-            except Exception:
-                log.exception("on_dead failed")
-
     def _drain_inbox(self) -> None:
         while self._inbox:
             self.scheduler.add(self._inbox.popleft().request)
@@ -416,42 +348,6 @@ class AsyncEngine:
     def _drain_aborts(self) -> None:
         while self._aborts:
             self._finish_stream(self._aborts.popleft(), FinishReason.ABORT, error=None)
-
-    def _apply(self, batch: Batch, output: StepOutput) -> None:
-        # Failed rows first: the scheduler then skips them, so their pages are never cached.
-        for request_id, error in output.failed.items():
-            log.error("request %s failed: %s", request_id, error)
-            self._finish_stream(request_id, FinishReason.ERROR, error=error)
-        logprobs = logprobs_by_request(batch, output)
-        for request_id, scored in output.prompt_logprobs.items():
-            self._for_request(request_id, self._gather_prompt_logprobs, request_id, scored)
-        for request in self.scheduler.update(batch, output):
-            token_logprobs = logprobs.get(request.request_id)
-            self._for_request(request.request_id, self._emit_token, request, token_logprobs)
-
-    def _for_request(self, request_id: str, fn: Callable[..., None], *args: Any) -> None:
-        """Level 1: an exception in one request's own handling ends that request alone."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            log.exception("request %s failed while handling its output", request_id)
-            error = f"internal error while handling the request: {type(exc).__name__}: {exc}"
-            self._finish_stream(request_id, FinishReason.ERROR, error=error)
-
-    def _gather_prompt_logprobs(self, request_id: str, scored: list[TokenLogprobs | None]) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.add_prompt_logprobs(scored)
-
-    def _emit_token(self, request: Request, token_logprobs: list[TokenLogprobs] | None) -> None:
-        stream = self._streams[request.request_id]
-        if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
-            error = request.grammar.error if request.grammar is not None else None
-            log.error("request %s failed: %s", request.request_id, error)
-            self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
-            return
-        finish = lambda drop: self.scheduler.finish(request, FinishReason.STOP, drop)  # noqa: E731
-        self._send(stream, stream.token_event(token_logprobs, finish))
 
     def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         """End a request that did not finish by itself (abort, error), freeing its pages."""

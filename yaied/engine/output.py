@@ -7,13 +7,20 @@ gathered over prefill chunks). Only the engine task calls into it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from yaied.core.detokenizer import IncrementalDetokenizer
 from yaied.core.request import FinishReason, Request, TokenEvent, TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.core.stream import EventSink
+
+if TYPE_CHECKING:
+    from yaied.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -113,3 +120,49 @@ def logprobs_by_request(batch: Batch, output: StepOutput) -> dict[str, list[Toke
     pairs = zip(sampled, output.sampled_logprobs, strict=True)
     drafts = output.draft_logprobs
     return {rid: [*drafts.get(rid, ()), lp] for rid, lp in pairs if lp is not None}
+
+
+class OutputPhase:
+    """The engine's output phase, a mixin of `AsyncEngine` run in its task: a finished step's
+    results to events, one request at a time. Level 1 of the fault escalation lives here: an
+    exception in one request's handling ends that request alone. Uses the engine's scheduler,
+    streams and its `_finish_stream`, `_end_stream` and `_send`."""
+
+    scheduler: Scheduler
+    _streams: dict[str, RequestStream]
+
+    def _apply(self, batch: Batch, output: StepOutput) -> None:
+        # Failed rows first: the scheduler then skips them, so their pages are never cached.
+        for request_id, error in output.failed.items():
+            log.error("request %s failed: %s", request_id, error)
+            self._finish_stream(request_id, FinishReason.ERROR, error=error)
+        logprobs = logprobs_by_request(batch, output)
+        for request_id, scored in output.prompt_logprobs.items():
+            self._for_request(request_id, self._gather_prompt_logprobs, request_id, scored)
+        for request in self.scheduler.update(batch, output):
+            token_logprobs = logprobs.get(request.request_id)
+            self._for_request(request.request_id, self._emit_token, request, token_logprobs)
+
+    def _for_request(self, request_id: str, fn: Callable[..., None], *args: Any) -> None:
+        """Level 1: an exception in one request's own handling ends that request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed while handling its output", request_id)
+            error = f"internal error while handling the request: {type(exc).__name__}: {exc}"
+            self._finish_stream(request_id, FinishReason.ERROR, error=error)
+
+    def _gather_prompt_logprobs(self, request_id: str, scored: list[TokenLogprobs | None]) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.add_prompt_logprobs(scored)
+
+    def _emit_token(self, request: Request, token_logprobs: list[TokenLogprobs] | None) -> None:
+        stream = self._streams[request.request_id]
+        if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
+            error = request.grammar.error if request.grammar is not None else None
+            log.error("request %s failed: %s", request.request_id, error)
+            self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
+            return
+        finish = lambda drop: self.scheduler.finish(request, FinishReason.STOP, drop)  # noqa: E731
+        self._send(stream, stream.token_event(token_logprobs, finish))
