@@ -124,9 +124,13 @@ async def test_a_silent_remote_ends_its_calls_within_the_read_timeout():
 async def test_more_streams_than_connections_wait_for_one(monkeypatch):
     """150 streams through a pool of 100: 50 wait, longer than every other timeout, and none
     counts as a failure of the remote."""
-    monkeypatch.setattr(remote, "_CONNECT_TIMEOUT", 0.3)
-    async with FakeRemote("ok", hold=1.0) as fake:
-        manager = await started_manager(fake.url, remote_max_connections=100)
+    # The 50 wait about `hold` seconds, over twice the connect timeout; that timeout is still
+    # long enough for a real connect on a busy 2-core machine (0.3 s was not, once in a while).
+    monkeypatch.setattr(remote, "_CONNECT_TIMEOUT", 1.0)
+    async with FakeRemote("ok", hold=2.5) as fake:
+        manager = await started_manager(
+            fake.url, remote_max_connections=100, remote_read_timeout_seconds=5.0
+        )
         outputs = await run_calls(manager, 150)
         assert [o.finish_reason for o in outputs] == [FinishReason.STOP] * 150
         assert fake.peak_streams == 100

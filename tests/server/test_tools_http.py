@@ -64,9 +64,10 @@ def test_required_and_named_calls_validate_on_every_try(client, seed):
             messages=ASK,
             tools=TOOLS,
             tool_choice=choice,
+            parallel_tool_calls=False,  # else a small model may go on calling up to max_tokens
             temperature=1.0,
             seed=seed,
-            max_tokens=120,
+            max_tokens=200,
         )
         result = response.choices[0]
         assert result.finish_reason == "tool_calls"
@@ -82,10 +83,11 @@ def test_a_streamed_call_assembles_from_deltas(client):
         messages=ASK,
         tools=TOOLS,
         tool_choice="required",
+        parallel_tool_calls=False,
         stream=True,
         seed=3,
         temperature=0.7,
-        max_tokens=120,
+        max_tokens=200,
     )
     calls: dict[int, dict] = {}
     content, finish = "", None
@@ -106,7 +108,13 @@ def test_a_streamed_call_assembles_from_deltas(client):
 
 def test_a_full_tool_loop(client):
     first = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=1, max_tokens=120
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=1,
+        max_tokens=200,
     )
     message = first.choices[0].message
     check_calls(message.tool_calls)
@@ -126,6 +134,17 @@ def test_a_full_tool_loop(client):
     )
     if again.choices[0].message.tool_calls:
         check_calls(again.choices[0].message.tool_calls)
+
+
+def test_parallel_calls_each_validate(client):
+    """With parallel calls a small model may keep calling until max_tokens cuts it: every call
+    it completed still validates, and a cut-off one never reaches tool_calls."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=5, max_tokens=160
+    )
+    result = response.choices[0]
+    assert result.finish_reason in ("tool_calls", "length")
+    check_calls(result.message.tool_calls)
 
 
 def test_auto_lets_the_model_answer_in_text(client):
@@ -170,7 +189,8 @@ def test_the_openai_client_parses_strict_tools_into_pydantic(client):
         messages=ASK,
         tools=[openai.pydantic_function_tool(LookUp)],
         tool_choice="required",
-        max_tokens=80,
+        parallel_tool_calls=False,
+        max_tokens=200,
         seed=2,
     )
     call = completion.choices[0].message.tool_calls[0]
