@@ -5,7 +5,13 @@
 draining the inbox, scheduling, the scheduler's update, detokenizing, the invariant checks and
 handing each event to its sink. Prints one JSON line with medians over the timed steps.
 
+``python_share`` then estimates how much of the worker's ``execute`` is Python rather than native
+work, over ``--profile-steps`` more steps under torch.profiler (in the worker thread): 1 - (time in
+top-level torch ops and the ctypes C kernels) / (wall time of execute). The profiler's own cost
+per op lands on both sides, so read it as an estimate, and compare runs taken the same way.
+
     .venv/bin/python scripts/step_overhead.py            # default model, 32 decode rows
+    .venv/bin/python scripts/step_overhead.py --rows 1   # one stream
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="requests decoding at once")
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=20, help="0: no python_share")
     args = parser.parse_args()
 
     from yaied.core.config import load_config
@@ -58,17 +65,54 @@ def main() -> None:
         totals.append(time.perf_counter() - started)
         workers.append(worker_seconds[0])
     engine_part = [t - w for t, w in zip(totals, workers, strict=True)]
-    print(
-        json.dumps(
-            {
-                "rows": args.rows,
-                "steps": args.steps,
-                "step_ms": round(statistics.median(totals) * 1e3, 3),
-                "worker_ms": round(statistics.median(workers) * 1e3, 3),
-                "engine_ms": round(statistics.median(engine_part) * 1e3, 3),
-            }
-        )
-    )
+    record = {
+        "rows": args.rows,
+        "steps": args.steps,
+        "step_ms": round(statistics.median(totals) * 1e3, 3),
+        "worker_ms": round(statistics.median(workers) * 1e3, 3),
+        "engine_ms": round(statistics.median(engine_part) * 1e3, 3),
+    }
+    if args.profile_steps:
+        record["python_share"] = round(_python_share(engine, args.profile_steps, worker_seconds), 3)
+    print(json.dumps(record))
+
+
+def _python_share(engine, steps: int, worker_seconds: list[float]) -> float:
+    """1 - native time / execute's wall time over `steps` decode steps, profiled in the worker
+    thread (torch.profiler records the thread that starts it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.worker.runner
+    _mark_native(runner)
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    engine._executor.submit(profiler.__enter__).result()
+    worker_seconds[0] = 0.0
+    for _ in range(steps):
+        engine.step()
+    engine._executor.submit(profiler.__exit__, None, None, None).result()
+    top_level = [e for e in profiler.events() if e.cpu_parent is None]
+    native_us = sum(e.time_range.elapsed_us() for e in top_level)
+    return 1 - native_us / 1e6 / worker_seconds[0]
+
+
+def _mark_native(runner) -> None:
+    """Wrap the C kernels (ctypes calls, invisible to the profiler) in profiler ranges."""
+    from torch.profiler import record_function
+
+    def marked(function):
+        def call(*args, **kwargs):
+            with record_function("ctypes kernel"):
+                return function(*args, **kwargs)
+
+        return call
+
+    ops = getattr(runner.model, "fused_ops", None)
+    if ops is not None:
+        for name in ("add_rms_norm", "rotary", "silu_mul"):
+            setattr(ops, name, marked(getattr(ops, name)))
+    for name in ("decode_kernel", "prefill_kernel"):
+        if getattr(runner, name, None) is not None:
+            setattr(runner, name, marked(getattr(runner, name)))
 
 
 def _submit(engine, prompt: list[int], max_tokens: int, request_id: str) -> None:

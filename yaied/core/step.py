@@ -5,7 +5,10 @@
     Scheduler.update(batch, out)  <---  StepOutput
 
 Both sides import this module and nothing of each other: the worker never sees a live Request
-(each ScheduledSeq is a copy of what one step needs), and the engine never sees a tensor.
+(each ScheduledSeq holds what one step needs), and the engine never sees a tensor. A ScheduledSeq's
+lists (page table, penalty histories) are the request's own, shared rather than copied so that a
+step costs nothing per context token: the engine leaves them alone until the step's update, and
+the worker only reads them.
 """
 
 from __future__ import annotations
@@ -18,19 +21,18 @@ from yaied.core.request import SamplingParams, TokenLogprobs
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step, copied out so the worker never reads a live Request."""
+    """One request's share of a step. Lists are the request's own (read-only for the worker)."""
 
     request_id: str
     token_ids: list[int]  # the tokens computed this step, at positions start_pos, start_pos + 1...
     start_pos: int
-    page_ids: list[int]  # the request's page table, covering every position up to the chunk's end
+    page_ids: list[int]  # the request's page table (covering at least up to the chunk's end)
     sample: bool  # the chunk ends at the request's last token: sample the next one
     params: SamplingParams
-    # What the sampler needs beyond params; each is filled only when its knob is set, so a
-    # default request copies nothing.
+    # What the sampler needs beyond params; each is filled only when its knob is set.
     num_output_tokens: int = 0  # output tokens so far: a seeded draw uses (seed, this)
-    penalty_prompt_ids: list[int] | None = None  # prompt copy, for repetition_penalty
-    penalty_output_ids: list[int] | None = None  # output copy, for any penalty
+    penalty_prompt_ids: list[int] | None = None  # the prompt, for repetition_penalty
+    penalty_output_ids: list[int] | None = None  # the output so far, for any penalty
     banned_token_ids: tuple[int, ...] = ()  # EOS and stop ids, while output < min_tokens
     # prompt_logprobs: row i of the chunk (position start_pos + i) scores the prompt token at
     # position start_pos + i + 1, which is prompt_logprob_targets[i]. The last row of a chunk

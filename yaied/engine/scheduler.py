@@ -220,16 +220,19 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
-            page_ids=list(request.page_ids),
+            # By reference, as are the penalty histories below: nothing changes them between
+            # schedule() and update() (the engine task waits for the worker in between, and aborts
+            # queue until the next schedule), and the worker only reads them.
+            page_ids=request.page_ids,
             sample=start + n == request.num_tokens,
             params=params,
             num_output_tokens=len(output),
             num_draft_tokens=len(drafts or ()),
         )
         if seq.sample and params.has_penalties:
-            seq.penalty_output_ids = list(output)
+            seq.penalty_output_ids = output
             if params.repetition_penalty != 1.0:
-                seq.penalty_prompt_ids = list(request.prompt_token_ids)
+                seq.penalty_prompt_ids = request.prompt_token_ids
         if seq.sample and len(output) < params.min_tokens:
             banned = request.eos_token_ids.union(params.stop_token_ids)
             seq.banned_token_ids = tuple(sorted(banned))

@@ -133,9 +133,11 @@ def paged_attention(
     written to the pool). Returns [num_tokens, num_heads, head_dim]."""
     if meta.backend is not None:
         return meta.backend.attend(q, k_cache, v_cache, scale)
+    fused = meta.kernel_decodes
+    if fused is not None and fused.count == q.shape[0]:  # decodes only: the kernel's output
+        return fused.kernel(q, k_cache, v_cache, fused.page_table, fused.context_lens, scale)
     # Contiguous whatever q's strides (the prefill kernel writes its rows of out in place).
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    fused = meta.kernel_decodes
     if fused is not None:
         rows = slice(0, fused.count)
         out[rows] = fused.kernel(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -200,14 +199,13 @@ class ModelRunner:
             out[seq.request_id] = entries
         return out
 
-    def _slots(self, page_ids: list[int], start: int, end: int) -> list[int]:
-        """KV slots of positions [start, end) of a sequence with the given page table."""
-        size = self.page_size
-        return [page_ids[pos // size] * size + pos % size for pos in range(start, end)]
-
     def _prepare(self, seqs: list[ScheduledSeq]) -> PreparedInputs:
         """Pack the batch into rows: decodes first, sorted by context length so that each decode
-        bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order."""
+        bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order.
+
+        Python walks the sequences once, extending flat lists (ids, positions, page tables, each
+        at C speed); one tensor carries them all, and slots and the kernel's page table come out
+        of a few tensor ops over it, whatever the batch size or context length."""
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         # With the decode kernel, a decode carrying speculative drafts runs as one decode row
         # per position (each attends up to itself, K/V being written first): a prefill chunk
@@ -216,64 +214,98 @@ class ModelRunner:
         chunks = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft_tokens] + [
             s for s in seqs if s.num_draft_tokens and self.decode_kernel is None
         ]
+        num_kernel_rows = len(decodes) + sum(len(s.token_ids) for s in drafted)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        lengths: list[int] = []  # rows per sequence, in row order
+        page_starts: list[int] = []  # where each sequence's page table starts in `pages`
+        page_counts: list[int] = []
+        pages: list[int] = []
         first_row: dict[str, int] = {}
-        prefill_chunks: list[PrefillChunk] = []
         for seq in decodes + drafted + chunks:
             n = len(seq.token_ids)
             first_row[seq.request_id] = len(input_ids)
-            if n > 1 and not (seq.num_draft_tokens and self.decode_kernel is not None):
-                prefill_chunks.append(self._prefill_chunk(seq, len(input_ids)))
             input_ids += seq.token_ids
             positions += range(seq.start_pos, seq.start_pos + n)
-            slots += self._slots(seq.page_ids, seq.start_pos, seq.start_pos + n)
+            lengths.append(n)
+            page_starts.append(len(pages))
+            page_counts.append(len(seq.page_ids))
+            pages += seq.page_ids
         sample_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs if s.sample]
+        ids_t, pos_t, lengths_t, starts_t, counts_t, pages_t, sample_t = _upload(
+            [input_ids, positions, lengths, page_starts, page_counts, pages, sample_rows],
+            torch.device("cpu"),
+        )
+        size = self.page_size
+        num_rows = len(input_ids)
+        row_page_start = starts_t.repeat_interleave(lengths_t, output_size=num_rows)
+        slots = pages_t[row_page_start + pos_t // size] * size + pos_t % size
+        prefill_chunks = [
+            self._prefill_chunk(seq, first_row[seq.request_id], pages_t, start)
+            for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True)
+            if len(seq.token_ids) > 1 and not (seq.num_draft_tokens and self.decode_kernel)
+        ]
         device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=slots.to(device),
             decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
             prefills=prefill_chunks,
             kernel_decodes=(
-                self._kernel_decodes(decodes + _position_decodes(drafted))
+                self._kernel_decodes(
+                    num_kernel_rows,
+                    row_page_start,
+                    counts_t.repeat_interleave(lengths_t, output_size=num_rows),
+                    pages_t,
+                    pos_t,
+                )
                 if self.decode_kernel
                 else None
             ),
             prefill_kernel=self.prefill_kernel,
         )
         return PreparedInputs(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64, device=device),
-            first_row,
+            ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row
         )
 
-    def _prefill_chunk(self, seq: ScheduledSeq, row: int) -> PrefillChunk:
+    def _prefill_chunk(
+        self, seq: ScheduledSeq, row: int, pages: torch.Tensor, page_start: int
+    ) -> PrefillChunk:
+        """pages: every sequence's page table, flat (on the CPU); this one's starts at
+        page_start."""
         n, context_len = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
         num_pages = -(-context_len // self.page_size)
+        own_pages = pages[page_start : page_start + num_pages]
         if self.prefill_kernel is not None:  # it reads the whole context from the pages
-            pages = torch.tensor(seq.page_ids[:num_pages], dtype=torch.int64)
-            return PrefillChunk(row, n, pages, None, seq.start_pos)
+            return PrefillChunk(row, n, own_pages, None, seq.start_pos)
         if seq.start_pos == 0:
             return PrefillChunk(row, n, None, None)
-        pages = torch.tensor(seq.page_ids[:num_pages], dtype=torch.int64, device=self.device)
         query_pos = torch.arange(seq.start_pos, context_len, device=self.device)
         key_pos = torch.arange(context_len, device=self.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [n, context_len] causal, chunk at the end
-        return PrefillChunk(row, n, pages, mask, seq.start_pos)
+        return PrefillChunk(row, n, own_pages.to(self.device), mask, seq.start_pos)
 
-    def _kernel_decodes(self, decodes: list[ScheduledSeq]) -> KernelDecodes | None:
-        if not decodes:
+    def _kernel_decodes(
+        self,
+        count: int,
+        page_start: torch.Tensor,
+        num_pages: torch.Tensor,
+        pages: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> KernelDecodes | None:
+        """The decode kernel's inputs for rows [0, count): page_start, num_pages and positions
+        are per row (a drafted sequence's rows share its page table), pages is every page table,
+        flat."""
+        if not count:
             return None
-        max_pages = max(len(s.page_ids) for s in decodes)
-        table = [s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in decodes]
+        width = int(num_pages[:count].max())
+        columns = torch.arange(width)
+        index = (page_start[:count, None] + columns).clamp_(max=len(pages) - 1)
+        table = pages[index].masked_fill_(columns >= num_pages[:count, None], 0)
         return KernelDecodes(
             kernel=self.decode_kernel,
-            count=len(decodes),
-            page_table=torch.tensor(table, dtype=torch.int64),
-            context_lens=torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int64),
+            count=count,
+            page_table=table,
+            context_lens=positions[:count] + 1,
         )
 
     def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:
@@ -303,15 +335,6 @@ class ModelRunner:
             # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
             bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
         )
-
-
-def _position_decodes(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """Each position of each drafted sequence as a one-token decode, in row order."""
-    return [
-        dataclasses.replace(seq, token_ids=[token], start_pos=seq.start_pos + j)
-        for seq in seqs
-        for j, token in enumerate(seq.token_ids)
-    ]
 
 
 def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:

@@ -104,13 +104,14 @@ class Attention(nn.Module):
         # x: [num_tokens, hidden]; cos, sin: [num_tokens, 1, head_dim], or with ops
         # [num_tokens, head_dim / 2] fp32
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and __call__ costs per layer
         if ops is not None and self.q_norm is None:
             ops.rotary(qkv, self.num_heads + self.num_kv_heads, cos, sin)  # q and k, in place
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        # [n, heads + 2 * kv_heads, head_dim]: q, k and v as views, in one op each
+        heads = qkv.view(n, -1, self.head_dim)
+        q = heads[:, : self.num_heads]
+        k = heads[:, self.num_heads : self.num_heads + self.num_kv_heads]
+        v = heads[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
             if ops is not None:
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k_cache, v_cache, k, v, meta)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -134,7 +135,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: CpuFusedOps | None = None) -> torch.Tensor:
         if ops is not None:
-            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+            return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -157,10 +158,10 @@ class DecoderLayer(nn.Module):
         updated in place. Returns (x, this layer's output, not yet added)."""
         norm = self.input_layernorm
         h = ops.add_rms_norm(delta, x, norm.weight, norm.eps)
-        attn = self.self_attn(h, cos, sin, kv_cache, meta, ops)
+        attn = self.self_attn.forward(h, cos, sin, kv_cache, meta, ops)
         norm = self.post_attention_layernorm
         h = ops.add_rms_norm(attn, x, norm.weight, norm.eps)
-        return x, self.mlp(h, ops)
+        return x, self.mlp.forward(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
