@@ -43,6 +43,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +284,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     speculative = bool(args.speculative_method)
     llm = LLM(model=args.model, dtype=args.dtype, **engine_overrides(args, threads, speculative))
+
+    # transformers, the matmul peak and the copy each run on a thread that then ends: a live
+    # thread that has run a parallel torch op keeps an OpenMP team, which competes with the
+    # worker's for the cores on every later step (a batch-1 decode ran 35% slower, 54 against
+    # 82-88 tok/s); a thread that ends takes its team with it. The daemon has no such thread.
+    def on_reference_thread(fn: Any, *fn_args: Any) -> Any:
+        return run_in_passing_thread(threads, fn, *fn_args)
+
     try:
         llm.generate(
             [list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -290,8 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         hf_model = None
         if args.compare_hf:
             _log("loading the transformers model")
-            hf_model = load_hf_model(args, llm, dtype, device)
-            hf_generate(hf_model, [list(range(1, 17))], 4, device)  # warm-up
+            hf_model = on_reference_thread(load_hf_model, args, llm, dtype, device)
+            on_reference_thread(hf_generate, hf_model, [list(range(1, 17))], 4, device)
         params = matmul_params(llm.hf_config)
         if args.decode_step:
             from decode_step import decode_step_record
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         peak = 0.0
         if not args.no_peak:
             _log("measuring the matmul peak")
-            peak = measure_matmul_peak_gflops(dtype, device)
+            peak = on_reference_thread(measure_matmul_peak_gflops, dtype, device)
         for run in range(args.runs):
             workload = build_workload(args.workload, llm.vocab_size, seed=run)
             workload = trim_workload(workload, args.num_prompts, args.max_output_len)
@@ -314,18 +323,47 @@ def main(argv: list[str] | None = None) -> None:
                 record = {"workload": args.workload, "model": args.model, "dtype": args.dtype}
                 record |= {"device": str(device), "threads": threads, "seed": run}
                 prompt = workload.prompts[0]
-                record |= single_stream_record(llm, hf_model, prompt, run, params, dtype, device)
+                record |= single_stream_record(
+                    llm, hf_model, prompt, run, params, dtype, device, on_reference_thread
+                )
             else:
-                record = _run_once(args, llm, hf_model, workload, run, peak, params, device)
+                record = _run_once(args, llm, workload, run, peak, params, device)
+                if hf_model is not None:
+                    add_hf(record, on_reference_thread(run_hf, hf_model, workload, device))
             print(json.dumps(record), flush=True)
     finally:
         llm.close()
 
 
+def run_in_passing_thread(threads: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread with ``threads`` torch threads; its result or exception."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="reference")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def add_hf(record: dict[str, Any], hf_elapsed: float) -> None:
+    hf_tok_s = record["output_tokens"] / hf_elapsed
+    record["hf_elapsed_s"] = round(hf_elapsed, 3)
+    record["hf_output_tok_s"] = round(hf_tok_s, 2)
+    record["ratio"] = round(record["output_tok_s"] / hf_tok_s, 3)
+
+
 def _run_once(
     args: argparse.Namespace,
     llm: Any,
-    hf_model: Any,
     workload: Workload,
     seed: int,
     peak: float,
@@ -364,12 +402,6 @@ def _run_once(
         )
     record.update({k: v for k, v in deltas.items() if k in ("num_steps", "num_preemptions")})
     record.update(comm_record(deltas, elapsed))
-    if hf_model is not None:
-        hf_elapsed = run_hf(hf_model, workload, device)
-        hf_tok_s = workload.num_output_tokens / hf_elapsed
-        record["hf_elapsed_s"] = round(hf_elapsed, 3)
-        record["hf_output_tok_s"] = round(hf_tok_s, 2)
-        record["ratio"] = round(record["output_tok_s"] / hf_tok_s, 3)
     return record
 
 

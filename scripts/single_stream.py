@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,8 +63,11 @@ def single_stream_record(
     weight_params: int,
     dtype: torch.dtype,
     device: torch.device,
+    on_reference_thread: Callable[..., Any] = lambda fn, *args: fn(*args),
 ) -> dict[str, Any]:
-    """One W-single run: `prompt` is the workload's request; fresh prompts time the TTFT."""
+    """One W-single run: `prompt` is the workload's request; fresh prompts time the TTFT.
+    `on_reference_thread(fn, *args)` runs the copy and transformers away from the thread that
+    drives the engine (see bench_offline.py's main)."""
     rng = random.Random(1000 + seed)
 
     def fresh() -> list[int]:
@@ -76,7 +80,7 @@ def single_stream_record(
     weight_bytes = weight_params * element
     kv_per_token = kv_bytes_per_token(llm.hf_config, dtype)
     mean_context = PROMPT_TOKENS + OUTPUT_TOKENS / 2
-    bandwidth = copy_bandwidth()
+    bandwidth = on_reference_thread(copy_bandwidth)
     floor_tok_s = bandwidth / (weight_bytes + kv_per_token * mean_context)
     record: dict[str, Any] = {
         "prompt_tokens": PROMPT_TOKENS,
@@ -94,8 +98,11 @@ def single_stream_record(
     if hf_model is not None:
         from hf_baseline import hf_generate
 
-        hf_ttft = min(hf_generate(hf_model, [fresh()], 1, device) for _ in range(TTFT_REPEATS))
-        hf_total = hf_generate(hf_model, [prompt], OUTPUT_TOKENS, device)
+        hf_ttft = min(
+            on_reference_thread(hf_generate, hf_model, [fresh()], 1, device)
+            for _ in range(TTFT_REPEATS)
+        )
+        hf_total = on_reference_thread(hf_generate, hf_model, [prompt], OUTPUT_TOKENS, device)
         hf_decode = (OUTPUT_TOKENS - 1) / (hf_total - hf_ttft)
         record.update(
             hf_ttft_ms=round(hf_ttft * 1e3, 1),
