@@ -1,5 +1,5 @@
-/* Helpers shared by the CPU kernels (cpu_paged_prefill.c, cpu_fused.c): bf16 conversion, a
- * vectorisable exp, and per-thread scratch buffers. Header-only: each kernel file is built on
+/* Helpers shared by the CPU kernels (cpu_paged_decode.c, cpu_paged_prefill.c, cpu_fused.c):
+ * bf16 conversion, a vectorisable exp, and per-thread scratch buffers. Header-only: each kernel file is built on
  * its own by yaied/kernels/cpu_build.py. */
 #ifndef YAIED_CPU_COMMON_H
 #define YAIED_CPU_COMMON_H

@@ -11,47 +11,11 @@
  * yaied.worker.attention._decode_attention. No OpenMP: the engine's torch thread pool owns the
  * cores; rows are split across calls by the launcher when that pays.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define BLOCK 16 /* scores computed a block of positions at a time */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* exp(x) for x <= 0 by 2^(x log2 e) = 2^n * 2^f with a degree-6 polynomial for 2^f (relative
- * error about 2e-7): unlike libm's expf it vectorises, and the softmax calls it per position. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_floorf(t);
-    float f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180399e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                       \

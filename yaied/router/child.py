@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import signal
@@ -23,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
+from yaied.core.processes import exit_with_parent
 from yaied.core.request import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
@@ -79,7 +78,7 @@ def child_main(
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; the router decides
     logging.basicConfig(level=logging.WARNING, format=f"engine {spec.engine_id}: %(message)s")
-    _exit_with_parent()
+    exit_with_parent("yaied-parent-watch")  # never outlive the parent, even mid-load
     sender = Sender(event_conn, "yaied-child-events")
     try:
         from yaied.engine.async_engine import AsyncEngine  # torch and CUDA start here
@@ -103,20 +102,6 @@ def child_main(
     # A dead engine (a hung step, a CUDA error, a failed rebuild) exits non-zero: the router sees
     # the pipe close and starts a new process, which is the only way back.
     os._exit(EXIT_ENGINE_DEAD if engine.dead is not None else 0)
-
-
-def _exit_with_parent() -> None:
-    """Exit when the router's process is gone, even in the middle of loading (a conversion the
-    router gave up waiting for): the pipes' end-of-file is only read once the engine serves."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="yaied-parent-watch", daemon=True).start()
 
 
 class ChildServer:

@@ -95,7 +95,7 @@ def _load_native(
 ) -> nn.Module:
     model = build_model(hf_config, device, dtype)
     if config.load_format == "dummy":
-        _init_dummy_weights(model, config.seed)
+        init_dummy_weights(model, config.seed)
     else:
         model.load_weights(
             model_files.iter_safetensors_weights(folder, show_progress=show_progress)
@@ -121,9 +121,10 @@ def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | No
     return folder, model_files.load_hf_config(folder, trust_remote_code=config.trust_remote_code)
 
 
-def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights for benchmarks of shapes whose weights we lack: small normal matrices, unit
-    norms, so activations stay in range through many layers."""
+    norms, so activations stay in range through many layers. Norms and biases are the same for
+    every seed, so a tensor-parallel rank's replicated parameters agree with the others'."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -112,19 +112,6 @@ def build_shard_model(
     return model
 
 
-def init_dummy_shard(model: nn.Module, seed: int) -> None:
-    """Random weights for benchmarks (load_format = "dummy"): norms 1, biases 0 (replicated
-    parameters must agree across ranks), small normal matrices; values differ from TP=1's."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        elif name.endswith("bias"):
-            param.data.zero_()
-        else:
-            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-
-
 def pack_shard(model: nn.Module, batch_hint: int) -> None:
     """bf16 on CPU: pack the plain linears (as the worker does at TP=1) and the row-parallel
     ones, whose matmul runs before their all-reduce."""

@@ -12,6 +12,7 @@ import torch
 from yaied.core.config import EngineConfig
 from yaied.worker.loader import (
     LoadedModel,
+    init_dummy_weights,
     max_model_len_of,
     pick_impl,
     resolve_dtype,
@@ -20,7 +21,7 @@ from yaied.worker.loader import (
 from yaied.worker.models import check_supported
 from yaied.worker.models.llama import LlamaShape
 from yaied.worker.parallel.group import RankGroup
-from yaied.worker.parallel.layers import build_shard_model, init_dummy_shard, pack_shard
+from yaied.worker.parallel.layers import build_shard_model, pack_shard
 from yaied.worker.parallel.plan import ShardPlan, check_divisible, iter_shard_weights
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def load_shard(
     torch.manual_seed(config.model.seed)
     model = build_shard_model(hf_config, plan, group, device, dtype)
     if config.model.load_format == "dummy":
-        init_dummy_shard(model, config.model.seed + rank)
+        init_dummy_weights(model, config.model.seed + rank)
     else:
         model.load_weights(iter_shard_weights(folder, plan))
     model = model.to(dtype)

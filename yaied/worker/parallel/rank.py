@@ -9,15 +9,13 @@ imported only once the thread count is set.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
-import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from yaied.core.config import EngineConfig
+from yaied.core.processes import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank}: %(message)s")
-    _exit_with_parent()
+    exit_with_parent("yaied-rank-parent-watch")  # never outlive the parent, even mid-load
     try:
         follower = Follower(spec)
     except BaseException as exc:
@@ -64,20 +62,6 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         log.error("stopping: %s: %s", type(exc).__name__, exc)
         os._exit(1)
     os._exit(0)  # skip the interpreter's teardown of torch's pools and the group's sockets
-
-
-def _exit_with_parent() -> None:
-    """Exit as soon as rank 0's process is gone, whatever this one is doing (waiting in a
-    collective, loading): no rank outlives its engine."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="yaied-rank-parent-watch", daemon=True).start()
 
 
 class Follower:
