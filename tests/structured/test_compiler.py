@@ -249,3 +249,11 @@ async def test_concurrent_compiles_share_one(
     assert calls == [spec.source]
     assert (comp.stats.misses, comp.stats.joined, comp.stats.compiles) == (1, 4, 1)
     assert comp.cached(spec) is results[0]
+
+
+def test_compile_threads_run_torch_serially(compiler):
+    # They live as long as the engine: a parallel torch op there would start an OpenMP team that
+    # slows every engine step (yaied/engine/threads.py).
+    import torch
+
+    assert compiler._pool.submit(torch.get_num_threads).result() == 1

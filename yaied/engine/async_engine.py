@@ -46,6 +46,7 @@ from yaied.engine.inputs import InputProcessor
 from yaied.engine.output import OutputPhase, RequestStream
 from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
+from yaied.engine.threads import run_torch_serially
 from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,12 @@ class AsyncEngine(Recovery, OutputPhase):
             self._finish_stream(request_id, FinishReason.ABORT, error=None)
         self._executor.shutdown(wait=self.dead is None)  # a dead engine's may hang: no wait
         self.worker.close()  # tensor-parallel ranks go after the last step (a stuck one raises)
+
+    def keep_this_thread_serial(self) -> None:
+        """Torch ops issued from the calling thread (a host's own event loop: the daemon's, an
+        engine process's) run on it alone, so that the worker thread holds the process's only
+        OpenMP team (engine/threads.py). The offline LLM leaves its caller's thread alone."""
+        run_torch_serially()
 
     # -- the loop ---------------------------------------------------------------------------
 

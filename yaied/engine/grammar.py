@@ -30,6 +30,7 @@ import torch
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError
 from yaied.core.request import Request
 from yaied.core.step import Batch
+from yaied.engine.threads import run_torch_serially
 from yaied.structured import (
     CompiledGrammar,
     GrammarCompiler,
@@ -84,8 +85,12 @@ class Grammars:
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch) without blocking the loop; a bad spec, or one past the compile
         timeout, raises StructuredOutputError (a ValueError naming the request field)."""
-        compiler = self._compiler or await asyncio.to_thread(self._built, spec)
+        compiler = self._compiler or await asyncio.to_thread(self._built_serially, spec)
         return await compiler.compile_async(spec)
+
+    def _built_serially(self, spec: GrammarSpec) -> GrammarCompiler:
+        run_torch_serially()  # a live pool thread of the loop's: no OpenMP team (threads.py)
+        return self._built(spec)
 
     def compile_sync(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile in the calling thread: for callers outside an event loop (LLM, tests)."""

@@ -115,6 +115,7 @@ class ChildServer:
 
     async def serve(self, submit_conn: Connection, abort_conn: Connection) -> None:
         loop = asyncio.get_running_loop()
+        self.engine.keep_this_thread_serial()  # this loop's thread: no OpenMP team of its own
         self._done = asyncio.Event()
         self.engine.step_observer = self._steps.append
         self.engine.on_dead = lambda exc: self._done.set()  # every call has its error event

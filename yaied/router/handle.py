@@ -168,6 +168,7 @@ class InProcessHandle(EngineHandle):
         self._health = value
 
     async def start(self) -> None:
+        self.engine.keep_this_thread_serial()  # the daemon's loop: no OpenMP team of its own
         self.health = Health.UP
 
     async def stop(self, timeout: float = 15.0) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import xgrammar as xgr
 
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError
@@ -119,8 +120,13 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=threads_per_compile, cache_enabled=False
         )
+        # One torch thread each: a live thread that runs a parallel torch op keeps an OpenMP team,
+        # and more OpenMP threads than CPUs slow every engine step (yaied/engine/threads.py).
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="yaied-grammar"
+            max_workers=max_workers,
+            thread_name_prefix="yaied-grammar",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
         )
         # Guards _cache, _inflight and stats: the loop thread, pool threads and sync callers
         # all touch them; every critical section is a few dict operations.

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -56,7 +57,11 @@ def allocate_bitmask(
     model's logits width (padded rows included). On CUDA the host side is pinned so that the
     per-step copy is asynchronous."""
     device = torch.device(device)
-    host = xgr.allocate_token_bitmask(max_rows, vocab_size)
+    # All ones (every token allowed), filled by numpy: torch's fill of this many words is a
+    # parallel op, and on the event loop's thread it would start an OpenMP team that slows every
+    # later engine step (yaied/engine/threads.py). The same layout as xgr.allocate_token_bitmask.
+    words = (vocab_size + 31) // 32
+    host = torch.from_numpy(np.full((max_rows, words), -1, dtype=np.int32))
     device_copy = None
     if device.type != "cpu":
         if device.type == "cuda":
