@@ -69,4 +69,3 @@ def test_the_bitmask_is_allocated_without_a_team():
     made = []
     assert threads_started_by(lambda: made.append(allocate_bitmask(1024, 152_064).host)) == 0
     assert made[0].shape == (1024, 4752) and bool((made[0] == -1).all())  # every token allowed
-
