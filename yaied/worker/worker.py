@@ -19,7 +19,8 @@ from yaied.core.model_info import ModelInfo
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.kernels.cpu_fused import CpuFusedOps
-from yaied.worker.cpu_linear import can_pack, pack_linears
+from yaied.kernels.cpu_gemv import CpuGemv
+from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     kv_cache_bytes,
@@ -86,7 +87,12 @@ class Worker:
             native=not isinstance(self.loaded.model, TransformersModel),
         )
         if can_pack(self.loaded.dtype, self.device):
-            pack_linears(self.loaded.model, config.scheduler.max_num_batched_tokens)
+            gemv = CpuGemv.load() if gemv_fits(self.loaded.model) else None
+            pack_linears(
+                self.loaded.model,
+                config.scheduler.max_num_batched_tokens,
+                gemv if gemv is not None and gemv.native else None,
+            )
         if self.device.type == "cpu" and isinstance(self.loaded.model, LlamaForCausalLM):
             self.loaded.model.use_fused_ops(CpuFusedOps.load())
         shape = self.loaded.model.shape

@@ -1,0 +1,44 @@
+"""The few-row bf16 linear kernel against F.linear: every row count it takes, shapes whose sizes
+are not multiples of its blocks (the plain-C tails), bias, and the launcher's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
+
+gemv = CpuGemv.load()
+pytestmark = pytest.mark.skipif(gemv is None, reason="no C compiler for the CPU kernel")
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (7, 33), (5, 64), (13, 100), (1, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_linear(rows, n, k, bias):
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    got = gemv(x, weight, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # fp32 accumulation, one bf16 rounding of the result (and of the bias sum)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_strided_input_rows():
+    x = torch.randn(2, 80).to(torch.bfloat16)[:, :64]
+    weight = torch.randn(8, 64).to(torch.bfloat16)
+    torch.testing.assert_close(gemv(x, weight).float(), F.linear(x, weight).float())
+
+
+def test_launcher_refuses_what_the_kernel_cannot_take():
+    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shapes"):
+        gemv(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="shapes"):
+        gemv(torch.zeros(1, 32, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="bf16"):
+        gemv(torch.zeros(1, 64), weight)
