@@ -110,9 +110,16 @@ def _mark_native(runner) -> None:
     if ops is not None:
         for name in ("add_rms_norm", "rotary", "silu_mul"):
             setattr(ops, name, marked(getattr(ops, name)))
-    for name in ("decode_kernel", "prefill_kernel"):
-        if getattr(runner, name, None) is not None:
-            setattr(runner, name, marked(getattr(runner, name)))
+    if getattr(runner, "prefill_kernel", None) is not None:
+        runner.prefill_kernel = marked(runner.prefill_kernel)
+    kernel = getattr(runner, "decode_kernel", None)
+    if kernel is not None:
+
+        class MarkedDecodeKernel:
+            __call__ = staticmethod(marked(kernel))
+            step = staticmethod(marked(kernel.step))
+
+        runner.decode_kernel = MarkedDecodeKernel()
 
 
 def _submit(engine, prompt: list[int], max_tokens: int, request_id: str) -> None:

@@ -68,3 +68,49 @@ def test_launcher_checks_shapes():
             torch.ones(1, dtype=torch.int64),
             1.0,
         )
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
+@pytest.mark.parametrize("kv_heads, group, head_dim, page_size", [(3, 3, 64, 16), (2, 2, 32, 4)])
+def test_step_is_rotary_then_write_then_attention(
+    dtype, tolerance, kv_heads, group, head_dim, page_size
+):
+    """The decode-only step entry against the three torch references it replaces: rotary on q
+    and k of the fused qkv rows, the K/V write at each row's slot, attention that sees it."""
+    from yaied.kernels.cpu_fused import rotary_reference
+    from yaied.worker.attention import write_kv
+
+    torch.manual_seed(1)
+    heads, rows = kv_heads * group, 4
+    lengths = [1, page_size, page_size + 1, 3 * page_size + 2]  # the new token is the last
+    max_pages = -(-max(lengths) // page_size)
+    num_pages = rows * max_pages + 3
+    table = torch.randperm(num_pages)[: rows * max_pages].view(rows, max_pages)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    positions = lens - 1
+    slots = table.gather(1, (positions // page_size)[:, None])[:, 0] * page_size
+    slots += positions % page_size
+    k_cache = torch.randn(kv_heads, num_pages, page_size, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages, page_size, head_dim).to(dtype)
+    # qkv rows with padding after them: the kernel honours the row stride
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width + 8).to(dtype)[:, :width]
+    freqs = positions.float()[:, None] * torch.rand(head_dim // 2)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    split = qkv.float().view(rows, -1, head_dim)
+    full_cos, full_sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    rotated = rotary_reference(split[:, : heads + kv_heads], full_cos, full_sin).to(dtype)
+    q, k = rotated[:, :heads], rotated[:, heads:]
+    v = split[:, heads + kv_heads :].to(dtype)
+    write_kv(expected_k, expected_v, k, v, slots)
+    expected = reference(q, expected_k, expected_v, table, lens, head_dim**-0.5)
+
+    out = kernel.step(qkv, heads, cos, sin, k_cache, v_cache, slots, table, lens, head_dim**-0.5)
+    assert out.shape == (rows, heads * head_dim)
+    close = dict(rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(qkv.view(rows, -1, head_dim)[:, :heads].float(), q.float(), **close)
+    torch.testing.assert_close(k_cache.float(), expected_k.float(), **close)
+    torch.testing.assert_close(v_cache, expected_v)  # copied, not computed
+    torch.testing.assert_close(out.view(rows, heads, -1).float(), expected.float(), **close)

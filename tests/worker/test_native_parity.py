@@ -88,3 +88,27 @@ def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
             assert (runner.model.fused_ops is None) == bool(disabled)
             outputs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
+
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch):
+    """One stream in bf16 decodes through the CPU decode-step kernel and, where it builds, the
+    few-row linear kernel (qwen2: with q/k/v bias); the same greedy tokens come out of the
+    general path (rotary, K/V write and attention apart; oneDNN linears). Against transformers
+    bf16 no such check holds: the two round at different places and part after a few tokens."""
+    from yaied.worker import worker
+    from yaied.worker.models import llama
+
+    folder = tiny_model_dirs[kind]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(4, 5, 60, 256, seed=3)
+
+    def one_at_a_time() -> list[list[int]]:
+        with LLM(str(folder), dtype="bfloat16", kv_cache_gib=0.02, show_progress=False) as llm:
+            return [llm.generate([p], params)[0].token_ids for p in prompts]
+
+    with_kernels = one_at_a_time()
+    monkeypatch.setattr(worker, "gemv_fits", lambda model: False)
+    monkeypatch.setattr(llama, "decode_step_attention", lambda *args: None)
+    assert one_at_a_time() == with_kernels

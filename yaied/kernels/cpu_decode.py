@@ -20,6 +20,8 @@ from yaied.kernels.cpu_build import load_library
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_STEP_ARGTYPES = [_P, _I] + [_P] * 8 + [_I] * 7 + [ctypes.c_float]
 
 
 class CpuDecodeKernel:
@@ -27,11 +29,16 @@ class CpuDecodeKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
+        self._steps = {}
         for dtype, name in _FUNCTIONS.items():
             function = getattr(library, name)
             function.argtypes = _ARGTYPES
             function.restype = ctypes.c_int
             self._functions[dtype] = function
+            step = getattr(library, f"{name}_step")
+            step.argtypes = _STEP_ARGTYPES
+            step.restype = ctypes.c_int
+            self._steps[dtype] = step
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> CpuDecodeKernel | None:
@@ -71,6 +78,54 @@ class CpuDecodeKernel:
             context_lens.data_ptr(),
             out.data_ptr(),
             0,
+            rows,
+            kv_heads,
+            heads // kv_heads,
+            head_dim,
+            num_pages,
+            page_size,
+            page_table.shape[1],
+            scale,
+        )
+        _check(status == 0, "the CPU kernel rejected the shapes")
+        return out
+
+    def step(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        page_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode-only step of one layer from the fused qkv projection: q and k rotated in
+        place, k and v written at ``slots``, then attention. qkv: [rows, (heads + 2 * kv_heads)
+        * head_dim] with unit stride along each row; cos, sin: [rows, head_dim / 2] fp32
+        contiguous; slots, context_lens: [rows] int64; page_table: [rows, max_pages] int64.
+        Returns [rows, heads * head_dim]. The launcher is on every layer's path: it checks what
+        the C side relies on and nothing it has checked for an earlier layer of the step."""
+        rows = qkv.shape[0]
+        kv_heads, num_pages, page_size, head_dim = k_cache.shape
+        _check(qkv.stride(1) == 1 and qkv.dtype == k_cache.dtype, "bad qkv")
+        _check(qkv.shape[1] == (heads + 2 * kv_heads) * head_dim, "qkv and cache disagree")
+        _check(cos.shape == (rows, head_dim // 2) and cos.dtype == torch.float32, "bad cos")
+        out = qkv.new_empty((rows, heads * head_dim))
+        status = self._steps[qkv.dtype](
+            qkv.data_ptr(),
+            qkv.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            page_table.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
             rows,
             kv_heads,
             heads // kv_heads,

@@ -8,8 +8,9 @@
  *   context_lens [rows] int64: row r attends to positions [0, context_lens[r])
  *
  * Built by yaied/kernels/cpu_decode.py with the system C compiler; the torch reference is
- * yaied.worker.attention._decode_attention. No OpenMP: the engine's torch thread pool owns the
- * cores; rows are split across calls by the launcher when that pays.
+ * yaied.worker.attention._decode_attention. (row, kv head) pairs are split across the calling
+ * thread's OpenMP team (the engine's worker thread: torch's team). The `_step` entry does a
+ * decode-only step's rotary and K/V write too, in the same parallel region.
  */
 #include "cpu_common.h"
 
@@ -78,33 +79,85 @@
                 out[g * head_dim + d] = STORE(acc[g][d] / denom[g]);                             \
     }                                                                                            \
                                                                                                  \
+    /* Rows [row_begin, row_end); q and out rows `q_stride` and `out_stride` elements apart. */ \
+    static void NAME##_rows(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,   \
+                            const int64_t *page_table, const int64_t *context_lens, T *out,      \
+                            int64_t out_stride, int64_t row_begin, int64_t row_end,              \
+                            int64_t kv_heads, int64_t group, int64_t head_dim,                   \
+                            int64_t num_pages, int64_t page_size, int64_t max_pages,             \
+                            float scale) {                                                       \
+        int64_t page_stride = page_size * head_dim;                                              \
+        int64_t head_stride = num_pages * page_stride;                                           \
+        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                     \
+        for (int64_t r = row_begin; r < row_end; r++) {                                          \
+            for (int64_t h = 0; h < kv_heads; h++) {                                             \
+                const T *qh = q + r * q_stride + h * group * head_dim;                           \
+                T *oh = out + r * out_stride + h * group * head_dim;                             \
+                const int64_t *pages = page_table + r * max_pages;                               \
+                const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;        \
+                /* Constant head sizes let the compiler unroll and vectorise fully. */           \
+                if (head_dim == 64 && page_size == 16)                                           \
+                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, 64, 16, 16 * 64,   \
+                               scale);                                                           \
+                else if (head_dim == 128 && page_size == 16)                                     \
+                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, 128, 16,           \
+                               16 * 128, scale);                                                 \
+                else                                                                             \
+                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, head_dim,          \
+                               page_size, page_stride, scale);                                   \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *page_table,          \
              const int64_t *context_lens, T *out, int64_t row_begin, int64_t row_end,            \
              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_pages,               \
              int64_t page_size, int64_t max_pages, float scale) {                                \
         if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                             \
-        int64_t page_stride = page_size * head_dim;                                              \
-        int64_t head_stride = num_pages * page_stride;                                           \
         int64_t row_stride = kv_heads * group * head_dim;                                        \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                           \
-        for (int64_t r = row_begin; r < row_end; r++) {                                          \
-            for (int64_t h = 0; h < kv_heads; h++) {                                             \
-                int64_t offset = r * row_stride + h * group * head_dim;                          \
-                const int64_t *pages = page_table + r * max_pages;                               \
-                /* Constant head sizes let the compiler unroll and vectorise fully. */           \
-                if (head_dim == 64 && page_size == 16)                                           \
-                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
-                               pages, context_lens[r], out + offset, group, 64, 16, 16 * 64,     \
-                               scale);                                                           \
-                else if (head_dim == 128 && page_size == 16)                                     \
-                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
-                               pages, context_lens[r], out + offset, group, 128, 16, 16 * 128,   \
-                               scale);                                                           \
-                else                                                                             \
-                    NAME##_one(q + offset, k_cache + h * head_stride, v_cache + h * head_stride, \
-                               pages, context_lens[r], out + offset, group, head_dim,            \
-                               page_size, page_stride, scale);                                   \
-            }                                                                                    \
+        _Pragma("omp parallel")                                                                  \
+        NAME##_rows(q, row_stride, k_cache, v_cache, page_table, context_lens, out, row_stride,  \
+                    row_begin, row_end, kv_heads, group, head_dim, num_pages, page_size,         \
+                    max_pages, scale);                                                           \
+        return 0;                                                                                \
+    }                                                                                            \
+                                                                                                 \
+    /* A decode-only step of one layer from its fused qkv rows [rows, (heads + 2 kv_heads) *     \
+     * head_dim] (q_stride elements apart): rotate q and k in place (rotate-half; cos, sin      \
+     * [rows, head_dim / 2] fp32), write k and v to the pools at slots[r], then attend as above  \
+     * into out [rows, heads * head_dim]. One call where the general path takes five. */         \
+    int NAME##_step(T *qkv, int64_t q_stride, const float *cos, const float *sin, T *k_cache,   \
+                    T *v_cache, const int64_t *slots, const int64_t *page_table,                 \
+                    const int64_t *context_lens, T *out, int64_t rows, int64_t kv_heads,         \
+                    int64_t group, int64_t head_dim, int64_t num_pages, int64_t page_size,       \
+                    int64_t max_pages, float scale) {                                            \
+        if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                             \
+        int64_t heads = kv_heads * group, half = head_dim / 2;                                   \
+        int64_t head_stride = num_pages * page_size * head_dim;                                  \
+        _Pragma("omp parallel")                                                                  \
+        {                                                                                        \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t r = 0; r < rows; r++) {                                                 \
+                T *row = qkv + r * q_stride;                                                     \
+                const float *c = cos + r * half, *s = sin + r * half;                            \
+                for (int64_t h = 0; h < heads + kv_heads; h++) {                                 \
+                    T *v = row + h * head_dim;                                                   \
+                    for (int64_t i = 0; i < half; i++) {                                         \
+                        float a = LOAD(v[i]), b = LOAD(v[i + half]);                             \
+                        v[i] = STORE(a * c[i] - b * s[i]);                                       \
+                        v[i + half] = STORE(b * c[i] + a * s[i]);                                \
+                    }                                                                            \
+                }                                                                                \
+                for (int64_t h = 0; h < kv_heads; h++) {                                         \
+                    int64_t at = h * head_stride + slots[r] * head_dim;                          \
+                    memcpy(k_cache + at, row + (heads + h) * head_dim, head_dim * sizeof(T));    \
+                    memcpy(v_cache + at, row + (heads + kv_heads + h) * head_dim,                \
+                           head_dim * sizeof(T));                                                \
+                }                                                                                \
+            } /* the implicit barrier: every row's K/V is written before any row attends */     \
+            NAME##_rows(qkv, q_stride, k_cache, v_cache, page_table, context_lens, out, heads * head_dim, \
+                        0, rows, kv_heads, group, head_dim, num_pages, page_size, max_pages,     \
+                        scale);                                                                  \
         }                                                                                        \
         return 0;                                                                                \
     }

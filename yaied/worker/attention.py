@@ -58,6 +58,9 @@ class KernelDecodes:
     count: int
     page_table: torch.Tensor  # [count, max_pages] int64
     context_lens: torch.Tensor  # [count] int64
+    # A decode-only step from the fused qkv rows, rotary and K/V write included:
+    # (qkv, heads, cos, sin, k_cache, v_cache, slots, page_table, context_lens, scale) -> out
+    step: Callable[..., torch.Tensor] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -110,6 +113,37 @@ def write_kv(
     kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def decode_step_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor | None:
+    """A step of decodes only, on the CPU kernel: rotary, the K/V write and attention in one
+    call over the fused qkv rows [num_tokens, (heads + 2 * kv_heads) * head_dim] (cos, sin:
+    [num_tokens, head_dim / 2] fp32). Returns [num_tokens, heads * head_dim], or None where the
+    step has prefill rows or no such kernel: the caller then takes the general path."""
+    fused = meta.kernel_decodes
+    if fused is None or fused.step is None or fused.count != qkv.shape[0]:
+        return None
+    k_cache, v_cache = kv_cache
+    return fused.step(
+        qkv,
+        num_heads,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        fused.page_table,
+        fused.context_lens,
+        scale,
+    )
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

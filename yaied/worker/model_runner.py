@@ -306,6 +306,7 @@ class ModelRunner:
             count=count,
             page_table=table,
             context_lens=positions[:count] + 1,
+            step=self.decode_kernel.step,
         )
 
     def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:

@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from yaied.kernels.cpu_fused import CpuFusedOps
-from yaied.worker.attention import AttentionMetadata, paged_attention, store_kv
+from yaied.worker.attention import (
+    AttentionMetadata,
+    decode_step_attention,
+    paged_attention,
+    store_kv,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +111,9 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and __call__ costs per layer
         if ops is not None and self.q_norm is None:
+            out = decode_step_attention(qkv, self.num_heads, cos, sin, kv_cache, meta, self.scale)
+            if out is not None:  # decodes only: rotary, K/V write and attention in one call
+                return self.o_proj.forward(out)
             ops.rotary(qkv, self.num_heads + self.num_kv_heads, cos, sin)  # q and k, in place
         # [n, heads + 2 * kv_heads, head_dim]: q, k and v as views, in one op each
         heads = qkv.view(n, -1, self.head_dim)
