@@ -90,7 +90,6 @@ def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
     assert outputs[0] == outputs[1]
 
 
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch):
     """One stream in bf16 decodes through the CPU decode-step kernel and, where it builds, the
