@@ -36,9 +36,40 @@ def test_strided_input_rows():
 
 def test_launcher_refuses_what_the_kernel_cannot_take():
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="shapes"):
+    with pytest.raises(ValueError, match="bad input"):
         gemv(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight)
-    with pytest.raises(ValueError, match="shapes"):
+    with pytest.raises(ValueError, match="bad input"):
         gemv(torch.zeros(1, 32, dtype=torch.bfloat16), weight)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bad input"):
         gemv(torch.zeros(1, 64), weight)
+    with pytest.raises(ValueError, match="bf16 weight"):
+        gemv.bind(weight.float())
+    with pytest.raises(ValueError, match="bias"):
+        gemv.bind(weight, torch.zeros(7, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+def test_normed_is_the_fused_kernels_then_the_linear(rows, with_delta, silu):
+    """residual += delta, RMSNorm, linear, SiLU-and-multiply in one call: the same bits as
+    cpu_fused's kernels around the kernel's plain linear, and the same residual update."""
+    from yaied.kernels.cpu_fused import CpuFusedOps
+
+    ops = CpuFusedOps.load()
+    torch.manual_seed(rows)
+    k, n = 96, 2 * 40
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    norm_weight = (1 + torch.randn(k) / 4).to(torch.bfloat16)
+    residual = torch.randn(rows, k).to(torch.bfloat16)
+    delta = torch.randn(rows, k).to(torch.bfloat16) if with_delta else None
+    bound = gemv.bind(weight, bias)
+
+    expected_residual = residual.clone()
+    expected = bound(ops.add_rms_norm(delta, expected_residual, norm_weight, 1e-5))
+    if silu:
+        expected = ops.silu_mul(expected)
+    got = bound.normed(delta, residual, norm_weight, 1e-5, silu)
+    assert torch.equal(residual, expected_residual)
+    assert torch.equal(got, expected)

@@ -1,6 +1,6 @@
 """Compiling and loading the CPU kernels (yaied/kernels/*.c) with the system C compiler.
 
-Each kernel is a self-contained C file (plus the shared header cpu_common.h) built on first use
+Each kernel is a self-contained C file (plus the shared headers cpu_*.h) built on first use
 into the yaied cache folder and loaded with ctypes: no torch headers, so a build takes about a
 second, and a machine without a compiler keeps the torch paths (``load_library`` returns None).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = [HERE / "cpu_common.h"]
+HEADERS = [HERE / "cpu_common.h", HERE / "cpu_rows.h"]
 # -fassociative-math lets the compiler vectorise the dot-product reductions; infinities stay
 # legal (the online softmax starts from -inf), so no -ffast-math.
 CFLAGS = [

@@ -6,41 +6,25 @@
  * a fifth of the step (docs/benchmarks.md), at batch 1 mostly per-op overhead.
  *
  * Math is fp32; bf16 values are rounded where the torch reference rounds them (the residual sum,
- * the normalised value before the weight), so bf16 results stay within one rounding of it.
+ * the normalised value before the weight), so bf16 results stay within one rounding of it. The
+ * per-row bodies of the norm and SiLU-and-multiply are in cpu_rows.h, shared with cpu_gemv.c.
  * The torch references are in yaied/kernels/cpu_fused.py. Rows are split over OpenMP threads
  * only when there are enough of them to pay for the fork.
  */
-#include "cpu_common.h"
+#include "cpu_rows.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-#define ROUND_F32(x) (x)
-#define ROUND_BF16(x) bf16_to_float(float_to_bf16(x))
 
-#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                        \
+#define DEFINE_ADD_RMS_NORM(NAME, T, SUFFIX)                                                    \
     void NAME(const T *delta, T *residual, const T *weight, T *out, int64_t rows,               \
               int64_t hidden, float eps, int64_t threads) {                                     \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * hidden >= PARALLEL_MIN_ELEMENTS)") \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            T *x = residual + r * hidden;                                                       \
-            float sum_sq = 0.0f;                                                                \
-            if (delta) {                                                                        \
-                const T *dx = delta + r * hidden;                                               \
-                for (int64_t i = 0; i < hidden; i++) {                                          \
-                    float v = ROUND(LOAD(x[i]) + LOAD(dx[i]));                                  \
-                    x[i] = STORE(v);                                                            \
-                    sum_sq += v * v;                                                            \
-                }                                                                               \
-            } else {                                                                            \
-                for (int64_t i = 0; i < hidden; i++) sum_sq += LOAD(x[i]) * LOAD(x[i]);         \
-            }                                                                                   \
-            float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);                             \
-            T *y = out + r * hidden;                                                            \
-            for (int64_t i = 0; i < hidden; i++)                                                \
-                y[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(x[i]) * inv));                        \
-        }                                                                                       \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            add_rms_norm_row_##SUFFIX(delta ? delta + r * hidden : NULL, residual + r * hidden, \
+                                      weight, out + r * hidden, hidden, eps);                   \
     }
 
 /* x: rows of row_stride elements; each row holds `heads` heads of `dim` at its start (q then k
@@ -63,25 +47,16 @@
         }                                                                                       \
     }
 
-/* silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that the exp never overflows. */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                   \
+#define DEFINE_SILU_MUL(NAME, T, SUFFIX)                                                        \
     void NAME(const T *gate_up, T *out, int64_t rows, int64_t width, int64_t threads) {         \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * width >= PARALLEL_MIN_ELEMENTS)") \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            const T *gate = gate_up + r * 2 * width, *up = gate + width;                        \
-            T *y = out + r * width;                                                             \
-            for (int64_t i = 0; i < width; i++) {                                               \
-                float g = LOAD(gate[i]);                                                        \
-                float e = exp_nonpositive(g < 0.0f ? g : -g);                                   \
-                float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);                             \
-                y[i] = STORE(g * sigmoid * LOAD(up[i]));                                        \
-            }                                                                                   \
-        }                                                                                       \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            silu_mul_row_##SUFFIX(gate_up + r * 2 * width, out + r * width, width);             \
     }
 
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16, ROUND_BF16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, f32)

@@ -10,8 +10,13 @@
  *
  * Layouts (contiguous, bf16): x [rows, K], w [N, K] (nn.Linear's weight), bias [N] or NULL,
  * out [rows, N]. rows <= MAX_ROWS.
+ *
+ * `few_rows_linear` also runs the layer's elementwise neighbours, so that a decoder layer at
+ * batch 1 makes one call where it made two or three: the residual add and RMSNorm before the
+ * linear (q/k/v and gate/up projections), SiLU-and-multiply after it (gate/up), with the bodies
+ * of cpu_fused.c's kernels (cpu_rows.h) and so the same results.
  */
-#include "cpu_common.h"
+#include "cpu_rows.h"
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -131,5 +136,34 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     done = N - N % block;
 #endif
     if (done < N) linear_plain(x, w, bias, out, done, rows, N, K, threads);
+    return 0;
+}
+
+/* The linear with its neighbours: with norm_weight, the input is weight * rms_norm(residual +=
+ * delta) (delta may be NULL; x is ignored), else x; with silu, out [rows, N / 2] is
+ * silu(gate) * up of the linear's two halves, else the linear's [rows, N]. Returns -1 when rows
+ * is out of range, -2 when scratch memory cannot be had. */
+int few_rows_linear(const uint16_t *delta, uint16_t *residual, const uint16_t *norm_weight,
+                    float eps, const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                    uint16_t *out, int64_t rows, int64_t N, int64_t K, int64_t silu,
+                    int64_t threads) {
+    if (rows < 1 || rows > MAX_ROWS) return -1;
+    if (norm_weight) {
+        uint16_t *normed = thread_scratch(0, (size_t)(rows * K) * sizeof(uint16_t));
+        if (!normed) return -2;
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_row_bf16(delta ? delta + r * K : NULL, residual + r * K, norm_weight,
+                                  normed + r * K, K, eps);
+        x = normed;
+    }
+    uint16_t *linear_out = out;
+    if (silu) {
+        linear_out = thread_scratch(1, (size_t)(rows * N) * sizeof(uint16_t));
+        if (!linear_out) return -2;
+    }
+    linear_bf16(x, w, bias, linear_out, rows, N, K, threads);
+    if (silu)
+        for (int64_t r = 0; r < rows; r++)
+            silu_mul_row_bf16(linear_out + r * N, out + r * (N / 2), N / 2);
     return 0;
 }

@@ -24,8 +24,8 @@ class CpuGemv:
     """The compiled kernel; ``CpuGemv.load()`` returns None where it cannot be built."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = library.linear_bf16
-        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        self._linear = library.few_rows_linear
+        self._linear.argtypes = [_P, _P, _P, ctypes.c_float] + [_P] * 4 + [_I] * 5
         self._linear.restype = ctypes.c_int
         native = library.gemv_native_bf16
         native.restype = ctypes.c_int
@@ -38,27 +38,82 @@ class CpuGemv:
         library = load_library(SOURCE, cache_dir)
         return None if library is None else cls(library)
 
+    def bind(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BoundLinear:
+        """The kernel for one linear layer: weight [N, K] bf16 contiguous, bias [N] or None.
+        The caller keeps weight and bias alive for as long as it uses the result."""
+        return BoundLinear(self._linear, weight, bias)
+
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x: [rows <= MAX_ROWS, K] bf16; weight: [N, K] bf16 contiguous; bias: [N] or None.
-        Returns x @ weight.T + bias, [rows, N] bf16."""
-        rows, k = x.shape
-        n = weight.shape[0]
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-            raise ValueError("the few-row linear kernel takes bf16")
-        if weight.shape[1] != k or not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"bad shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        """x @ weight.T + bias in one call (tests, and callers with a weight of the moment)."""
+        return self.bind(weight.contiguous(), bias)(x)
+
+
+class BoundLinear:
+    """One linear layer's few-row kernel, the weight's checks and pointers taken once: it runs
+    four times a layer, and checks only what changes from call to call."""
+
+    __slots__ = ("_function", "_weight", "_bias", "out_features", "in_features")
+
+    def __init__(self, function, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            raise ValueError("the few-row linear kernel takes a contiguous bf16 weight")
+        if bias is not None and (
+            bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bad bias for a weight of {n} rows")
+        self._function = function
+        self._weight = weight.data_ptr()
+        self._bias = None if bias is None else bias.data_ptr()
+        self.out_features, self.in_features = n, k
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows <= MAX_ROWS, K] bf16 -> x @ weight.T + bias, [rows, N]."""
+        rows, n, k = x.shape[0], self.out_features, self.in_features
+        if x.dtype != torch.bfloat16 or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=torch.bfloat16)
-        self._linear(
-            x.data_ptr(),
-            weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            k,
-            torch.get_num_threads(),
-        )
+        self._function(
+            None, None, None, 0.0, x.data_ptr(), self._weight, self._bias, out.data_ptr(),
+            rows, n, k, 0, _threads(),
+        )  # fmt: skip
         return out
+
+    def normed(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        silu: bool = False,
+    ) -> torch.Tensor:
+        """residual += delta in place (when given), then the layer over norm_weight *
+        rms_norm(residual) (CpuFusedOps.add_rms_norm's numerics); with silu, SiLU-and-multiply
+        of the result's two halves. residual, delta: [rows <= MAX_ROWS, K] bf16 contiguous."""
+        rows, n, k = residual.shape[0], self.out_features, self.in_features
+        if residual.dtype != torch.bfloat16 or residual.shape[1] != k:
+            raise ValueError(f"bad residual {tuple(residual.shape)} for weight [{n}, {k}]")
+        if not 1 <= rows <= MAX_ROWS or not residual.is_contiguous():
+            raise ValueError(f"bad residual {tuple(residual.shape)} for weight [{n}, {k}]")
+        if norm_weight.shape != (k,) or norm_weight.dtype != torch.bfloat16:
+            raise ValueError(f"bad norm weight for weight [{n}, {k}]")
+        if delta is not None:
+            if delta.shape != residual.shape or delta.dtype != torch.bfloat16:
+                raise ValueError("delta and residual differ")
+            delta = delta.contiguous()
+        out = torch.empty((rows, n // 2 if silu else n), dtype=torch.bfloat16)
+        status = self._function(
+            None if delta is None else delta.data_ptr(), residual.data_ptr(),
+            norm_weight.data_ptr(), eps, None, self._weight, self._bias, out.data_ptr(),
+            rows, n, k, int(silu), _threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the few-row linear kernel could not get scratch memory")
+        return out
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_threads = torch.get_num_threads

@@ -39,15 +39,31 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.gemv = gemv
+        # The few-row path: the plain weight (a second copy once the model's is dropped) and
+        # the kernel bound to it.
         self.weight = weight.contiguous() if gemv is not None else None
+        self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias)
+
+    def normed_forward(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        silu: bool = False,
+    ) -> torch.Tensor | None:
+        """The residual add, RMSNorm, this layer and (silu) SiLU-and-multiply in one call, or
+        None where the few-row kernel does not take these rows (the caller runs them apart)."""
+        if self.few_rows is None or not 0 < residual.shape[0] <= MAX_ROWS or residual.dim() != 2:
+            return None
+        return self.few_rows.normed(delta, residual, norm_weight, eps, silu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and 0 < x.numel() <= MAX_ROWS * self.in_features:
+        if self.few_rows is not None and 0 < x.numel() <= MAX_ROWS * self.in_features:
             if x.dim() == 2:
-                return self.gemv(x, self.weight, self.bias)
+                return self.few_rows(x)
             rows = x.reshape(-1, self.in_features)  # transformers' modules send [batch, seq, in]
-            return self.gemv(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
+            return self.few_rows(rows).view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

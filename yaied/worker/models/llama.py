@@ -5,7 +5,9 @@ Tokens of all sequences in a step are packed into one row dimension, so every li
 per step over the whole batch; only attention looks at sequence boundaries (see attention.py).
 q/k/v and gate/up projections are fused into one matmul each when loading Hugging Face weights.
 On CPU the elementwise work runs in fused C kernels where they build (``use_fused_ops``): the
-residual add with the next RMSNorm, rotary in place on the qkv output, SiLU-and-multiply.
+residual add with the next RMSNorm, rotary in place on the qkv output, SiLU-and-multiply; at a
+few rows the norms and SiLU go into the q/k/v and gate/up projections' call (``normed_linear``)
+and a decode step's rotary and K/V write into its attention call (``decode_step_attention``).
 """
 
 from __future__ import annotations
@@ -108,8 +110,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [num_tokens, hidden]; cos, sin: [num_tokens, 1, head_dim], or with ops
         # [num_tokens, head_dim / 2] fp32
-        n = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and __call__ costs per layer
+        return self.attend(qkv, cos, sin, kv_cache, meta, ops)
+
+    def attend(self, qkv, cos, sin, kv_cache, meta, ops: CpuFusedOps | None) -> torch.Tensor:
+        """The layer after the q/k/v projection: qkv [num_tokens, (heads + 2 kv_heads) * dim]."""
+        n = qkv.shape[0]
         if ops is not None and self.q_norm is None:
             out = decode_step_attention(qkv, self.num_heads, cos, sin, kv_cache, meta, self.scale)
             if out is not None:  # decodes only: rotary, K/V write and attention in one call
@@ -141,9 +147,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * self.intermediate, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: CpuFusedOps | None = None) -> torch.Tensor:
-        if ops is not None:
-            return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (with the fused kernels DecoderLayer.forward_fused runs the MLP through normed_linear)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -164,12 +169,32 @@ class DecoderLayer(nn.Module):
         """The same layer with the residual adds folded into the norms: x is the residual
         stream without the previous layer's output ``delta`` (None for the first layer); x is
         updated in place. Returns (x, this layer's output, not yet added)."""
-        norm = self.input_layernorm
-        h = ops.add_rms_norm(delta, x, norm.weight, norm.eps)
-        attn = self.self_attn.forward(h, cos, sin, kv_cache, meta, ops)
-        norm = self.post_attention_layernorm
-        h = ops.add_rms_norm(attn, x, norm.weight, norm.eps)
-        return x, self.mlp.forward(h, ops)
+        attn = self.self_attn
+        qkv = normed_linear(attn.qkv_proj, delta, x, self.input_layernorm, ops)
+        out = attn.attend(qkv, cos, sin, kv_cache, meta, ops)
+        mlp = self.mlp
+        act = normed_linear(mlp.gate_up_proj, out, x, self.post_attention_layernorm, ops, silu=True)
+        return x, mlp.down_proj.forward(act)
+
+
+def normed_linear(
+    linear: nn.Module,
+    delta: torch.Tensor | None,
+    x: torch.Tensor,
+    norm: RMSNorm,
+    ops: CpuFusedOps,
+    silu: bool = False,
+) -> torch.Tensor:
+    """linear(norm(x += delta)), then (silu) SiLU-and-multiply of its two halves: in one call
+    where the linear has a few-row kernel for these rows (worker/cpu_linear.PackedLinear), else
+    the norm kernel, the linear and the SiLU kernel apart, with the same numerics."""
+    normed_forward = getattr(linear, "normed_forward", None)
+    if normed_forward is not None:
+        out = normed_forward(delta, x, norm.weight, norm.eps, silu)
+        if out is not None:
+            return out
+    out = linear.forward(ops.add_rms_norm(delta, x, norm.weight, norm.eps))
+    return ops.silu_mul(out) if silu else out
 
 
 class LlamaForCausalLM(nn.Module):
