@@ -7,16 +7,13 @@
  *
  * Math is fp32; bf16 values are rounded where the torch reference rounds them (the residual sum,
  * the normalised value before the weight), so bf16 results stay within one rounding of it. The
- * per-row bodies of the norm and SiLU-and-multiply are in cpu_rows.h, shared with cpu_gemv.c.
+ * per-row bodies are in cpu_rows.h, shared with cpu_gemv.c and cpu_paged_decode.c.
  * The torch references are in yaied/kernels/cpu_fused.py. Rows are split over OpenMP threads
  * only when there are enough of them to pay for the fork.
  */
 #include "cpu_rows.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
-
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 
 #define DEFINE_ADD_RMS_NORM(NAME, T, SUFFIX)                                                    \
     void NAME(const T *delta, T *residual, const T *weight, T *out, int64_t rows,               \
@@ -29,22 +26,13 @@
 
 /* x: rows of row_stride elements; each row holds `heads` heads of `dim` at its start (q then k
  * of the fused qkv projection). cos, sin: [rows, dim / 2] fp32. */
-#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                     \
+#define DEFINE_ROTARY(NAME, T, SUFFIX)                                                          \
     void NAME(T *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,               \
               const float *cos, const float *sin, int64_t threads) {                            \
         int64_t half = dim / 2;                                                                 \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * heads * dim >= PARALLEL_MIN_ELEMENTS)") \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            const float *c = cos + r * half, *s = sin + r * half;                               \
-            for (int64_t h = 0; h < heads; h++) {                                               \
-                T *v = x + r * row_stride + h * dim;                                            \
-                for (int64_t i = 0; i < half; i++) {                                            \
-                    float a = LOAD(v[i]), b = LOAD(v[i + half]);                                \
-                    v[i] = STORE(a * c[i] - b * s[i]);                                          \
-                    v[i + half] = STORE(b * c[i] + a * s[i]);                                   \
-                }                                                                               \
-            }                                                                                   \
-        }                                                                                       \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            rotary_row_##SUFFIX(x + r * row_stride, heads, dim, cos + r * half, sin + r * half); \
     }
 
 #define DEFINE_SILU_MUL(NAME, T, SUFFIX)                                                        \
@@ -56,7 +44,7 @@
 
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_ROTARY(rotary_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16)
+DEFINE_ROTARY(rotary_f32, float, f32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32)

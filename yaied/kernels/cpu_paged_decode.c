@@ -14,7 +14,7 @@
  */
 #include <omp.h>
 
-#include "cpu_common.h"
+#include "cpu_rows.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -43,7 +43,7 @@ static inline void merge_partial(Partial *a, const Partial *b, int64_t group, in
 }
 
 /* One (row, kv head) pair: `group` query heads against one kv head's positions [begin, end). */
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                       \
+#define DEFINE_KERNEL(NAME, T, LOAD, STORE, SUFFIX)                                                     \
     static inline __attribute__((always_inline)) void NAME##_part(const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, \
                            int64_t begin, int64_t context_len, Partial *part, int64_t group,     \
                            int64_t head_dim, int64_t page_size, int64_t page_stride, float scale) { \
@@ -212,15 +212,8 @@ static inline void merge_partial(Partial *a, const Partial *b, int64_t group, in
             _Pragma("omp for schedule(static)")                                                  \
             for (int64_t r = 0; r < rows; r++) {                                                 \
                 T *row = qkv + r * q_stride;                                                     \
-                const float *c = cos + r * half, *s = sin + r * half;                            \
-                for (int64_t h = 0; h < heads + kv_heads; h++) {                                 \
-                    T *v = row + h * head_dim;                                                   \
-                    for (int64_t i = 0; i < half; i++) {                                         \
-                        float a = LOAD(v[i]), b = LOAD(v[i + half]);                             \
-                        v[i] = STORE(a * c[i] - b * s[i]);                                       \
-                        v[i + half] = STORE(b * c[i] + a * s[i]);                                \
-                    }                                                                            \
-                }                                                                                \
+                rotary_row_##SUFFIX(row, heads + kv_heads, head_dim, cos + r * half,             \
+                                    sin + r * half);                                             \
                 for (int64_t h = 0; h < kv_heads; h++) {                                         \
                     int64_t at = h * head_stride + slots[r] * head_dim;                          \
                     memcpy(k_cache + at, row + (heads + h) * head_dim, head_dim * sizeof(T));    \
@@ -238,5 +231,5 @@ static inline void merge_partial(Partial *a, const Partial *b, int64_t group, in
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16)
-DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, STORE_F32)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16, bf16)
+DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, STORE_F32, f32)

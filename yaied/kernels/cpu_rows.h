@@ -1,6 +1,6 @@
-/* One row of the residual add + RMSNorm and of SiLU-and-multiply, for bf16 and fp32: the bodies
- * of cpu_fused.c's kernels, and of cpu_gemv.c's few-row entries that run them before or after a
- * linear layer. Math is fp32; bf16 values are rounded where the torch reference rounds them
+/* One row of the residual add + RMSNorm, of rotary and of SiLU-and-multiply, for bf16 and fp32:
+ * the bodies of cpu_fused.c's kernels, of cpu_gemv.c's few-row entries that run them before or
+ * after a linear layer, and of the decode kernel's step entry (rotary). Math is fp32; bf16 values are rounded where the torch reference rounds them
  * (the residual sum, the normalised value before the weight). Header-only, like cpu_common.h. */
 #ifndef YAIED_CPU_ROWS_H
 #define YAIED_CPU_ROWS_H
@@ -33,6 +33,21 @@
         for (int64_t i = 0; i < hidden; i++)                                                    \
             y[i] = ROW_STORE_##SUFFIX(ROW_LOAD_##SUFFIX(weight[i]) *                            \
                                       ROW_ROUND_##SUFFIX(ROW_LOAD_##SUFFIX(x[i]) * inv));       \
+    }                                                                                           \
+                                                                                                \
+    /* Rotate-half rotary embedding of `heads` heads of `dim` at the start of a row, in place;  \
+     * cos, sin: the row's [dim / 2] fp32 tables. */                                            \
+    static inline void rotary_row_##SUFFIX(T *row, int64_t heads, int64_t dim, const float *c,  \
+                                           const float *s) {                                    \
+        int64_t half = dim / 2;                                                                 \
+        for (int64_t h = 0; h < heads; h++) {                                                   \
+            T *v = row + h * dim;                                                               \
+            for (int64_t i = 0; i < half; i++) {                                                \
+                float a = ROW_LOAD_##SUFFIX(v[i]), b = ROW_LOAD_##SUFFIX(v[i + half]);          \
+                v[i] = ROW_STORE_##SUFFIX(a * c[i] - b * s[i]);                                 \
+                v[i + half] = ROW_STORE_##SUFFIX(b * c[i] + a * s[i]);                          \
+            }                                                                                   \
+        }                                                                                       \
     }                                                                                           \
                                                                                                 \
     /* out = silu(gate) * up, gate and up the two halves of the row; silu(g) = g * sigmoid(g),  \
