@@ -110,16 +110,21 @@ def _mark_native(runner) -> None:
     if ops is not None:
         for name in ("add_rms_norm", "rotary", "silu_mul"):
             setattr(ops, name, marked(getattr(ops, name)))
-    if getattr(runner, "prefill_kernel", None) is not None:
-        runner.prefill_kernel = marked(runner.prefill_kernel)
-    kernel = getattr(runner, "decode_kernel", None)
+    inputs = runner.inputs  # the step's attention metadata carries the kernels it holds
+    if inputs.prefill_kernel is not None:
+        inputs.prefill_kernel = marked(inputs.prefill_kernel)
+    kernel = inputs.decode_kernel
     if kernel is not None:
 
         class MarkedDecodeKernel:
             __call__ = staticmethod(marked(kernel))
             step = staticmethod(marked(kernel.step))
 
-        runner.decode_kernel = MarkedDecodeKernel()
+        inputs.decode_kernel = MarkedDecodeKernel()
+    for module in runner.model.modules():  # the few-row linear kernel (worker/cpu_linear.py)
+        bound = getattr(module, "few_rows", None)
+        if bound is not None:
+            bound._function = marked(bound._function)
 
 
 def _submit(engine, prompt: list[int], max_tokens: int, request_id: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,26 +13,14 @@ from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.structured import TokenBitmask, apply_bitmask
-from yaied.worker.attention import AttentionMetadata, DecodeBucket, KernelDecodes, PrefillChunk
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
 from yaied.worker.speculative import position_rows, verify
+from yaied.worker.torch_inputs import TorchInputBuilder, upload
 
 if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
     from yaied.worker.cuda_graphs import DecodeGraphs
     from yaied.worker.gpu_inputs import TritonInputBuilder
-
-# Decodes are split into at most this many buckets of at least MIN_DECODE_BUCKET sequences.
-MAX_DECODE_BUCKETS = 4
-MIN_DECODE_BUCKET = 8
-
-
-class PreparedInputs(NamedTuple):
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampled] int64, rows whose logits are sampled, batch order
-    first_row: dict[str, int]  # request id -> the row of its chunk's first token
 
 
 class ModelRunner:
@@ -59,6 +47,10 @@ class ModelRunner:
         cpu_kernel = device.type == "cpu" and triton is None
         self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
         self.prefill_kernel = self._load_prefill_kernel(model) if cpu_kernel else None
+        self.inputs = TorchInputBuilder(
+            page_size, device, self.dtype, kv_caches[0][0].shape[0], self.decode_kernel,
+            self.prefill_kernel,
+        )  # fmt: skip
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -129,9 +121,13 @@ class ModelRunner:
         for the whole chunk before its pages enter the prefix cache. Sampled rows also check
         their logits (an overflow in the head); amax propagates NaN, and -inf alone is a
         legitimate mask and passes."""
-        last_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs]
         sampled = [i for i, s in enumerate(seqs) if s.sample]
-        rows, index = _upload([last_rows, sampled], hidden.device)
+        if len(sampled) == len(seqs):
+            # Every sequence samples from its last row, and a NaN or inf in that row reaches
+            # every logit of it (the head multiplies it in): the logits vouch for the row.
+            return torch.isfinite(logits.amax(dim=-1))
+        last_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs]
+        rows, index = upload([last_rows, sampled], hidden.device)
         finite = torch.isfinite(hidden[rows]).all(dim=-1)
         if sampled:
             finite[index] = finite[index] & torch.isfinite(logits.amax(dim=-1))
@@ -142,7 +138,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(hidden states of every row, the rows to sample, request id -> first row)."""
         if self.triton is None:
-            prepared = self._prepare(seqs)
+            prepared = self.inputs.build(seqs)
             hidden = self.model(
                 prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta
             )
@@ -199,144 +195,6 @@ class ModelRunner:
             out[seq.request_id] = entries
         return out
 
-    def _prepare(self, seqs: list[ScheduledSeq]) -> PreparedInputs:
-        """Pack the batch into rows: decodes first, sorted by context length so that each decode
-        bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order.
-
-        Python walks the sequences once, extending flat lists (ids, positions, page tables, each
-        at C speed); one tensor carries them all, and slots and the kernel's page table come out
-        of a few tensor ops over it, whatever the batch size or context length."""
-        decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
-        # With the decode kernel, a decode carrying speculative drafts runs as one decode row
-        # per position (each attends up to itself, K/V being written first): a prefill chunk
-        # over cached context costs a gather and an SDPA call per layer, several times more.
-        drafted = [s for s in seqs if s.num_draft_tokens and self.decode_kernel is not None]
-        chunks = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft_tokens] + [
-            s for s in seqs if s.num_draft_tokens and self.decode_kernel is None
-        ]
-        num_kernel_rows = len(decodes) + sum(len(s.token_ids) for s in drafted)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        lengths: list[int] = []  # rows per sequence, in row order
-        page_starts: list[int] = []  # where each sequence's page table starts in `pages`
-        page_counts: list[int] = []
-        pages: list[int] = []
-        first_row: dict[str, int] = {}
-        for seq in decodes + drafted + chunks:
-            n = len(seq.token_ids)
-            first_row[seq.request_id] = len(input_ids)
-            input_ids += seq.token_ids
-            positions += range(seq.start_pos, seq.start_pos + n)
-            lengths.append(n)
-            page_starts.append(len(pages))
-            page_counts.append(len(seq.page_ids))
-            pages += seq.page_ids
-        sample_rows = [first_row[s.request_id] + len(s.token_ids) - 1 for s in seqs if s.sample]
-        ids_t, pos_t, lengths_t, starts_t, counts_t, pages_t, sample_t = _upload(
-            [input_ids, positions, lengths, page_starts, page_counts, pages, sample_rows],
-            torch.device("cpu"),
-        )
-        size = self.page_size
-        num_rows = len(input_ids)
-        row_page_start = starts_t.repeat_interleave(lengths_t, output_size=num_rows)
-        slots = pages_t[row_page_start + pos_t // size] * size + pos_t % size
-        prefill_chunks = [
-            self._prefill_chunk(seq, first_row[seq.request_id], pages_t, start)
-            for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True)
-            if len(seq.token_ids) > 1 and not (seq.num_draft_tokens and self.decode_kernel)
-        ]
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(device),
-            decode_buckets=[] if self.decode_kernel else self._decode_buckets(decodes),
-            prefills=prefill_chunks,
-            kernel_decodes=(
-                self._kernel_decodes(
-                    num_kernel_rows,
-                    row_page_start,
-                    counts_t.repeat_interleave(lengths_t, output_size=num_rows),
-                    pages_t,
-                    pos_t,
-                )
-                if self.decode_kernel
-                else None
-            ),
-            prefill_kernel=self.prefill_kernel,
-        )
-        return PreparedInputs(
-            ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row
-        )
-
-    def _prefill_chunk(
-        self, seq: ScheduledSeq, row: int, pages: torch.Tensor, page_start: int
-    ) -> PrefillChunk:
-        """pages: every sequence's page table, flat (on the CPU); this one's starts at
-        page_start."""
-        n, context_len = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
-        num_pages = -(-context_len // self.page_size)
-        own_pages = pages[page_start : page_start + num_pages]
-        if self.prefill_kernel is not None:  # it reads the whole context from the pages
-            return PrefillChunk(row, n, own_pages, None, seq.start_pos)
-        if seq.start_pos == 0:
-            return PrefillChunk(row, n, None, None)
-        query_pos = torch.arange(seq.start_pos, context_len, device=self.device)
-        key_pos = torch.arange(context_len, device=self.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, context_len] causal, chunk at the end
-        return PrefillChunk(row, n, own_pages.to(self.device), mask, seq.start_pos)
-
-    def _kernel_decodes(
-        self,
-        count: int,
-        page_start: torch.Tensor,
-        num_pages: torch.Tensor,
-        pages: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> KernelDecodes | None:
-        """The decode kernel's inputs for rows [0, count): page_start, num_pages and positions
-        are per row (a drafted sequence's rows share its page table), pages is every page table,
-        flat."""
-        if not count:
-            return None
-        width = int(num_pages[:count].max())
-        columns = torch.arange(width)
-        index = (page_start[:count, None] + columns).clamp_(max=len(pages) - 1)
-        table = pages[index].masked_fill_(columns >= num_pages[:count, None], 0)
-        return KernelDecodes(
-            kernel=self.decode_kernel,
-            count=count,
-            page_table=table,
-            context_lens=positions[:count] + 1,
-            step=self.decode_kernel.step,
-        )
-
-    def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:
-        """Split the (length-sorted) decodes into runs of similar context length, so padding each
-        run to its longest costs little."""
-        if not decodes:
-            return []
-        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(decodes) // MIN_DECODE_BUCKET))
-        size = -(-len(decodes) // num_buckets)
-        return [
-            self._decode_bucket(decodes[start : start + size], start)
-            for start in range(0, len(decodes), size)
-        ]
-
-    def _decode_bucket(self, decodes: list[ScheduledSeq], start: int) -> DecodeBucket:
-        lengths = [s.start_pos + 1 for s in decodes]
-        max_pages = -(-max(lengths) // self.page_size)
-        table = [s.page_ids[:max_pages] + [0] * (max_pages - len(s.page_ids)) for s in decodes]
-        positions = torch.arange(max_pages * self.page_size)
-        past_end = positions[None, :] >= torch.tensor(lengths)[:, None]
-        bias = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, float("-inf"))
-        kv_heads = self.kv_caches[0][0].shape[0]
-        return DecodeBucket(
-            start=start,
-            count=len(decodes),
-            page_table=torch.tensor(table, dtype=torch.int64, device=self.device),
-            # [kv_heads * B, 1, max_len]: attention runs over (kv head, sequence) pairs
-            bias=bias.repeat(kv_heads, 1).unsqueeze(1).to(self.device),
-        )
-
 
 def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
     """[len(seqs), 1]: each sequence's logits maxima summed over its rows (one row unless it
@@ -347,15 +205,6 @@ def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor
     index = torch.tensor(owner, dtype=torch.int64, device=logits.device)
     summed = torch.zeros(len(seqs), dtype=logits.dtype, device=logits.device)
     return summed.index_add_(0, index, logits.amax(dim=-1)).unsqueeze(1)
-
-
-def _upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors of ``lists`` on ``device``: on CUDA one pinned, non-blocking copy, so the
-    step does not wait for the device here."""
-    flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    return list(flat.split([len(values) for values in lists]))
 
 
 def _apply_grammars(
