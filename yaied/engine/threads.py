@@ -5,7 +5,7 @@ team of worker threads of its own, alive as long as that thread is. Once the pro
 OpenMP threads than it has CPUs, libgomp throttles the spin-wait of every barrier, and each
 parallel op of the engine's worker thread then waits on a futex instead of spinning: after one
 parallel op on the daemon's event-loop thread (a 256-row bitmask fill), every later batch-1 decode
-step on 2 cores took 20-35% longer, for the life of the process. A team goes away only with its
+step on 2 cores took 20-40% longer, for the life of the process. A team goes away only with its
 thread. The worker thread is the one that needs intra-op parallelism; the engine's other threads
 (the event loop of the daemon and of engine processes, grammar compiles) are kept to one thread,
 so they never start a team. OpenMP's thread count is per thread: this leaves the worker's alone.
