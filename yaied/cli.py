@@ -31,6 +31,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
 )
 from yaied.core.config import EngineConfig
 from yaied.core.request import SamplingParams
+from yaied.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
@@ -89,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--tool-call-parser",
-        choices=("hermes", "llama3_json"),
+        choices=TOOL_CALL_PARSERS,
         help="the model's tool-call markup (default: the chat template's, else hermes) "
         "[server.tool_call_parser]",
     )
     serve.add_argument(
         "--reasoning-parser",
-        choices=("deepseek_r1", "qwen3"),
+        choices=REASONING_PARSERS,
         help="<think> blocks go to reasoning_content [server.reasoning_parser]",
     )
     serve.add_argument(
