@@ -28,6 +28,18 @@ def test_kernel_matches_linear(rows, n, k, bias):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def test_a_row_does_not_depend_on_the_other_rows():
+    # Bit for bit at every row count (seeded sampling must not change with the batch).
+    torch.manual_seed(3)
+    x = torch.randn(MAX_ROWS, 576).to(torch.bfloat16)
+    weight = (torch.randn(200, 576) / 24).to(torch.bfloat16)
+    bias = torch.randn(200).to(torch.bfloat16)
+    alone = [gemv(x[r : r + 1], weight, bias)[0] for r in range(MAX_ROWS)]
+    for rows in range(2, MAX_ROWS + 1):
+        together = gemv(x[:rows], weight, bias)
+        assert all(torch.equal(together[r], alone[r]) for r in range(rows))
+
+
 def test_strided_input_rows():
     x = torch.randn(2, 80).to(torch.bfloat16)[:, :64]
     weight = torch.randn(8, 64).to(torch.bfloat16)
