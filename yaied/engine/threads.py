@@ -8,7 +8,9 @@ parallel op on the daemon's event-loop thread (a 256-row bitmask fill), every la
 step on 2 cores took 20-40% longer, for the life of the process. A team goes away only with its
 thread. The worker thread is the one that needs intra-op parallelism; the engine's other threads
 (the event loop of the daemon and of engine processes, grammar compiles) are kept to one thread,
-so they never start a team. OpenMP's thread count is per thread: this leaves the worker's alone.
+so they never start a team. OpenMP's thread count is per thread, but torch.set_num_threads also
+sets torch's default, which torch applies to a thread at its first parallel op: the worker fixes
+its own count when it starts (worker.py), so setting one here leaves it alone.
 """
 
 from __future__ import annotations

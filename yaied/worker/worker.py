@@ -65,6 +65,10 @@ class Worker:
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
+            # torch applies its process-wide default to a thread at that thread's first parallel
+            # op; asking for the count now fixes this one's, whatever threads that keep off the
+            # cores set later (yaied/engine/threads.py).
+            torch.get_num_threads()
         # Tensor parallelism: this thread is rank 0; the other ranks are processes it spawns.
         self.parallel: TensorParallel | None = None
         if config.engine.tensor_parallel_size > 1:
