@@ -124,7 +124,7 @@ def _mark_native(runner) -> None:
     for module in runner.model.modules():  # the few-row linear kernel (worker/cpu_linear.py)
         bound = getattr(module, "few_rows", None)
         if bound is not None:
-            bound._function = marked(bound._function)
+            bound.function = marked(bound.function)
 
 
 def _submit(engine, prompt: list[int], max_tokens: int, request_id: str) -> None:

@@ -111,3 +111,25 @@ def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch)
     monkeypatch.setattr(worker, "gemv_fits", lambda model: False)
     monkeypatch.setattr(llama, "decode_step_attention", lambda *args: None)
     assert one_at_a_time() == with_kernels
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decode_loop_gives_the_layer_path_bits(kind, tiny_model_dirs):
+    """A decode step of a few rows runs every layer in one C call (worker/models/decode_loop.py)
+    over the same kernels as the layer-by-layer path: the same tokens and the same logprobs to
+    the last bit, for one stream and for a batch of two."""
+    folder = tiny_model_dirs[kind]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = random_prompts(3, 5, 60, 256, seed=11)
+    runs = {}
+    for name in ("loop", "layers"):  # a fresh engine each: no prefix cache shared between them
+        with LLM(str(folder), dtype="bfloat16", kv_cache_gib=0.02, show_progress=False) as llm:
+            model = llm.engine.worker.runner.model
+            if model.decode_loop is None:
+                pytest.skip("no few-row kernel here (it needs AVX512-BF16)")
+            if name == "layers":
+                model.decode_loop = None
+            outs = [llm.generate(prompts[:1], params)[0]]  # first: nothing cached yet
+            outs += llm.generate(prompts[1:], params)
+            runs[name] = [(o.token_ids, o.logprobs) for o in outs]
+    assert runs["loop"] == runs["layers"]

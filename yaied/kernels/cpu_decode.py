@@ -45,6 +45,10 @@ class CpuDecodeKernel:
         library = load_library(SOURCE, cache_dir)
         return None if library is None else cls(library)
 
+    def step_address(self, dtype: torch.dtype) -> int:
+        """The step entry's address, for C callers (cpu_decode_loop.c)."""
+        return ctypes.cast(self._steps[dtype], ctypes.c_void_p).value
+
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return dtype in self._functions and group <= 16 and head_dim <= 256
 

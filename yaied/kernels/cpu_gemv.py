@@ -54,7 +54,7 @@ class BoundLinear:
     """One linear layer's few-row kernel, the weight's checks and pointers taken once: it runs
     four times a layer, and checks only what changes from call to call."""
 
-    __slots__ = ("_function", "_weight", "_bias", "out_features", "in_features")
+    __slots__ = ("function", "_weight", "_bias", "out_features", "in_features")
 
     def __init__(self, function, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
@@ -64,7 +64,7 @@ class BoundLinear:
             bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()
         ):
             raise ValueError(f"bad bias for a weight of {n} rows")
-        self._function = function
+        self.function = function  # few_rows_linear (cpu_decode_loop.c calls it too)
         self._weight = weight.data_ptr()
         self._bias = None if bias is None else bias.data_ptr()
         self.out_features, self.in_features = n, k
@@ -76,7 +76,7 @@ class BoundLinear:
             raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=torch.bfloat16)
-        self._function(
+        self.function(
             None, None, None, 0.0, x.data_ptr(), self._weight, self._bias, out.data_ptr(),
             rows, n, k, 0, _threads(),
         )  # fmt: skip
@@ -105,7 +105,7 @@ class BoundLinear:
                 raise ValueError("delta and residual differ")
             delta = delta.contiguous()
         out = torch.empty((rows, n // 2 if silu else n), dtype=torch.bfloat16)
-        status = self._function(
+        status = self.function(
             None if delta is None else delta.data_ptr(), residual.data_ptr(),
             norm_weight.data_ptr(), eps, None, self._weight, self._bias, out.data_ptr(),
             rows, n, k, int(silu), _threads(),

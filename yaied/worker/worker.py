@@ -18,6 +18,7 @@ from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
+from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears
@@ -99,6 +100,7 @@ class Worker:
             )
         if self.device.type == "cpu" and isinstance(self.loaded.model, LlamaForCausalLM):
             self.loaded.model.use_fused_ops(CpuFusedOps.load())
+            self.loaded.model.use_decode_loop(CpuDecodeLoop.load())
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
         num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.worker.attention import (
     AttentionMetadata,
@@ -26,6 +27,7 @@ from yaied.worker.attention import (
     paged_attention,
     store_kv,
 )
+from yaied.worker.models.decode_loop import LlamaDecodeLoop
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
         self.fused_ops: CpuFusedOps | None = None
+        self.decode_loop: LlamaDecodeLoop | None = None
 
     def use_fused_ops(self, ops: CpuFusedOps | None) -> bool:
         """Run the elementwise work through ops from now on (CPU tensors of a dtype they
@@ -227,6 +230,13 @@ class LlamaForCausalLM(nn.Module):
         usable = ops is not None and weight.device.type == "cpu" and ops.supports(weight.dtype)
         self.fused_ops = ops if usable else None
         return usable
+
+    def use_decode_loop(self, loop: CpuDecodeLoop | None) -> bool:
+        """Run decode steps of a few rows through ``loop`` where every layer fits it (after
+        use_fused_ops and the linears' packing); returns whether it is used."""
+        fits = loop is not None and self.fused_ops is not None and LlamaDecodeLoop.fits(self)
+        self.decode_loop = LlamaDecodeLoop(self, loop) if fits else None
+        return fits
 
     def tie_weights(self) -> None:
         if self.shape.tie_word_embeddings:
@@ -252,9 +262,11 @@ class LlamaForCausalLM(nn.Module):
         if ops is not None:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, dim / 2]
             cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
-            delta = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, delta = layer.forward_fused(x, delta, cos, sin, kv_cache, meta, ops)
+            loop = self.decode_loop  # a decode step of a few rows: every layer in one C call
+            delta = None if loop is None else loop(x, cos, sin, kv_caches, meta)
+            if delta is None:
+                for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                    x, delta = layer.forward_fused(x, delta, cos, sin, kv_cache, meta, ops)
             return ops.add_rms_norm(delta, x, self.norm.weight, self.norm.eps)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
