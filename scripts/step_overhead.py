@@ -121,6 +121,9 @@ def _mark_native(runner) -> None:
             step = staticmethod(marked(kernel.step))
 
         inputs.decode_kernel = MarkedDecodeKernel()
+    loop = getattr(runner.model, "decode_loop", None)  # every layer in one call
+    if loop is not None:
+        loop.loop._run = marked(loop.loop._run)
     for module in runner.model.modules():  # the few-row linear kernel (worker/cpu_linear.py)
         bound = getattr(module, "few_rows", None)
         if bound is not None:
