@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -102,18 +103,31 @@ def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            streaming = threading.Event()
+
+            def read_slowly() -> tuple[int, list[str]]:
+                # The stream stays open while it is read, however fast the tiny model decodes:
+                # the drain waits for it, and /health answers 503 meanwhile.
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                    lines = []
+                    for line in r.iter_lines():
+                        streaming.set()
+                        lines.append(line)
+                        time.sleep(0.001)
+                    return r.status_code, lines
+
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
-                time.sleep(0.3)  # the request is running now
+                pending = pool.submit(read_slowly)
+                assert streaming.wait(30)  # the request is running now
                 proc.send_signal(signal.SIGTERM)
                 statuses = set()
                 while not pending.done():
                     with contextlib.suppress(httpx.TransportError):
                         statuses.add(httpx.get(f"{base}/health", timeout=1).status_code)
                     time.sleep(0.02)
-                response = pending.result()
-            assert response.status_code == 200, response.text
-            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                status, lines = pending.result()
+            assert status == 200, lines
+            events = [line[6:] for line in lines if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
             chunks = [orjson.loads(e) for e in events[:-1]]
             reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]

@@ -42,15 +42,31 @@ def test_api_keys(tiny):
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
 
+def engine_gauge(server, name: str) -> float:
+    """yaied:<name> from /metrics (one engine)."""
+    text = httpx.get(server.url + "/metrics", headers=KEY).text
+    line = next(line for line in text.splitlines() if line.startswith(f"yaied:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
 def test_queue_full_is_429_with_retry_after(tiny):
     long = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
     url = tiny.v1 + "/completions"
     # max_num_seqs=1: the first runs, the second waits (the queue holds 1), the third is refused.
+    # Each step is waited for on the engine's gauges, not slept on: a thousand tokens of the tiny
+    # model take a few tenths of a second, and the refusals come within milliseconds.
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(httpx.post, url, json=long, headers=KEY, timeout=60)
-        time.sleep(0.1)
+        wait_for(lambda: engine_gauge(tiny, "num_requests_running") == 1)
         waiting = pool.submit(httpx.post, url, json=long, headers=KEY, timeout=60)
-        time.sleep(0.3)
+        wait_for(lambda: engine_gauge(tiny, "num_requests_waiting") == 1)
         r = httpx.post(url, json={"prompt": [1], "max_tokens": 1}, headers=KEY)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"

@@ -35,20 +35,23 @@ def test_packed_linear_matches_linear(few_rows_kernel, bias, rows):
         # [batch, seq, in] as transformers' modules send it, and no rows at all
         got_3d = packed(x.view(1, rows, 96)).float()
         assert packed(x[:0]).shape == (0, 160)
+        if few_rows_kernel and rows <= MAX_ROWS:
+            got_few = packed.few_rows(x).float()
+            torch.testing.assert_close(got_few, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_3d, expected.view(1, rows, 160), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(gemv is None, reason="no C compiler for the few-row kernel")
-def test_few_rows_go_through_the_kernel(monkeypatch):
+def test_forward_is_onednn_and_few_rows_is_the_kernel():
+    # The few-row kernel runs only in the decode loop; forward keeps oneDNN for every row count.
     linear = PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64, gemv=gemv)
-    calls = []
-    few_rows = linear.few_rows
-    monkeypatch.setattr(linear, "few_rows", lambda x: calls.append(len(x)) or few_rows(x))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
-        for rows in (1, MAX_ROWS, MAX_ROWS + 1):
-            linear(torch.randn(rows, 64, dtype=torch.bfloat16))
-    assert calls == [1, MAX_ROWS]
+        onednn = torch.ops.mkldnn._linear_pointwise(x, linear.packed, linear.bias, "none", [], "")
+        assert torch.equal(linear(x), onednn)
+        torch.testing.assert_close(linear.few_rows(x).float(), onednn.float(), rtol=2e-2, atol=2e-2)
+    assert PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64).few_rows is None
 
 
 def test_the_second_copy_is_kept_only_where_it_fits(monkeypatch):

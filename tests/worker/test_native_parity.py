@@ -114,22 +114,40 @@ def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_decode_loop_gives_the_layer_path_bits(kind, tiny_model_dirs):
-    """A decode step of a few rows runs every layer in one C call (worker/models/decode_loop.py)
-    over the same kernels as the layer-by-layer path: the same tokens and the same logprobs to
-    the last bit, for one stream and for a batch of two."""
+def test_decode_loop_gives_the_kernels_bits(kind, tiny_model_dirs, monkeypatch):
+    """A decode step of a few rows runs every layer in one C call (worker/models/decode_loop.py).
+    The same layers run from Python over the same two kernels (the few-row linear, norm and SiLU
+    included, and the decode step) give the same tokens and logprobs to the last bit, for one
+    stream and for a batch of two; prompts (more rows) take oneDNN either way."""
+    from yaied.worker.attention import decode_step_attention
+    from yaied.worker.models.llama import DecoderLayer
+
+    def few_row_layer(self, x, delta, cos, sin, kv_cache, meta, ops):
+        if x.shape[0] > 4:
+            return layer_path(self, x, delta, cos, sin, kv_cache, meta, ops)
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv = attn.qkv_proj.few_rows.normed(delta, x, norm.weight, norm.eps)
+        heads = decode_step_attention(qkv, attn.num_heads, cos, sin, kv_cache, meta, attn.scale)
+        out = attn.o_proj.few_rows(heads)
+        norm = self.post_attention_layernorm
+        act = mlp.gate_up_proj.few_rows.normed(out, x, norm.weight, norm.eps, silu=True)
+        return x, mlp.down_proj.few_rows(act)
+
+    layer_path = DecoderLayer.forward_fused
     folder = tiny_model_dirs[kind]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = random_prompts(3, 5, 60, 256, seed=11)
     runs = {}
-    for name in ("loop", "layers"):  # a fresh engine each: no prefix cache shared between them
+    for name in ("loop", "python"):  # a fresh engine each: no prefix cache shared between them
         with LLM(str(folder), dtype="bfloat16", kv_cache_gib=0.02, show_progress=False) as llm:
             model = llm.engine.worker.runner.model
             if model.decode_loop is None:
                 pytest.skip("no few-row kernel here (it needs AVX512-BF16)")
-            if name == "layers":
+            if name == "python":
                 model.decode_loop = None
-            outs = [llm.generate(prompts[:1], params)[0]]  # first: nothing cached yet
+                monkeypatch.setattr(DecoderLayer, "forward_fused", few_row_layer)
+            outs = [llm.generate(prompts[:1], params)[0]]
             outs += llm.generate(prompts[1:], params)
             runs[name] = [(o.token_ids, o.logprobs) for o in outs]
-    assert runs["loop"] == runs["layers"]
+    assert runs["loop"] == runs["python"]

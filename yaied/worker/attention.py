@@ -61,6 +61,10 @@ class KernelDecodes:
     # A decode-only step from the fused qkv rows, rotary and K/V write included:
     # (qkv, heads, cos, sin, k_cache, v_cache, slots, page_table, context_lens, scale) -> out
     step: Callable[..., torch.Tensor] | None = None
+    # Every row decodes an output token (none is a prompt token): the decode loop may run the
+    # step (worker/models/decode_loop.py). A prompt's tokens always take the layer path, so a
+    # prompt computes the same whether its prefix was cached or not.
+    output_decodes: bool = False
 
 
 class AttentionBackend(Protocol):

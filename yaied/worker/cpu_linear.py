@@ -6,10 +6,9 @@ made the 30 gate/up projections of the default model 1.5-1.9x faster for 1-32 ro
 faster at 512 (docs/benchmarks.md). fp32 models keep plain linears, so parity runs stay exact.
 
 At one to four rows (a decode step of a few streams) a linear layer is a pass over its weight,
-and oneDNN reaches about half the memory bandwidth there; with the few-row kernel
-(yaied/kernels/cpu_gemv.c) those rows go through it instead, which needs the plain weight too: a
-second copy of every linear weight, kept only where it is small beside the machine's memory
-(``gemv_fits``).
+and oneDNN reaches about half the memory bandwidth there; the decode loop runs such steps through
+the few-row kernel (yaied/kernels/cpu_gemv.c), which needs the plain weight too: a second copy of
+every linear weight, kept only where it is small beside the machine's memory (``gemv_fits``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class PackedLinear(nn.Module):
     """Drop-in for an nn.Linear whose weight is packed; inputs are [..., in_features]. With a
-    few-row kernel, up to MAX_ROWS rows go through it over the plain weight."""
+    few-row kernel, ``few_rows`` is that kernel bound to the plain weight, for the decode loop
+    (worker/models/decode_loop.py); forward itself always runs oneDNN."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None = None) -> None:
         super().__init__()
@@ -44,26 +44,7 @@ class PackedLinear(nn.Module):
         self.weight = weight.contiguous() if gemv is not None else None
         self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias)
 
-    def normed_forward(
-        self,
-        delta: torch.Tensor | None,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        silu: bool = False,
-    ) -> torch.Tensor | None:
-        """The residual add, RMSNorm, this layer and (silu) SiLU-and-multiply in one call, or
-        None where the few-row kernel does not take these rows (the caller runs them apart)."""
-        if self.few_rows is None or not 0 < residual.shape[0] <= MAX_ROWS or residual.dim() != 2:
-            return None
-        return self.few_rows.normed(delta, residual, norm_weight, eps, silu)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and 0 < x.numel() <= MAX_ROWS * self.in_features:
-            if x.dim() == 2:
-                return self.few_rows(x)
-            rows = x.reshape(-1, self.in_features)  # transformers' modules send [batch, seq, in]
-            return self.few_rows(rows).view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -115,9 +96,10 @@ def pack_linears(model: nn.Module, batch_hint: int, gemv: CpuGemv | None = None)
 def _check_equal(linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None) -> None:
     with torch.inference_mode():
         packed = PackedLinear(linear, batch_hint, gemv)
-        for rows in (1, 3, MAX_ROWS + 1):  # both paths where there is a few-row kernel
+        for rows in (1, 3, MAX_ROWS + 1):
             x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
             expected = F.linear(x, linear.weight, linear.bias).float()
-            got = packed(x).float()
             tolerance = 1e-2 * (expected.abs().max().item() + 1)
-            assert (expected - got).abs().max().item() <= tolerance, "packed linear disagrees"
+            got = [packed(x)] + ([packed.few_rows(x)] if gemv and rows <= MAX_ROWS else [])
+            for out in got:
+                assert (expected - out.float()).abs().max().item() <= tolerance, "disagrees"

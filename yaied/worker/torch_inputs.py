@@ -71,7 +71,12 @@ class TorchInputBuilder:
         )
         kernel = self.decode_kernel
         decodes = KernelDecodes(
-            kernel, len(seqs), table_t.view(len(seqs), width), lengths_t, kernel.step
+            kernel,
+            len(seqs),
+            table_t.view(len(seqs), width),
+            lengths_t,
+            kernel.step,
+            output_decodes=all(s.sample and s.num_output_tokens for s in seqs),
         )
         meta = AttentionMetadata(slots_t, [], [], decodes, self.prefill_kernel)
         first_row = {s.request_id: i for i, s in enumerate(seqs)}

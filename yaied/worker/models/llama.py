@@ -5,9 +5,9 @@ Tokens of all sequences in a step are packed into one row dimension, so every li
 per step over the whole batch; only attention looks at sequence boundaries (see attention.py).
 q/k/v and gate/up projections are fused into one matmul each when loading Hugging Face weights.
 On CPU the elementwise work runs in fused C kernels where they build (``use_fused_ops``): the
-residual add with the next RMSNorm, rotary in place on the qkv output, SiLU-and-multiply; at a
-few rows the norms and SiLU go into the q/k/v and gate/up projections' call (``normed_linear``)
-and a decode step's rotary and K/V write into its attention call (``decode_step_attention``).
+residual add with the next RMSNorm, rotary in place on the qkv output, SiLU-and-multiply; a
+decode step's rotary and K/V write go into its attention call (``decode_step_attention``), and a
+decode step of a few streams runs every layer in one C call (models/decode_loop.py).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, shape.hidden_size, bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (with the fused kernels DecoderLayer.forward_fused runs the MLP through normed_linear)
+        # (with the fused kernels DecoderLayer.forward_fused runs the MLP itself)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -171,32 +171,12 @@ class DecoderLayer(nn.Module):
         """The same layer with the residual adds folded into the norms: x is the residual
         stream without the previous layer's output ``delta`` (None for the first layer); x is
         updated in place. Returns (x, this layer's output, not yet added)."""
-        attn = self.self_attn
-        qkv = normed_linear(attn.qkv_proj, delta, x, self.input_layernorm, ops)
+        norm, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
+        qkv = attn.qkv_proj.forward(ops.add_rms_norm(delta, x, norm.weight, norm.eps))
         out = attn.attend(qkv, cos, sin, kv_cache, meta, ops)
-        mlp = self.mlp
-        act = normed_linear(mlp.gate_up_proj, out, x, self.post_attention_layernorm, ops, silu=True)
-        return x, mlp.down_proj.forward(act)
-
-
-def normed_linear(
-    linear: nn.Module,
-    delta: torch.Tensor | None,
-    x: torch.Tensor,
-    norm: RMSNorm,
-    ops: CpuFusedOps,
-    silu: bool = False,
-) -> torch.Tensor:
-    """linear(norm(x += delta)), then (silu) SiLU-and-multiply of its two halves: in one call
-    where the linear has a few-row kernel for these rows (worker/cpu_linear.PackedLinear), else
-    the norm kernel, the linear and the SiLU kernel apart, with the same numerics."""
-    normed_forward = getattr(linear, "normed_forward", None)
-    if normed_forward is not None:
-        out = normed_forward(delta, x, norm.weight, norm.eps, silu)
-        if out is not None:
-            return out
-    out = linear.forward(ops.add_rms_norm(delta, x, norm.weight, norm.eps))
-    return ops.silu_mul(out) if silu else out
+        norm = self.post_attention_layernorm
+        gate_up = mlp.gate_up_proj.forward(ops.add_rms_norm(out, x, norm.weight, norm.eps))
+        return x, mlp.down_proj.forward(ops.silu_mul(gate_up))
 
 
 class LlamaForCausalLM(nn.Module):
