@@ -2,9 +2,9 @@
 
 A decode step at batch 1 to 4 is a pass over every weight; the kernel streams each weight once
 at near the memory bandwidth, where oneDNN's packed linear reaches about half of it on small
-layers (docs/benchmarks.md). yaied.worker.cpu_linear.PackedLinear calls it for those rows and
-keeps oneDNN for the rest. The launcher checks only what the C side relies on: it runs four
-times per layer.
+layers (docs/benchmarks.md). yaied.worker.cpu_linear.PackedLinear binds it to each weight
+(``few_rows``) and the decode loop (cpu_decode_loop.c) calls it through its address; everything
+else keeps oneDNN. The launcher checks only what the C side relies on.
 """
 
 from __future__ import annotations
