@@ -119,6 +119,7 @@ def _mark_native(runner) -> None:
         class MarkedDecodeKernel:
             __call__ = staticmethod(marked(kernel))
             step = staticmethod(marked(kernel.step))
+            step_address = staticmethod(kernel.step_address)  # the decode loop's (marked below)
 
         inputs.decode_kernel = MarkedDecodeKernel()
     loop = getattr(runner.model, "decode_loop", None)  # every layer in one call

@@ -64,7 +64,7 @@ class CpuDecodeKernel:
         """q: [rows, heads, head_dim]; caches: [kv_heads, num_pages, page_size, head_dim];
         page_table: [rows, max_pages] int64; context_lens: [rows] int64. Returns like q."""
         rows, heads, head_dim = q.shape
-        kv_heads, num_pages, page_size, cache_dim = k_cache.shape
+        kv_heads, _, _, cache_dim = k_cache.shape
         _check(q.device.type == "cpu", "the CPU kernel needs CPU tensors")
         _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
         _check(v_cache.shape == k_cache.shape, "k and v caches differ in shape")
@@ -82,14 +82,7 @@ class CpuDecodeKernel:
             context_lens.data_ptr(),
             out.data_ptr(),
             0,
-            rows,
-            kv_heads,
-            heads // kv_heads,
-            head_dim,
-            num_pages,
-            page_size,
-            page_table.shape[1],
-            scale,
+            *_rows_and_layout(rows, heads, k_cache, page_table, scale),
         )
         _check(status == 0, "the CPU kernel rejected the shapes")
         return out
@@ -114,7 +107,7 @@ class CpuDecodeKernel:
         Returns [rows, heads * head_dim]. The launcher is on every layer's path: it checks what
         the C side relies on and nothing it has checked for an earlier layer of the step."""
         rows = qkv.shape[0]
-        kv_heads, num_pages, page_size, head_dim = k_cache.shape
+        kv_heads, _, _, head_dim = k_cache.shape
         _check(qkv.stride(1) == 1 and qkv.dtype == k_cache.dtype, "bad qkv")
         _check(qkv.shape[1] == (heads + 2 * kv_heads) * head_dim, "qkv and cache disagree")
         _check(cos.shape == (rows, head_dim // 2) and cos.dtype == torch.float32, "bad cos")
@@ -130,17 +123,20 @@ class CpuDecodeKernel:
             page_table.data_ptr(),
             context_lens.data_ptr(),
             out.data_ptr(),
-            rows,
-            kv_heads,
-            heads // kv_heads,
-            head_dim,
-            num_pages,
-            page_size,
-            page_table.shape[1],
-            scale,
+            *_rows_and_layout(rows, heads, k_cache, page_table, scale),
         )
         _check(status == 0, "the CPU kernel rejected the shapes")
         return out
+
+
+def _rows_and_layout(
+    rows: int, heads: int, k_cache: torch.Tensor, page_table: torch.Tensor, scale: float
+) -> tuple:
+    """The arguments both entries end with: rows, kv_heads, group, head_dim, num_pages,
+    page_size, max_pages, scale."""
+    kv_heads, num_pages, page_size, head_dim = k_cache.shape
+    group = heads // kv_heads
+    return rows, kv_heads, group, head_dim, num_pages, page_size, page_table.shape[1], scale
 
 
 def _check(ok: bool, message: str) -> None:

@@ -66,16 +66,15 @@ class LlamaDecodeLoop:
         """The last layer's output (x, the residual stream, updated in place), or None where
         the step is not a few decodes on the decode kernel: the caller runs the layers."""
         fused = meta.kernel_decodes
-        step_address = getattr(fused.kernel, "step_address", None) if fused else None
         rows = x.shape[0]
-        if step_address is None or fused.count != rows or not 0 < rows <= MAX_ROWS:
+        if fused is None or fused.count != rows or not 0 < rows <= MAX_ROWS:
             return None
         if not fused.output_decodes:  # a prompt token: the layer path, as in a prefill
             return None
         k_cache = kv_caches[0][0]
         return self.loop(
             self.linear,
-            step_address(torch.bfloat16),
+            fused.kernel.step_address(torch.bfloat16),
             self._layer_pointers(kv_caches),
             self.shape,
             x,
