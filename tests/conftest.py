@@ -8,11 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cpu_levels import LEVELS
+
 # Triton kernels run in Triton's interpreter where CUDA is absent. Triton reads the variable when
 # a kernel module is imported (@triton.jit), so it is set here, before any test imports one;
 # nothing else on a CPU box uses Triton, so it is harmless for every other test.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=LEVELS)
+def isa_level(request) -> str:
+    """Each ISA level this CPU runs (tests/cpu_levels.py)."""
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items) -> None:

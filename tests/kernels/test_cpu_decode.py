@@ -7,11 +7,14 @@ import random
 import pytest
 import torch
 
+from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.worker.attention import DecodeBucket, _decode_attention
 
-kernel = CpuDecodeKernel.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler for the CPU kernel")
+
+@pytest.fixture
+def kernel(isa_level):
+    return kernel_at(CpuDecodeKernel, isa_level)
 
 
 def reference(q, k_cache, v_cache, table, lengths, scale):
@@ -28,7 +31,7 @@ def reference(q, k_cache, v_cache, table, lengths, scale):
     "kv_heads, group, head_dim, page_size",
     [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 128, 16), (4, 2, 16, 1)],
 )
-def test_kernel_matches_torch_path(dtype, tolerance, kv_heads, group, head_dim, page_size):
+def test_kernel_matches_torch_path(kernel, dtype, tolerance, kv_heads, group, head_dim, page_size):
     rng = random.Random(head_dim + group)
     torch.manual_seed(0)
     rows = 7
@@ -48,7 +51,7 @@ def test_kernel_matches_torch_path(dtype, tolerance, kv_heads, group, head_dim, 
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
 
 
-def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(kernel):
     """Bit for bit: a request's output must not change with what it is batched with (seeded
     sampling relies on it), so the kernel's work split may not depend on the number of rows."""
     torch.manual_seed(5)
@@ -67,7 +70,7 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
         assert torch.equal(alone[0], together[r])
 
 
-def test_launcher_checks_shapes():
+def test_launcher_checks_shapes(kernel):
     k = torch.zeros(2, 4, 16, 32)
     with pytest.raises(ValueError, match="shapes"):
         kernel(
@@ -92,7 +95,7 @@ def test_launcher_checks_shapes():
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
 @pytest.mark.parametrize("kv_heads, group, head_dim, page_size", [(3, 3, 64, 16), (2, 2, 32, 4)])
 def test_step_is_rotary_then_write_then_attention(
-    dtype, tolerance, kv_heads, group, head_dim, page_size
+    kernel, dtype, tolerance, kv_heads, group, head_dim, page_size
 ):
     """The decode-only step entry against the three torch references it replaces: rotary on q
     and k of the fused qkv rows, the K/V write at each row's slot, attention that sees it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_fused import (
     CpuFusedOps,
     rms_norm_reference,
@@ -12,8 +13,12 @@ from yaied.kernels.cpu_fused import (
     silu_mul_reference,
 )
 
-ops = CpuFusedOps.load()
-pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler for the CPU kernels")
+
+@pytest.fixture
+def ops(isa_level):
+    return kernel_at(CpuFusedOps, isa_level)
+
+
 DTYPES = pytest.mark.parametrize(
     "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
 )
@@ -28,7 +33,7 @@ def close(ours, theirs, tolerance):
 @DTYPES
 @ROWS
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm(dtype, tolerance, rows, with_delta):
+def test_add_rms_norm(ops, dtype, tolerance, rows, with_delta):
     torch.manual_seed(0)
     hidden = 576
     residual = (torch.randn(rows, hidden) * 3).to(dtype)
@@ -43,7 +48,7 @@ def test_add_rms_norm(dtype, tolerance, rows, with_delta):
 
 @DTYPES
 @ROWS
-def test_rotary_in_place_on_the_qkv_output(dtype, tolerance, rows):
+def test_rotary_in_place_on_the_qkv_output(ops, dtype, tolerance, rows):
     torch.manual_seed(1)
     heads, kv_heads, head_dim = 9, 3, 64
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
@@ -62,13 +67,13 @@ def test_rotary_in_place_on_the_qkv_output(dtype, tolerance, rows):
 
 @DTYPES
 @ROWS
-def test_silu_mul(dtype, tolerance, rows):
+def test_silu_mul(ops, dtype, tolerance, rows):
     torch.manual_seed(2)
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
     close(ops.silu_mul(gate_up), silu_mul_reference(gate_up), tolerance)
 
 
-def test_launchers_check_inputs():
+def test_launchers_check_inputs(ops):
     with pytest.raises(ValueError, match="weight"):
         ops.add_rms_norm(None, torch.zeros(2, 8), torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="fp32"):

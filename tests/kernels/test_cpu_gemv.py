@@ -1,5 +1,7 @@
-"""The few-row bf16 linear kernel against F.linear: every row count it takes, shapes whose sizes
-are not multiples of its blocks (the plain-C tails), bias, and the launcher's refusals."""
+"""The few-row linear kernel over bf16 weights against F.linear, at every ISA level and for both
+activation dtypes (bf16, and fp32 over bf16 weights): every row count it takes, shapes whose
+sizes are not multiples of its blocks or vectors (the tails), bias, a row's bits alone and in a
+batch, and the launcher's refusals."""
 
 from __future__ import annotations
 
@@ -7,76 +9,89 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.cpu_levels import kernel_at
+from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
 
-gemv = CpuGemv.load()
-pytestmark = pytest.mark.skipif(gemv is None, reason="no C compiler for the CPU kernel")
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
+@pytest.fixture
+def gemv(isa_level):
+    return kernel_at(CpuGemv, isa_level)
+
+
+@DTYPES
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (7, 33), (5, 64), (13, 100), (1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_linear(rows, n, k, bias):
+def test_kernel_matches_linear(gemv, dtype, rows, n, k, bias):
     torch.manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(dtype)
     weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    b = torch.randn(n).to(dtype) if bias else None
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
     got = gemv(x, weight, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    # fp32 accumulation, one bf16 rounding of the result (and of the bias sum)
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # fp32 accumulation; for bf16, one rounding of the result (and of the bias sum)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_a_row_does_not_depend_on_the_other_rows():
-    # Bit for bit at every row count (seeded sampling must not change with the batch).
+@DTYPES
+@pytest.mark.parametrize("n, k", [(200, 576), (13, 100)])
+def test_a_row_does_not_depend_on_the_other_rows(gemv, dtype, n, k):
+    # Bit for bit at every row count (seeded sampling must not change with the batch), also
+    # for weight rows past the last full block and elements past the last full vector.
     torch.manual_seed(3)
-    x = torch.randn(MAX_ROWS, 576).to(torch.bfloat16)
-    weight = (torch.randn(200, 576) / 24).to(torch.bfloat16)
-    bias = torch.randn(200).to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS, k).to(dtype)
+    weight = (torch.randn(n, k) / 24).to(torch.bfloat16)
+    bias = torch.randn(n).to(dtype)
     alone = [gemv(x[r : r + 1], weight, bias)[0] for r in range(MAX_ROWS)]
     for rows in range(2, MAX_ROWS + 1):
         together = gemv(x[:rows], weight, bias)
         assert all(torch.equal(together[r], alone[r]) for r in range(rows))
 
 
-def test_strided_input_rows():
+def test_strided_input_rows(gemv):
     x = torch.randn(2, 80).to(torch.bfloat16)[:, :64]
     weight = torch.randn(8, 64).to(torch.bfloat16)
     torch.testing.assert_close(gemv(x, weight).float(), F.linear(x, weight).float())
 
 
-def test_launcher_refuses_what_the_kernel_cannot_take():
+def test_launcher_refuses_what_the_kernel_cannot_take(gemv):
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bad input"):
         gemv(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight)
     with pytest.raises(ValueError, match="bad input"):
         gemv(torch.zeros(1, 32, dtype=torch.bfloat16), weight)
     with pytest.raises(ValueError, match="bad input"):
-        gemv(torch.zeros(1, 64), weight)
+        gemv.bind(weight)(torch.zeros(1, 64))  # fp32 input to a bf16-bound layer
     with pytest.raises(ValueError, match="bf16 weight"):
         gemv.bind(weight.float())
     with pytest.raises(ValueError, match="bias"):
         gemv.bind(weight, torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        gemv.bind(weight, torch.zeros(8, dtype=torch.bfloat16), torch.float32)
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("silu", [False, True])
-def test_normed_is_the_fused_kernels_then_the_linear(rows, with_delta, silu):
+def test_normed_is_the_fused_kernels_then_the_linear(gemv, dtype, rows, with_delta, silu):
     """residual += delta, RMSNorm, linear, SiLU-and-multiply in one call: the same bits as
-    cpu_fused's kernels around the kernel's plain linear, and the same residual update."""
-    from yaied.kernels.cpu_fused import CpuFusedOps
-
-    ops = CpuFusedOps.load()
+    cpu_fused's kernels (at the same level) around the kernel's plain linear, and the same
+    residual update."""
+    ops = kernel_at(CpuFusedOps, gemv.level)
     torch.manual_seed(rows)
     k, n = 96, 2 * 40
     weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
-    bias = torch.randn(n).to(torch.bfloat16)
-    norm_weight = (1 + torch.randn(k) / 4).to(torch.bfloat16)
-    residual = torch.randn(rows, k).to(torch.bfloat16)
-    delta = torch.randn(rows, k).to(torch.bfloat16) if with_delta else None
-    bound = gemv.bind(weight, bias)
+    bias = torch.randn(n).to(dtype)
+    norm_weight = (1 + torch.randn(k) / 4).to(dtype)
+    residual = torch.randn(rows, k).to(dtype)
+    delta = torch.randn(rows, k).to(dtype) if with_delta else None
+    bound = gemv.bind(weight, bias, dtype)
 
     expected_residual = residual.clone()
     expected = bound(ops.add_rms_norm(delta, expected_residual, norm_weight, 1e-5))

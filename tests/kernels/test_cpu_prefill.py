@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.worker.attention import (
     AttentionMetadata,
@@ -15,8 +16,11 @@ from yaied.worker.attention import (
     write_kv,
 )
 
-kernel = CpuPrefillKernel.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler for the CPU kernel")
+
+@pytest.fixture
+def kernel(isa_level):
+    return kernel_at(CpuPrefillKernel, isa_level)
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -63,7 +67,9 @@ def reference(q, k_cache, v_cache, pages, start_pos, scale):
         (2, 5, 64, 8, 40, 3),  # group 5: padded rows in the register tiles
     ],
 )
-def test_kernel_matches_torch(dtype, bf16_dot, kv_heads, group, head_dim, page_size, n, start_pos):
+def test_kernel_matches_torch(
+    kernel, dtype, bf16_dot, kv_heads, group, head_dim, page_size, n, start_pos
+):
     if bf16_dot and not kernel.has_bf16_dot:
         pytest.skip("this CPU has no AVX512-BF16")
     kernel.use_bf16_dot = bf16_dot  # off: bf16 through the portable fp32 path
@@ -80,7 +86,7 @@ def test_kernel_matches_torch(dtype, bf16_dot, kv_heads, group, head_dim, page_s
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
 
 
-def test_paged_attention_runs_chunks_through_the_kernel():
+def test_paged_attention_runs_chunks_through_the_kernel(kernel):
     """Two chunks in one step (a fresh one and an extend), written by slot mapping first, as the
     model does: the kernel path equals the torch path."""
     torch.manual_seed(1)
@@ -114,7 +120,7 @@ def test_paged_attention_runs_chunks_through_the_kernel():
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_launcher_checks_shapes():
+def test_launcher_checks_shapes(kernel):
     q, k_cache, v_cache, pages = make_case(torch.float32, 2, 2, 32, 4, 8, 0)
     with pytest.raises(ValueError, match="pages"):
         kernel(q, k_cache, v_cache, pages[:1], 0, 1.0)

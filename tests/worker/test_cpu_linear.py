@@ -1,50 +1,80 @@
-"""Pre-packed bf16 linears give what F.linear gives, with and without bias, at any row count, with
-and without the few-row kernel; the kernel's copy of the weights is kept only where it fits."""
+"""CPU linear layers give what F.linear gives, with and without bias, at any row count: pre-packed
+bf16 linears (only where the ISA level has oneDNN's bf16 path), plain bf16 ones below it, and fp32
+math over bf16-stored weights; with and without the few-row kernel at every ISA level. The
+kernel's copy of the weights, and the fp32 copies, are kept only where they fit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
+from yaied.kernels.cpu_isa import selected_level
 from yaied.worker import cpu_linear
-from yaied.worker.cpu_linear import PackedLinear, can_pack, gemv_fits, pack_linears
+from yaied.worker.cpu_linear import (
+    Bf16StoredLinear,
+    PackedLinear,
+    can_pack,
+    fp32_copy_fits,
+    gemv_fits,
+    pack_linears,
+    store_linears_bf16,
+)
 
-pytestmark = pytest.mark.skipif(
-    not can_pack(torch.bfloat16, torch.device("cpu")), reason="oneDNN bf16 linear unavailable"
+CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, CPU, selected_level()),
+    reason="oneDNN has no bf16 path at this CPU's ISA level",
 )
 
 
-gemv = CpuGemv.load()
+@pytest.fixture
+def gemv(isa_level):
+    return kernel_at(CpuGemv, isa_level)
 
 
-@pytest.mark.parametrize("few_rows_kernel", [False, True])
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 7, 64, 513])
-def test_packed_linear_matches_linear(few_rows_kernel, bias, rows):
-    if few_rows_kernel and gemv is None:
-        pytest.skip("no C compiler for the few-row kernel")
+def test_packed_linear_matches_linear(bias, rows):
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = linear(x).float()
-        packed = PackedLinear(linear, batch_hint=512, gemv=gemv if few_rows_kernel else None)
+        packed = PackedLinear(linear, batch_hint=512)
         got = packed(x).float()
         # [batch, seq, in] as transformers' modules send it, and no rows at all
         got_3d = packed(x.view(1, rows, 96)).float()
         assert packed(x[:0]).shape == (0, 160)
-        if few_rows_kernel and rows <= MAX_ROWS:
-            got_few = packed.few_rows(x).float()
-            torch.testing.assert_close(got_few, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_3d, expected.view(1, rows, 160), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(gemv is None, reason="no C compiler for the few-row kernel")
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_few_rows_is_the_kernel_at_every_level(gemv, pack, rows):
+    if pack and not can_pack(torch.bfloat16, CPU, selected_level()):
+        pytest.skip("oneDNN has no bf16 path at this CPU's ISA level")
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = linear(x).float()
+        layer = PackedLinear(linear, batch_hint=64, gemv=gemv, pack=pack)
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+        if rows <= MAX_ROWS:
+            got = layer.few_rows(x).float()
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_packing
 def test_forward_is_onednn_and_few_rows_is_the_kernel():
     # The few-row kernel runs only in the decode loop; forward keeps oneDNN for every row count.
+    gemv = kernel_at(CpuGemv, selected_level())
     linear = PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64, gemv=gemv)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -54,29 +84,84 @@ def test_forward_is_onednn_and_few_rows_is_the_kernel():
     assert PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64).few_rows is None
 
 
-def test_the_second_copy_is_kept_only_where_it_fits(monkeypatch):
-    # 2 linears of 64 x 32 bf16 (the tied head shares the embedding and costs nothing)
+@pytest.mark.parametrize("keep_fp32", [True, False], ids=["fp32-copy", "widened"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 5, 130])
+def test_bf16_stored_linear_is_fp32_math_over_bf16_weights(gemv, keep_fp32, bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    rounded = linear.weight.detach().to(torch.bfloat16).float()  # the weight as stored
+    expected = F.linear(x, rounded, linear.bias)
+    with torch.inference_mode():
+        layer = Bf16StoredLinear(linear, gemv, keep_fp32)
+        assert layer.weight.dtype == torch.bfloat16
+        assert (layer.weight_f32 is not None) == keep_fp32
+        got = layer(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        if rows <= MAX_ROWS:
+            torch.testing.assert_close(layer.few_rows(x), expected, rtol=1e-4, atol=1e-4)
+            layer.few_rows_in_forward = True
+            assert torch.equal(layer(x), layer.few_rows(x))
+
+
+def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gemv):
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 64)
+    model = nn.Module()
+    model.embed = embed
+    model.proj = nn.Linear(64, 64)
+    model.lm_head = nn.Linear(64, 10, bias=False)
+    model.lm_head.weight = embed.weight  # tied: its fp32 weight is the embedding's
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        expected = model.lm_head(model.proj(x))
+        assert store_linears_bf16(model, gemv) == 2
+        got = model.lm_head(model.proj(x))
+    assert isinstance(model.proj, Bf16StoredLinear) and not model.proj.few_rows_in_forward
+    assert model.lm_head.few_rows_in_forward
+    # no second fp32 copy of a tied head: the embedding's, rounded to the bf16 values in place
+    assert model.lm_head.weight_f32.data_ptr() == embed.weight.data_ptr()
+    assert torch.equal(embed.weight.detach(), model.lm_head.weight.float())
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_copies_are_kept_only_where_they_fit(monkeypatch):
+    # 2 linears of 64 x 32 (the tied head shares the embedding and costs nothing)
     embed = nn.Embedding(10, 64)
     head = nn.Linear(64, 10, bias=False)
     head.weight = embed.weight
     model = nn.ModuleList([embed, nn.Linear(64, 32), nn.Linear(32, 64), head])
-    model = model.to(torch.bfloat16)
-    extra = 2 * 64 * 32 * 2
+    bf16_copy, fp32_copy = 2 * 64 * 32 * 2, 2 * 64 * 32 * 4
     pages = {"SC_PAGE_SIZE": 1}
     monkeypatch.setattr(cpu_linear.os, "sysconf", lambda name: pages.get(name, memory[0]))
-    memory = [int(extra / cpu_linear.GEMV_MEMORY_SHARE)]
+    memory = [int(bf16_copy / cpu_linear.GEMV_MEMORY_SHARE)]
     assert gemv_fits(model)
     memory = [memory[0] - 16]
     assert not gemv_fits(model)
+    memory = [int(fp32_copy / cpu_linear.FP32_COPY_MEMORY_SHARE)]
+    assert fp32_copy_fits(model)
+    memory = [memory[0] - 16]
+    assert not fp32_copy_fits(model)
 
 
-def test_pack_linears_replaces_every_linear():
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+def test_pack_linears_replaces_every_linear(pack):
+    if pack and not can_pack(torch.bfloat16, CPU, selected_level()):
+        pytest.skip("oneDNN has no bf16 path at this CPU's ISA level")
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4, bias=False))
     model = model.to(torch.bfloat16)
     x = torch.randn(5, 8, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = model(x).float()
-        assert pack_linears(model, batch_hint=64) == 2
+        assert pack_linears(model, batch_hint=64, pack=pack) == 2
         got = model(x).float()
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_packing_is_decided_by_the_isa_level_not_by_trying():
+    assert not can_pack(torch.bfloat16, CPU, "avx2")
+    assert not can_pack(torch.bfloat16, CPU, "generic")
+    assert not can_pack(torch.float32, CPU, "avx512_bf16")

@@ -15,5 +15,7 @@ class ModelInfo:
     vocab_size: int
     num_pages: int = 0
     page_size: int = 0
-    dtype: str = ""
+    dtype: str = ""  # the math's (activations, KV cache)
     device: str = ""
+    weight_dtype: str = ""  # linear weights as stored (bfloat16 under fp32 math on most CPUs)
+    cpu_isa: str = ""  # the ISA level the CPU kernels run at (yaied/kernels/cpu_isa.py)

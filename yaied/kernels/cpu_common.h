@@ -9,6 +9,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The ISA level this library was built for: the index in yaied/kernels/cpu_isa.py's LEVELS,
+ * passed by cpu_build.py as -DYAIED_ISA_LEVEL. Each kernel file is its own library, so each
+ * gets its own copy of this function. */
+#ifndef YAIED_ISA_LEVEL
+#define YAIED_ISA_LEVEL 0
+#endif
+int yaied_isa_level(void) { return YAIED_ISA_LEVEL; }
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

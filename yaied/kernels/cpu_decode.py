@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from yaied.kernels.cpu_build import load_library
+from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
@@ -27,22 +27,25 @@ _STEP_ARGTYPES = [_P, _I] + [_P] * 8 + [_I] * 7 + [ctypes.c_float]
 class CpuDecodeKernel:
     """The compiled kernel; ``CpuDecodeKernel.load()`` returns None where it cannot be built."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: KernelLibrary) -> None:
+        self.level = library.level
         self._functions = {}
         self._steps = {}
         for dtype, name in _FUNCTIONS.items():
-            function = getattr(library, name)
+            function = getattr(library.cdll, name)
             function.argtypes = _ARGTYPES
             function.restype = ctypes.c_int
             self._functions[dtype] = function
-            step = getattr(library, f"{name}_step")
+            step = getattr(library.cdll, f"{name}_step")
             step.argtypes = _STEP_ARGTYPES
             step.restype = ctypes.c_int
             self._steps[dtype] = step
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuDecodeKernel | None:
-        library = load_library(SOURCE, cache_dir)
+    def load(
+        cls, level: str | None = None, cache_dir: Path | None = None, *, strict: bool = False
+    ) -> CpuDecodeKernel | None:
+        library = load_library(SOURCE, level, cache_dir, strict=strict)
         return None if library is None else cls(library)
 
     def step_address(self, dtype: torch.dtype) -> int:

@@ -1,7 +1,8 @@
 """Launcher for the decoder-layer loop (cpu_decode_loop.c): every layer of a decode step of a few
 rows in one C call, over the few-row linear kernel and the decode step kernel, which the caller
-hands over (``BoundLinear.function``, ``CpuDecodeKernel.step_function``). Its torch reference is
-the same layers run one call at a time (yaied/worker/models/llama.py)."""
+hands over (``BoundLinear.address``, ``CpuDecodeKernel.step_address``). Its torch reference is
+the same layers run one call at a time (yaied/worker/models/llama.py). Linear weights are bf16;
+the activations, norms, biases and KV pools are bf16 or fp32 (fp32 math over bf16 weights)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from yaied.kernels.cpu_build import load_library
+from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_decode_loop.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -29,6 +30,8 @@ _LAYER_FIELDS = (
     "k_cache",
     "v_cache",
 )
+_WEIGHTS = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # bf16 whatever the activations
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 class _Layer(ctypes.Structure):
@@ -36,7 +39,8 @@ class _Layer(ctypes.Structure):
 
 
 class LayerTensors(NamedTuple):
-    """One decoder layer's bf16 tensors (contiguous; biases may be None) and its KV pools."""
+    """One decoder layer's tensors (contiguous; biases may be None) and its KV pools: linear
+    weights bf16, the rest in the activations' dtype."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -65,27 +69,39 @@ class DecodeShape(NamedTuple):
 class CpuDecodeLoop:
     """The compiled loop; ``CpuDecodeLoop.load()`` returns None where it cannot be built."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._run = library.decode_layers_bf16
-        self._run.argtypes = [_P, _P, _P, _I, _P, _P] + [_I] * 6 + [_F] + [_P] * 5
-        self._run.argtypes += [_I, _I, _I, _F, _I]
-        self._run.restype = ctypes.c_int
+    def __init__(self, library: KernelLibrary) -> None:
+        self.level = library.level
+        self._runs = {}
+        for dtype, suffix in _SUFFIX.items():
+            run = getattr(library.cdll, f"decode_layers_{suffix}")
+            run.argtypes = [_P, _P, _P, _I, _P, _P] + [_I] * 6 + [_F] + [_P] * 5
+            run.argtypes += [_I, _I, _I, _F, _I]
+            run.restype = ctypes.c_int
+            self._runs[dtype] = run
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuDecodeLoop | None:
-        library = load_library(SOURCE, cache_dir)
+    def load(
+        cls, level: str | None = None, cache_dir: Path | None = None, *, strict: bool = False
+    ) -> CpuDecodeLoop | None:
+        library = load_library(SOURCE, level, cache_dir, strict=strict)
         return None if library is None else cls(library)
 
     @staticmethod
-    def layers(tensors: list[LayerTensors]) -> ctypes.Array:
-        """The layers' pointers, once: the caller keeps the tensors alive while it uses them."""
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIX
+
+    @staticmethod
+    def layers(tensors: list[LayerTensors], dtype: torch.dtype) -> ctypes.Array:
+        """The layers' pointers, once: the caller keeps the tensors alive while it uses them.
+        ``dtype``: the activations'."""
         array = (_Layer * len(tensors))()
         for entry, layer in zip(array, tensors, strict=True):
             for name, tensor in zip(_LAYER_FIELDS, layer, strict=True):
                 if tensor is None:
                     continue
-                if tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
-                    raise ValueError(f"the decode loop takes contiguous bf16 tensors ({name})")
+                want = torch.bfloat16 if name in _WEIGHTS else dtype
+                if tensor.dtype != want or not tensor.is_contiguous():
+                    raise ValueError(f"the decode loop takes contiguous {want} for {name}")
                 setattr(entry, name, tensor.data_ptr())
         return array
 
@@ -109,12 +125,12 @@ class CpuDecodeLoop:
         cos, sin: [rows, head_dim / 2] fp32; slots, context_lens: [rows], page_table:
         [rows, max_pages], int64, all contiguous (the runner builds them so)."""
         rows = x.shape[0]
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1] != shape.hidden:
-            raise ValueError("the decode loop takes a contiguous bf16 [rows, hidden] input")
+        if x.dtype not in self._runs or not x.is_contiguous() or x.shape[1] != shape.hidden:
+            raise ValueError("the decode loop takes a contiguous [rows, hidden] input")
         if cos.shape != (rows, shape.head_dim // 2) or page_table.shape[0] != rows:
             raise ValueError("the step's tables do not match its rows")
         delta = torch.empty_like(x)
-        status = self._run(
+        status = self._runs[x.dtype](
             linear, step, layers, len(layers), x.data_ptr(), delta.data_ptr(), rows,
             shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim,
             shape.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), page_table.data_ptr(),

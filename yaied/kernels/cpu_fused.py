@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from yaied.kernels.cpu_build import load_library
+from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -29,18 +29,21 @@ _SIGNATURES = {
 class CpuFusedOps:
     """The compiled kernels; ``CpuFusedOps.load()`` returns None where they cannot be built."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: KernelLibrary) -> None:
+        self.level = library.level
         self._functions = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
-                function = getattr(library, f"{name}_{suffix}")
+                function = getattr(library.cdll, f"{name}_{suffix}")
                 function.argtypes = argtypes
                 function.restype = None
                 self._functions[name, dtype] = function
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuFusedOps | None:
-        library = load_library(SOURCE, cache_dir)
+    def load(
+        cls, level: str | None = None, cache_dir: Path | None = None, *, strict: bool = False
+    ) -> CpuFusedOps | None:
+        library = load_library(SOURCE, level, cache_dir, strict=strict)
         return None if library is None else cls(library)
 
     @staticmethod

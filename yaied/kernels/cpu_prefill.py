@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from yaied.kernels.cpu_build import load_library
+from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int64]
@@ -24,17 +24,20 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256
 class CpuPrefillKernel:
     """The compiled kernel; ``CpuPrefillKernel.load()`` returns None where it cannot be built."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.paged_prefill
+    def __init__(self, library: KernelLibrary) -> None:
+        self.level = library.level
+        self._function = library.cdll.paged_prefill
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
-        self.has_bf16_dot = bool(library.paged_prefill_has_bf16_dot())
+        self.has_bf16_dot = bool(library.cdll.paged_prefill_has_bf16_dot())
         # Tests clear this to run bf16 through the portable fp32 path on a CPU with the fast one.
         self.use_bf16_dot = True
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuPrefillKernel | None:
-        library = load_library(SOURCE, cache_dir)
+    def load(
+        cls, level: str | None = None, cache_dir: Path | None = None, *, strict: bool = False
+    ) -> CpuPrefillKernel | None:
+        library = load_library(SOURCE, level, cache_dir, strict=strict)
         return None if library is None else cls(library)
 
     @staticmethod

@@ -1,14 +1,20 @@
-"""bf16 linear layers with their weights pre-packed for oneDNN, the CPU's fast path.
+"""Linear layers on CPU, by the math the CPU is fast at (yaied/kernels/cpu_isa.py).
 
-A plain bf16 ``F.linear`` on CPU has oneDNN re-lay the weight into its blocked format on every
-call; at decode batch sizes that costs as much as the matmul itself. Packing once at load time
-made the 30 gate/up projections of the default model 1.5-1.9x faster for 1-32 rows and about 5%
-faster at 512 (docs/benchmarks.md). fp32 models keep plain linears, so parity runs stay exact.
+bf16 math (``PackedLinear``, CPUs with bf16 dot products): a plain bf16 ``F.linear`` has oneDNN
+re-lay the weight into its blocked format on every call; at decode batch sizes that costs as much
+as the matmul itself. Packing once at load time made the 30 gate/up projections of the default
+model 1.5-1.9x faster for 1-32 rows and about 5% faster at 512 (docs/benchmarks.md). oneDNN's bf16
+path exists only from AVX-512 on, so below that the weight stays plain (``F.linear``).
 
-At one to four rows (a decode step of a few streams) a linear layer is a pass over its weight,
-and oneDNN reaches about half the memory bandwidth there; the decode loop runs such steps through
-the few-row kernel (yaied/kernels/cpu_gemv.c), which needs the plain weight too: a second copy of
-every linear weight, kept only where it is small beside the machine's memory (``gemv_fits``).
+fp32 math over bf16 weights (``Bf16StoredLinear``, every other CPU, dtype ``auto``): there bf16
+matmuls run at a tenth of fp32's speed, but a decode step is a pass over the weights, and bf16
+weights are half the bytes. So the weight lives in memory as bf16 for the few-row kernel, and
+matmuls of many rows (prefill, large batches) run in fp32 on an fp32 copy where it fits in memory,
+else on the weight widened for the call.
+
+At one to four rows (a decode step of a few streams) either kind runs through the few-row kernel
+(yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the plain
+bf16 weight (for PackedLinear a second copy, kept only where it fits: ``gemv_fits``).
 """
 
 from __future__ import annotations
@@ -21,85 +27,174 @@ import torch.nn.functional as F
 from torch import nn
 
 from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
+from yaied.kernels.cpu_isa import level_rank
 
-# The plain weights' second copy may take at most this share of physical memory.
+# The plain weights' second copy (bf16 math) may take at most this share of physical memory,
+# and so may the fp32 copies (fp32 math over bf16 weights).
 GEMV_MEMORY_SHARE = 0.125
+FP32_COPY_MEMORY_SHARE = 0.25
 
 log = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an nn.Linear whose weight is packed; inputs are [..., in_features]. With a
-    few-row kernel, ``few_rows`` is that kernel bound to the plain weight, for the decode loop
-    (worker/models/decode_loop.py); forward itself always runs oneDNN."""
+    """Drop-in for a bf16 nn.Linear: forward runs oneDNN on the packed weight (``packed``), or
+    F.linear where oneDNN has no bf16 path; inputs are [..., in_features]. With a few-row kernel,
+    ``few_rows`` is that kernel bound to the plain weight, for the decode loop
+    (worker/models/decode_loop.py)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None = None, pack: bool = True
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if pack else None
         self.bias = None if linear.bias is None else linear.bias.detach()
-        # The few-row path: the plain weight (a second copy once the model's is dropped) and
-        # the kernel bound to it.
-        self.weight = weight.contiguous() if gemv is not None else None
+        # The plain weight: forward's, where nothing is packed; else the few-row kernel's (a
+        # second copy once the model's is dropped), or nothing.
+        keep = gemv is not None or not pack
+        self.weight = weight.contiguous() if keep else None
         self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+class Bf16StoredLinear(nn.Module):
+    """Drop-in for an fp32 nn.Linear whose weight is kept in bf16: forward takes and returns
+    fp32. ``weight`` is the bf16 weight, ``few_rows`` the kernel bound to it (fp32 activations),
+    ``weight_f32`` its values in fp32 for many rows, or None to widen it per call: every path
+    reads the same (bf16) values. ``tied``: the fp32 weight is an embedding's too, rounded to
+    those values in place and shared (a tied LM head costs no fp32 copy)."""
+
+    def __init__(
+        self, linear: nn.Linear, gemv: CpuGemv | None, keep_fp32: bool, tied: bool = False
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        self.weight_f32 = None
+        if tied:
+            self.weight_f32 = weight.copy_(self.weight)
+        elif keep_fp32:
+            self.weight_f32 = self.weight.float()
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias, torch.float32)
+        # The LM head may take the kernel in forward too (see store_linears_bf16).
+        self.few_rows_in_forward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows_in_forward and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS:
+            return self.few_rows(x)
+        weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        return F.linear(x, weight, self.bias)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device, level: str) -> bool:
+    """Whether bf16 linears can be packed for oneDNN: bf16 on CPU at an ISA level where oneDNN
+    has its bf16 path (AVX-512 BW/VL/DQ, or the bf16 instructions themselves). Decided by the
+    probe, never by catching oneDNN's error on a CPU without it."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
+        and level_rank(level) >= level_rank("avx512")
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
-def gemv_fits(model: nn.Module) -> bool:
-    """Whether a second copy of the model's linear weights (those not shared with another
-    parameter, as a tied lm_head is) stays within GEMV_MEMORY_SHARE of physical memory."""
+def _linear_weights(model: nn.Module) -> dict[int, torch.Tensor]:
+    """The linear layers' weights that are not an embedding's too (a tied LM head's is)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    weights = {
+    return {
         id(m.weight): m.weight
         for m in model.modules()
         if isinstance(m, nn.Linear) and id(m.weight) not in embeddings
     }
-    extra = sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def _fits(extra_bytes: int, share: float) -> bool:
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return False
-    return extra <= GEMV_MEMORY_SHARE * memory
+    return extra_bytes <= share * memory
 
 
-def pack_linears(model: nn.Module, batch_hint: int, gemv: CpuGemv | None = None) -> int:
+def gemv_fits(model: nn.Module) -> bool:
+    """Whether a second copy of the model's bf16 linear weights (those not shared with another
+    parameter, as a tied lm_head is) stays within GEMV_MEMORY_SHARE of physical memory."""
+    extra = sum(w.numel() * 2 for w in _linear_weights(model).values())
+    return _fits(extra, GEMV_MEMORY_SHARE)
+
+
+def fp32_copy_fits(model: nn.Module) -> bool:
+    """Whether fp32 copies of the linear weights stay within FP32_COPY_MEMORY_SHARE of memory."""
+    extra = sum(w.numel() * 4 for w in _linear_weights(model).values())
+    return _fits(extra, FP32_COPY_MEMORY_SHARE)
+
+
+def pack_linears(
+    model: nn.Module, batch_hint: int, gemv: CpuGemv | None = None, pack: bool = True
+) -> int:
     """Replace every nn.Linear of a bf16 CPU model by a PackedLinear (using ``gemv`` for few
-    rows when given); returns how many. Checks one layer against F.linear first and leaves the
-    model alone if the packed path disagrees."""
+    rows when given; ``pack`` False keeps plain weights); returns how many. Checks one layer
+    against F.linear first and leaves the model alone if the new path disagrees."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         return 0
     try:
-        _check_equal(linears[0][1], batch_hint, gemv)
+        _check_equal(PackedLinear(linears[0][1], batch_hint, gemv, pack), linears[0][1])
     except (RuntimeError, AssertionError, ValueError) as exc:
         log.warning("packed bf16 linears unavailable (%s): using plain F.linear", exc)
         return 0
     for name, linear in linears:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear, batch_hint, gemv))
+        _replace(model, name, PackedLinear(linear, batch_hint, gemv, pack))
     return len(linears)
 
 
-def _check_equal(linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None) -> None:
+def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None) -> int:
+    """Replace every nn.Linear of an fp32 CPU model by a Bf16StoredLinear (fp32 copies kept
+    where they fit, ``gemv`` bound for few rows); returns how many. The LM head (``lm_head``)
+    also takes the kernel in forward: its rows are the sampled ones, one per sequence, so a
+    sequence's logits come from the same code alone or after a cached prefix."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return 0
+    keep_fp32 = fp32_copy_fits(model)
+    if not keep_fp32:
+        log.info("fp32 copies of the linear weights do not fit: widening them per matmul")
+    if gemv is not None:
+        try:
+            _check_equal(Bf16StoredLinear(linears[0][1], gemv, keep_fp32=False), linears[0][1])
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            log.warning("the few-row kernel disagrees with F.linear (%s): not using it", exc)
+            gemv = None
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, linear in linears:
+        stored = Bf16StoredLinear(linear, gemv, keep_fp32, id(linear.weight) in embeddings)
+        stored.few_rows_in_forward = name.rpartition(".")[2] == "lm_head" and gemv is not None
+        _replace(model, name, stored)
+    return len(linears)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _check_equal(new: nn.Module, linear: nn.Linear) -> None:
     with torch.inference_mode():
-        packed = PackedLinear(linear, batch_hint, gemv)
         for rows in (1, 3, MAX_ROWS + 1):
             x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
             expected = F.linear(x, linear.weight, linear.bias).float()
             tolerance = 1e-2 * (expected.abs().max().item() + 1)
-            got = [packed(x)] + ([packed.few_rows(x)] if gemv and rows <= MAX_ROWS else [])
+            few_rows = getattr(new, "few_rows", None)
+            got = [new(x)] + ([few_rows(x)] if few_rows and rows <= MAX_ROWS else [])
             for out in got:
                 assert (expected - out.float()).abs().max().item() <= tolerance, "disagrees"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from yaied.core.config import ModelConfig
+from yaied.kernels.cpu_isa import has_bf16_math, selected_level
 from yaied.worker import model_files
 from yaied.worker.models import build_model, check_supported
 from yaied.worker.models.transformers_backend import build_transformers_model, check_remote_code
@@ -27,19 +28,39 @@ class LoadedModel:
     model: nn.Module
     hf_config: object  # transformers PretrainedConfig
     folder: Path | None  # the Hugging Face folder; None for dummy models given as a config file
-    dtype: torch.dtype
+    dtype: torch.dtype  # the math's: activations, norms, KV cache
     max_model_len: int
+    # Linear layers' weights as stored: bf16 under dtype auto on a CPU without bf16 math (the
+    # worker wraps them, worker/cpu_linear.py), else ``dtype``.
+    weight_dtype: torch.dtype | None = None
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # bfloat16 by default: on GPUs, and on CPUs with bf16 matrix units, where we measured matmuls
-    # about 2.3x faster than fp32 (docs/benchmarks.md). Greedy parity tests ask for float32.
-    return torch.bfloat16 if name == "auto" else DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, level: str | None = None) -> torch.dtype:
+    """The math dtype. ``auto``: bfloat16 on GPUs and on CPUs with bf16 dot products (there bf16
+    matmuls ran about 2.3x faster than fp32), float32 on other CPUs (where bf16 matmuls ran at a
+    tenth of fp32's speed: docs/benchmarks.md). ``level``: the CPU's ISA level, found if None.
+    Greedy parity tests ask for float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if has_bf16_math(level or selected_level()) else torch.float32
 
 
-def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool) -> LoadedModel:
+def resolve_weight_dtype(name: str, device: torch.device, level: str | None = None) -> torch.dtype:
+    """How linear weights are stored: bfloat16 under ``auto`` on every CPU, since a decode step
+    is a pass over them and bf16 is half the bytes (fp32 math widens them in registers); the
+    math dtype otherwise (a forced dtype is the weights' too)."""
+    if name == "auto" and device.type == "cpu":
+        return torch.bfloat16
+    return resolve_dtype(name, device, level)
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, *, show_progress: bool, level: str | None = None
+) -> LoadedModel:
     started = time.perf_counter()
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, level)
     folder, hf_config = _resolve_config(config, show_progress)
     max_len = max_model_len_of(hf_config, config.max_model_len)
     torch.manual_seed(config.seed)
@@ -63,7 +84,8 @@ def load_model(config: ModelConfig, device: torch.device, *, show_progress: bool
         dtype,
         time.perf_counter() - started,
     )
-    return LoadedModel(model, hf_config, folder, dtype, max_len)
+    weight_dtype = resolve_weight_dtype(config.dtype, device, level)
+    return LoadedModel(model, hf_config, folder, dtype, max_len, weight_dtype)
 
 
 def pick_impl(config: ModelConfig, hf_config) -> str:

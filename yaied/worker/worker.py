@@ -21,7 +21,8 @@ from yaied.core.step import Batch, StepOutput
 from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import CpuGemv
-from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears
+from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
+from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears, store_linears_bf16
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     kv_cache_bytes,
@@ -63,6 +64,9 @@ class Worker:
             # Triton launches, CUDA graph capture, events and bare synchronize() calls go to the
             # current device: make it ours (cuda:1 etc.). This thread runs every step too.
             torch.cuda.set_device(self.device)
+        # The CPU's ISA level, capped by YAIED_CPU_ISA (a bad cap stops the start here); every
+        # CPU kernel is built for it, and it picks the default math dtype.
+        self.isa = selected_level() if self.device.type == "cpu" else None
         threads = config.device.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
@@ -75,7 +79,9 @@ class Worker:
         if config.engine.tensor_parallel_size > 1:
             self.parallel, self.loaded = TensorParallel.start(config, self.device)
         else:
-            self.loaded = load_model(config.model, self.device, show_progress=show_progress)
+            self.loaded = load_model(
+                config.model, self.device, show_progress=show_progress, level=self.isa
+            )
         try:
             self._set_up(config)
         except BaseException:
@@ -86,21 +92,14 @@ class Worker:
 
     def _set_up(self, config: EngineConfig) -> None:
         """The KV pool sized, allocated, and the runner (and CUDA graphs) built around it."""
+        self._kernels: list = []  # the CPU kernels the model uses (for the level they run at)
         self.backend = resolve_attention_backend(
             config.device.attention_backend,
             self.device.type,
             native=not isinstance(self.loaded.model, TransformersModel),
         )
-        if can_pack(self.loaded.dtype, self.device):
-            gemv = CpuGemv.load() if gemv_fits(self.loaded.model) else None
-            pack_linears(
-                self.loaded.model,
-                config.scheduler.max_num_batched_tokens,
-                gemv if gemv is not None and gemv.native else None,
-            )
-        if self.device.type == "cpu" and isinstance(self.loaded.model, LlamaForCausalLM):
-            self.loaded.model.use_fused_ops(CpuFusedOps.load())
-            self.loaded.model.use_decode_loop(CpuDecodeLoop.load())
+        if self.isa is not None:
+            self._prepare_cpu_model(config.scheduler.max_num_batched_tokens)
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
         num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)
@@ -121,7 +120,46 @@ class Worker:
             vocab_size=shape.vocab_size,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             device=str(self.device),
+            weight_dtype=str(self.loaded.weight_dtype or self.loaded.dtype).removeprefix("torch."),
+            cpu_isa=self._kernel_level(),
         )
+        if self.isa is not None:
+            log.info(
+                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s",
+                self.info.cpu_isa or "none (torch paths)",
+                detected_level(),
+                self.isa,
+                self.info.dtype,
+                self.info.weight_dtype,
+            )
+
+    def _prepare_cpu_model(self, batch_hint: int) -> None:
+        """Linear layers and fused kernels by the CPU's math: bf16 packed for oneDNN where the
+        CPU has bf16 dot products; fp32 over bf16-stored weights under dtype auto elsewhere
+        (worker/cpu_linear.py); a decode loop over the few-row kernel either way."""
+        model, dtype = self.loaded.model, self.loaded.dtype
+        if dtype == torch.float32 and self.loaded.weight_dtype == torch.bfloat16:
+            self._kernels = [CpuGemv.load(self.isa)]
+            store_linears_bf16(model, self._kernels[0])
+        elif dtype == torch.bfloat16:
+            pack = can_pack(dtype, self.device, self.isa)
+            # Unpacked, the kernel shares the plain weight; packed, it needs a second copy.
+            self._kernels = [CpuGemv.load(self.isa) if not pack or gemv_fits(model) else None]
+            pack_linears(model, batch_hint, self._kernels[0], pack)
+        if isinstance(model, LlamaForCausalLM):
+            fused, loop = CpuFusedOps.load(self.isa), CpuDecodeLoop.load(self.isa)
+            if model.use_fused_ops(fused):
+                self._kernels.append(fused)
+            if model.use_decode_loop(loop):
+                self._kernels.append(loop)
+
+    def _kernel_level(self) -> str:
+        """The lowest ISA level among the CPU kernels in use (a kernel that failed to build at
+        the selected level fell back to a lower one), "" where none is."""
+        runner = self.runner
+        used = [*self._kernels, runner.decode_kernel, runner.prefill_kernel]
+        levels = [kernel.level for kernel in used if kernel is not None]
+        return min(levels, key=LEVELS.index, default="")
 
     def _allocate_kv(self, num_pages: int) -> KVCaches:
         page_size, dtype = self.config.cache.page_size, self.loaded.dtype

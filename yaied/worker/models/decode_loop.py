@@ -1,12 +1,13 @@
 """A Llama-family model's decode step of a few rows as one C call (kernels/cpu_decode_loop.c).
 
-Where it applies (bf16 on CPU, the few-row linear kernel on every projection, the fused
-elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward`` hands a decode-only step of up to
-MAX_ROWS rows, each decoding an output token, to ``LlamaDecodeLoop`` instead of running the
-layers from Python: about 1.2 ms of Python calls a step at batch 1. Its linear layers are the
-few-row kernel, which accumulates in another order than oneDNN (the last bf16 bit differs in
-about one output in ten thousand): a prompt token always takes the layer path, so that a prompt
-computes the same whether its prefix was cached or not.
+Where it applies (on CPU, bf16 math or fp32 math over bf16 weights, the few-row linear kernel
+on every projection, the fused elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward``
+hands a decode-only step of up to MAX_ROWS rows, each decoding an output token, to
+``LlamaDecodeLoop`` instead of running the layers from Python: about 1.2 ms of Python calls a
+step at batch 1. Its linear layers are the few-row kernel, which accumulates in another order
+than oneDNN (the last bf16 bit differs in about one output in ten thousand): a prompt token
+always takes the layer path, so that a prompt computes the same whether its prefix was cached
+or not.
 """
 
 from __future__ import annotations
@@ -39,21 +40,25 @@ class LlamaDecodeLoop:
             shape.rms_norm_eps,
             attn.scale,
         )
-        self.linear = ctypes.cast(attn.qkv_proj.few_rows.function, ctypes.c_void_p).value
+        self.dtype = model.embed_tokens.weight.dtype  # the activations'
+        self.linear = attn.qkv_proj.few_rows.address
         self._layers: tuple[int, ctypes.Array] | None = None  # (pools' address, the pointers)
 
     @classmethod
-    def fits(cls, model: nn.Module) -> bool:
-        """Whether every layer can run in the loop: bf16 weights with the few-row kernel bound
-        on all four projections, and no q/k norm."""
+    def fits(cls, model: nn.Module, loop: CpuDecodeLoop) -> bool:
+        """Whether every layer can run in the loop: the few-row kernel bound on all four
+        projections for the model's activations, and no q/k norm."""
+        dtype = model.embed_tokens.weight.dtype
+        if not loop.supports(dtype):
+            return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.q_norm is not None or any(
-                getattr(m, "few_rows", None) is None for m in linears
+                getattr(getattr(m, "few_rows", None), "dtype", None) != dtype for m in linears
             ):
                 return False
-        return model.embed_tokens.weight.dtype == torch.bfloat16
+        return True
 
     def __call__(
         self,
@@ -74,7 +79,7 @@ class LlamaDecodeLoop:
         k_cache = kv_caches[0][0]
         return self.loop(
             self.linear,
-            fused.kernel.step_address(torch.bfloat16),
+            fused.kernel.step_address(self.dtype),
             self._layer_pointers(kv_caches),
             self.shape,
             x,
@@ -110,5 +115,5 @@ class LlamaDecodeLoop:
                         v_cache,
                     )
                 )
-            self._layers = (key, self.loop.layers(tensors))
+            self._layers = (key, self.loop.layers(tensors, self.dtype))
         return self._layers[1]

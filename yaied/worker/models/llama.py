@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
     def use_decode_loop(self, loop: CpuDecodeLoop | None) -> bool:
         """Run decode steps of a few rows through ``loop`` where every layer fits it (after
         use_fused_ops and the linears' packing); returns whether it is used."""
-        fits = loop is not None and self.fused_ops is not None and LlamaDecodeLoop.fits(self)
+        fits = loop is not None and self.fused_ops is not None and LlamaDecodeLoop.fits(self, loop)
         self.decode_loop = LlamaDecodeLoop(self, loop) if fits else None
         return fits
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yaied.kernels.cpu_isa import selected_level
 from yaied.worker.cpu_linear import PackedLinear, can_pack, pack_linears
 from yaied.worker.models import NATIVE_ARCHITECTURES, architecture_of, rope_frequencies
 from yaied.worker.parallel.group import LOGITS, RankGroup
@@ -117,7 +118,7 @@ def pack_shard(model: nn.Module, batch_hint: int) -> None:
     ones, whose matmul runs before their all-reduce."""
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    if not can_pack(dtype, device) or pack_linears(model, batch_hint) == 0:
+    if not can_pack(dtype, device, selected_level()) or pack_linears(model, batch_hint) == 0:
         return
     for module in model.modules():
         if isinstance(module, RowParallelLinear):
