@@ -368,6 +368,19 @@ def _silence_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _apply_cpu_cap() -> None:
+    """Checks YAIED_CPU_ISA before anything loads: a bad cap stops the start with one line (an
+    IsaError is a ValueError). A cap below this CPU's level also holds torch's own kernels
+    (oneDNN, ATen) to it, unless their variables are set, so that a capped run is what a CPU of
+    that level does; torch reads them when it loads, which is later than this."""
+    from yaied.kernels.cpu_isa import detected_level, selected_level, torch_caps
+
+    level = selected_level()
+    if level != detected_level():
+        for name, value in torch_caps(level).items():
+            os.environ.setdefault(name, value)
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -381,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             level=level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        if args.command == "serve" or getattr(args, "url", None) is None:
+            _apply_cpu_cap()
         return args.run(args)
     except KeyboardInterrupt:
         if sys.stderr.isatty():

@@ -113,12 +113,14 @@ def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch)
     assert one_at_a_time() == with_kernels
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_decode_loop_gives_the_kernels_bits(kind, tiny_model_dirs, monkeypatch):
+def test_decode_loop_gives_the_kernels_bits(kind, dtype, isa_level, tiny_model_dirs, monkeypatch):
     """A decode step of a few rows runs every layer in one C call (worker/models/decode_loop.py).
     The same layers run from Python over the same two kernels (the few-row linear, norm and SiLU
     included, and the decode step) give the same tokens and logprobs to the last bit, for one
-    stream and for a batch of two; prompts (more rows) take oneDNN either way."""
+    stream and for a batch of two; prompts (more rows) take the matmul path either way. At every
+    ISA level, in bf16 and in dtype auto (fp32 math over bf16 weights below AVX512-BF16)."""
     from yaied.worker.attention import decode_step_attention
     from yaied.worker.models.llama import DecoderLayer
 
@@ -134,20 +136,60 @@ def test_decode_loop_gives_the_kernels_bits(kind, tiny_model_dirs, monkeypatch):
         act = mlp.gate_up_proj.few_rows.normed(out, x, norm.weight, norm.eps, silu=True)
         return x, mlp.down_proj.few_rows(act)
 
+    monkeypatch.setenv("YAIED_CPU_ISA", isa_level)
     layer_path = DecoderLayer.forward_fused
     folder = tiny_model_dirs[kind]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = random_prompts(3, 5, 60, 256, seed=11)
     runs = {}
     for name in ("loop", "python"):  # a fresh engine each: no prefix cache shared between them
-        with LLM(str(folder), dtype="bfloat16", kv_cache_gib=0.02, show_progress=False) as llm:
-            model = llm.engine.worker.runner.model
+        with LLM(str(folder), dtype=dtype, kv_cache_gib=0.02, show_progress=False) as llm:
+            worker = llm.engine.worker
+            assert worker.info.cpu_isa == isa_level
+            model = worker.runner.model
             if model.decode_loop is None:
-                pytest.skip("no few-row kernel here (it needs AVX512-BF16)")
+                pytest.skip("no C compiler for the CPU kernels")
             if name == "python":
                 model.decode_loop = None
                 monkeypatch.setattr(DecoderLayer, "forward_fused", few_row_layer)
             outs = [llm.generate(prompts[:1], params)[0]]
             outs += llm.generate(prompts[1:], params)
             runs[name] = [(o.token_ids, o.logprobs) for o in outs]
+        monkeypatch.setattr(DecoderLayer, "forward_fused", layer_path)
     assert runs["loop"] == runs["python"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-scaled", "qwen2"])
+def test_fp32_math_over_bf16_weights_matches_transformers(kind, isa_level, tiny_model_dirs):
+    """dtype auto below AVX512-BF16 is fp32 math over bf16-stored linear weights: greedy output,
+    alone and batched (the decode loop's few rows and the matmul path's many), equals
+    transformers fp32 over the same weights rounded to bf16, at every ISA level."""
+    from yaied.kernels.cpu_isa import has_bf16_math
+
+    if has_bf16_math(isa_level):
+        pytest.skip("at this level dtype auto is bf16 math")
+    folder = tiny_model_dirs[kind]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):  # a tied embedding is rounded with its head
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(6, 3, 80, 256, seed=5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("YAIED_CPU_ISA", isa_level)
+        with LLM(
+            str(folder), kv_cache_gib=0.02, max_num_batched_tokens=48, show_progress=False
+        ) as llm:
+            info = llm.engine.worker.info
+            assert (info.dtype, info.weight_dtype, info.cpu_isa) == (
+                "float32",
+                "bfloat16",
+                isa_level,
+            )
+            alone = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
+            batched = [out.token_ids for out in llm.generate(prompts, params)]
+    for prompt, ours in zip(prompts, batched, strict=True):
+        assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, NEW_TOKENS))
+    for prompt, ours in zip(prompts[:2], alone, strict=True):
+        assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, NEW_TOKENS))

@@ -51,6 +51,18 @@ class ManagerStatus:
         live = [self.get_engine_status(i).as_json() for i in self.handles]
         return live + list(self.removed.values())
 
+    def hardware(self) -> dict[str, Any]:
+        """What the engines run on, for /health: their devices and the ISA level of their CPU
+        kernels (one value where all agree, else every engine's)."""
+        infos = {i: h.info for i, h in self.handles.items() if h.info is not None}
+        report: dict[str, Any] = {}
+        for field in ("device", "dtype", "weight_dtype", "cpu_isa"):
+            values = {i: getattr(info, field) for i, info in infos.items() if getattr(info, field)}
+            if values:
+                distinct = set(values.values())
+                report[field] = distinct.pop() if len(distinct) == 1 else values
+        return report
+
     def autoscale_events(self) -> dict[str, int]:
         """Scaling events so far by direction (``yaied:autoscale_events_total``)."""
         scaler = getattr(self, "autoscaler", None)

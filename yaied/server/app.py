@@ -40,7 +40,8 @@ VERSION = "0.1.0"
 async def health(request: Request) -> Response:
     server: ServerState = request.state.server
     if server.ready:
-        return Response(status_code=200)
+        # Probes read the status code; people read which CPU code runs (yaied/kernels/cpu_isa.py).
+        return json_response({"status": "ok", **server.manager.hardware()})
     try:
         server.ready_engine()
     except APIError as exc:
