@@ -14,7 +14,7 @@ from yaied.kernels.cpu_build import KernelBuildError, find_compiler, load_librar
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on this machine")
 
-GOOD = "#include \"cpu_common.h\"\nint answer(void) { return 42; }\n"
+GOOD = '#include "cpu_common.h"\nint answer(void) { return 42; }\n'
 # Compiles only where the level's macros say AVX2 is off: a kernel that builds at generic only.
 GENERIC_ONLY = GOOD + "#ifdef __AVX2__\n#error this body does not build with AVX2\n#endif\n"
 

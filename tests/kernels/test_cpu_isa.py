@@ -8,7 +8,7 @@ import pytest
 from yaied.kernels import cpu_isa
 from yaied.kernels.cpu_isa import IsaError, detected_level, selected_level
 
-ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi1 bmi2 movbe".split())
+ZEN3 = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"])
 ICELAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 SAPPHIRE_RAPIDS = ICELAKE | {"avx512_bf16", "amx_bf16", "amx_tile"}
 
