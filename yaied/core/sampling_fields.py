@@ -24,8 +24,12 @@ from yaied.core.request import (
     SamplingParams,
 )
 
-Endpoint = Literal["completion", "chat"]
+Endpoint = Literal["completion", "chat", "responses", "messages"]
+# The OpenAI endpoints every sampling field appears on (each row names itself there unless it says
+# otherwise). The agents' APIs (OpenAI Responses, Anthropic Messages) take only the few fields
+# their own specs define: a row lists its name there explicitly, else the field is unknown (400).
 ENDPOINTS: tuple[Endpoint, ...] = ("completion", "chat")
+AGENT_ENDPOINTS: tuple[Endpoint, ...] = ("responses", "messages")
 
 # The OpenAPI type of a value -> the Python types json.loads gives for it (an integer is a number).
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -48,12 +52,20 @@ class SamplingField:
     # its older max_tokens); None: the attribute's own name; (): not a request field there.
     completion: tuple[str, ...] | None = None
     chat: tuple[str, ...] | None = None
-    # Merged over ``schema`` on chat, where the endpoints differ; a None value removes the key.
+    # Merged over ``schema`` on chat (and the agents' APIs, which are chat underneath), where the
+    # endpoints differ; a None value removes the key.
     chat_schema: Mapping[str, Any] | None = None
+    # The agents' APIs: () (the default) means the field is not part of that API.
+    responses: tuple[str, ...] = ()
+    messages: tuple[str, ...] = ()
     remote: bool = True  # sent in a remote engine's body (RemoteHandle.supports refuses the rest)
     model_default: bool = False  # the model's generation_config.json may set the default
 
     def names(self, endpoint: Endpoint) -> tuple[str, ...]:
+        if endpoint == "responses":
+            return self.responses
+        if endpoint == "messages":
+            return self.messages
         names = self.completion if endpoint == "completion" else self.chat
         return (self.name,) if names is None else names
 
@@ -88,7 +100,7 @@ class SamplingField:
             )
         elif default is not None:
             schema["default"] = self.to_json(default)
-        if endpoint == "chat" and self.chat_schema:
+        if endpoint != "completion" and self.chat_schema:  # the agents' APIs are chat-shaped
             schema.update(self.chat_schema)
         return {key: value for key, value in schema.items() if value is not None}
 
@@ -113,21 +125,31 @@ FIELDS: tuple[SamplingField, ...] = (
         "the prompt). Chat: by default what the context has left, under the server's cap.",
         chat=("max_completion_tokens", "max_tokens"),
         chat_schema={"minimum": 1, "default": None},
+        responses=("max_output_tokens",),
+        messages=("max_tokens",),
     ),
     SamplingField(
-        "temperature", _number(minimum=0), "Sampling temperature; 0: greedy.", model_default=True
+        "temperature",
+        _number(minimum=0),
+        "Sampling temperature; 0: greedy.",
+        model_default=True,
+        responses=("temperature",),
+        messages=("temperature",),
     ),
     SamplingField(
         "top_p",
         _number(minimum=0, exclusiveMinimum=True, maximum=1),
         "Sample from the most likely tokens whose probabilities add up to top_p.",
         model_default=True,
+        responses=("top_p",),
+        messages=("top_p",),
     ),
     SamplingField(
         "top_k",
         _integer(minimum=-1),
         "Sample from the k most likely tokens; 0 or -1: all of them.",
         model_default=True,
+        messages=("top_k",),
     ),
     SamplingField(
         "min_p",
@@ -149,6 +171,7 @@ FIELDS: tuple[SamplingField, ...] = (
             ]
         },
         "Strings that end the generation when it produces one.",
+        messages=("stop_sequences",),
     ),
     SamplingField(
         "stop_token_ids",

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server import engines_routes, generate, router_routes
+from yaied.server import engines_routes, generate, responses_api, router_routes
 from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
@@ -185,6 +185,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *responses_api.routes(),
         *router_routes.routes(),
         *engines_routes.routes(),
     ]

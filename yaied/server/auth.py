@@ -21,7 +21,13 @@ from yaied.server.keys import ApiKey, KeyTable
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 # What max_in_flight counts: work on the engines (cancel and the rest stay free, so a key at its
 # bound can still cancel its own requests).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+)
 _STATE_KEY = "api_key"
 
 

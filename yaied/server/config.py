@@ -52,6 +52,10 @@ class ServerConfig:
     tool_call_parser: str = ""
     # <think> blocks to reasoning_content (deepseek_r1, qwen3); "" = none, all is content.
     reasoning_parser: str = ""
+    # /v1/responses with store: responses kept for previous_response_id and GET, least recently
+    # used dropped first, per server (each API key sees only its own).
+    responses_store_max: int = 10_000  # stored responses at most
+    responses_store_max_bytes: int = 256 * 1024 * 1024  # their conversations' bytes at most
 
     def __post_init__(self) -> None:
         # Both files are read once, here; a replace() rereads them and changes nothing.
@@ -67,7 +71,8 @@ class ServerConfig:
         for name in (*names, "limit_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_len", "max_prompt_tokens", "max_tokens_limit"):
+        limits = ("max_queue_len", "max_prompt_tokens", "max_tokens_limit")
+        for name in (*limits, "responses_store_max", "responses_store_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
         if not all(isinstance(o, str) and o for o in self.cors_allow_origins):

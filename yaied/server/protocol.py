@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from yaied.core import sampling_fields
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, parse_structured_output
-from yaied.core.sampling_fields import request_names
+from yaied.core.sampling_fields import Endpoint, request_names
 from yaied.server.errors import APIError
 from yaied.server.tool_request import ToolRequest, parse_tool_calls_field, parse_tool_request
 
@@ -199,24 +199,28 @@ def _common(body: dict[str, Any], parsed: ParsedRequest) -> None:
     parsed.structured = _structured_output(body)
     parsed.user = _get(body, "user", (str,))
     parsed.priority = _get(body, "priority", (int,), 0)
-    _sampling(body, parsed)
+    parse_sampling(body, parsed)
 
 
-def _sampling(body: dict[str, Any], parsed: ParsedRequest) -> None:
+def parse_sampling(
+    body: dict[str, Any], parsed: ParsedRequest, endpoint: Endpoint | None = None
+) -> None:
     """Every sampling field the endpoint names, type-checked by its schema's JSON type. A field
     ParsedRequest declares (max_tokens, logprobs) goes there, its endpoint default when absent:
     the server finishes it (chat's max_tokens, echo's prompt_logprobs). The rest go to
-    ``parsed.sampling``, absent ones left to SamplingParams and the model's defaults."""
+    ``parsed.sampling``, absent ones left to SamplingParams and the model's defaults.
+    ``endpoint``: the API whose names the body uses (the agents' APIs run as chat)."""
+    endpoint = endpoint or parsed.kind
     for spec in sampling_fields.FIELDS:
         value = None
-        for name in spec.names(parsed.kind):
+        for name in spec.names(endpoint):
             value = _get(body, name, spec.json_types)
             if value is not None:
                 if spec.name in _NORMALIZE:
                     value = _NORMALIZE[spec.name](value, name)
                 break
         if spec.name in _PARSED_FIELDS:
-            setattr(parsed, spec.name, spec.default(parsed.kind) if value is None else value)
+            setattr(parsed, spec.name, spec.default(endpoint) if value is None else value)
         elif value is not None:
             parsed.sampling[spec.name] = value
 

@@ -17,6 +17,7 @@ from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
 from yaied.server.keys import KeyTable
 from yaied.server.metrics import ServerMetrics
+from yaied.server.response_store import ResponseStore
 from yaied.server.shutdown import StopClock
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class ServerState:
     starting: EngineManager | None = None  # the manager while its engines start
     keys: KeyTable = field(default_factory=KeyTable)  # the auth middleware's; a reload swaps them
     metrics: ServerMetrics = field(init=False)
+    response_store: ResponseStore = field(init=False)  # /v1/responses with store (LRU, bounded)
     _chat: ChatSettings | None = None
     # Tokenizing and echo offsets of large requests (off_loop); shut down with the app.
     cpu_pool: ThreadPoolExecutor = field(
@@ -49,6 +51,10 @@ class ServerState:
     )
 
     def __post_init__(self) -> None:
+        config = self.config
+        self.response_store = ResponseStore(
+            config.responses_store_max, config.responses_store_max_bytes
+        )
         self.metrics = ServerMetrics(
             self.model_name, self._stats, self._grammar_stats, self._pool_stats
         )

@@ -1,0 +1,125 @@
+"""/v1/responses with the official openai client on the default model: whole and streamed
+responses, a function-tool loop over two turns through previous_response_id, responses.parse
+into a pydantic model, GET and DELETE, and the 4xx of bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import MODEL
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": WEATHER,
+    }
+]
+ASK = "What is the weather in Paris tomorrow?"
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live.v1, api_key="none", max_retries=0)
+
+
+def _calls(response) -> list:
+    return [item for item in response.output if item.type == "function_call"]
+
+
+def test_a_text_response(client):
+    response = client.responses.create(
+        model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=16
+    )
+    assert response.id.startswith("resp_") and response.status in ("completed", "incomplete")
+    assert response.output_text and response.output[0].type == "message"
+    assert response.usage.input_tokens > 0 and 0 < response.usage.output_tokens <= 16
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_a_tool_loop_over_two_turns_streamed_and_whole(client):
+    first = client.responses.create(
+        model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+    )  # fmt: skip
+    calls = _calls(first)
+    assert calls and first.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    results = [
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}
+        for call in calls
+    ]
+    with client.responses.stream(
+        model=MODEL, input=results, previous_response_id=first.id, tools=TOOLS,
+        tool_choice="none", max_output_tokens=40, temperature=0,
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        second = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",)
+    assert "response.output_text.delta" in kinds and "response.output_item.added" in kinds
+    assert second.output_text and second.previous_response_id == first.id
+    # the second turn's prompt starts with the first's: most of it came from the cache
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2
+
+
+def test_a_streamed_call_carries_argument_deltas(client):
+    with client.responses.stream(
+        model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events)))
+    assert any(e.type == "response.function_call_arguments.delta" for e in events)
+    jsonschema.validate(json.loads(_calls(final)[0].arguments), WEATHER)
+
+
+def test_parse_into_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=30)
+        population: int = Field(ge=0)
+
+    response = client.responses.parse(
+        model=MODEL, input="Describe Paris as JSON.", text_format=City, max_output_tokens=80
+    )
+    assert isinstance(response.output_parsed, City)
+
+
+def test_bad_requests_get_4xx(live):
+    url = live.v1 + "/responses"
+    for body, status, param in [
+        ({"model": MODEL, "input": "x", "nope": 1}, 400, "nope"),
+        ({"model": MODEL}, 400, "input"),
+        ({"model": MODEL, "input": "x", "background": True}, 400, "background"),
+        ({"model": MODEL, "input": "x", "max_output_tokens": "9"}, 400, "max_output_tokens"),
+        ({"model": MODEL, "input": "x", "previous_response_id": "resp_x"}, 404,
+         "previous_response_id"),
+        ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400,
+         "text.format"),
+    ]:  # fmt: skip
+        response = httpx.post(url, json=body)
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["param"] == param

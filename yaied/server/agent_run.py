@@ -1,0 +1,128 @@
+"""Running an agent API's request (Responses, Messages) as the one chat choice it is underneath.
+
+Each agent API parses its body into a chat `ParsedRequest` (messages, tools, constraint and
+sampling fields from the one table), then comes here: the same limits, jobs, grammar compile,
+queue check and submission as /v1/chat/completions (server/generate.py), so every refusal is
+an HTTP status decided before the response starts and nothing reaches the engine unchecked.
+`AgentRun.deltas` yields the chat deltas of the choice's parsers (reasoning, content, tool
+calls), which agent_output.Blocks turns into each API's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from yaied.core.request import FinishReason
+from yaied.router.manager import EngineManager
+from yaied.server.admission import prepare_jobs, request_size
+from yaied.server.auth import api_key_of, may_set_priority
+from yaied.server.errors import APIError, public_error
+from yaied.server.generate import _compile_grammar, _wait_for_disconnect
+from yaied.server.keys import scoped_id
+from yaied.server.limits import RequestLimits
+from yaied.server.protocol import ParsedRequest
+from yaied.server.serving import ChoiceState, Submitted, new_choices, request_key, submit_jobs
+from yaied.server.state import ServerState
+from yaied.server.token_text import TokenText
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client left while its request was prepared or collected: answer nobody (499)."""
+
+
+@dataclass(slots=True)
+class AgentRun:
+    choice: ChoiceState
+    started: Submitted
+    request_id: str
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, output, cached) tokens."""
+        c = self.choice
+        return len(c.job.prompt_ids), c.num_output_tokens, c.num_cached_tokens
+
+    async def deltas(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The choice's chat deltas as the engine's events arrive (the last batch after its
+        final event); an engine failure is a 500 APIError."""
+        choice, message = self.choice, self.choice.message
+        assert message is not None
+        events = self.started.events.events()
+        async with contextlib.aclosing(events):
+            async for _, event in events:
+                if event.finish_reason is FinishReason.ERROR:
+                    text = public_error("generation failed", event.error, self.request_id)
+                    raise APIError(500, text, code="engine_error")
+                text, _ = choice.update(event)
+                out = message.feed(text) if text else []
+                if event.finished:
+                    out += message.finish()
+                yield out
+
+
+async def start_chat(
+    request: Request,
+    server: ServerState,
+    engine: EngineManager,
+    parsed: ParsedRequest,
+    request_id: str,
+    *,
+    session_id: str | None,
+    max_tokens_name: str,
+) -> AgentRun:
+    """Check, tokenize, compile and submit one chat choice; ``session_id`` is the client's (it is
+    put in the caller's key's namespace here). ``max_tokens_name``: the API's name for it."""
+    limits = RequestLimits.from_config(server.config)
+    asked = {"max_tokens": parsed.max_tokens} if parsed.max_tokens is not None else {}
+    try:
+        limits.check_parsed(parsed, {"user": parsed.user, **asked})
+    except APIError as exc:
+        if exc.param == "max_tokens":
+            exc.param = max_tokens_name
+            exc.message = exc.message.replace("max_tokens", max_tokens_name, 1)
+        raise
+    chat = server.chat_settings(engine)
+    size = request_size(parsed)
+    key, template = request_key(request_id), server.config.chat_template
+    jobs = await server.off_loop(size, prepare_jobs, engine, parsed, key, template, limits, chat)
+    if not await _compile_grammar(engine, parsed, request):
+        raise ClientGone
+    server.check_queue(engine, len(jobs))
+    api_key = api_key_of(request)
+    started = submit_jobs(
+        engine,
+        jobs,
+        server.metrics,
+        client_id=scoped_id(api_key, request_id),
+        session_id=None if session_id is None else scoped_id(api_key, session_id),
+        priority=parsed.priority if may_set_priority(request) else 0,
+    )
+    choice = new_choices(jobs, parsed, TokenText.of(engine.tokenizer), chat)[0]
+    return AgentRun(choice, started, request_id)
+
+
+async def collect(request: Request, run: AgentRun, work: Callable[[], Awaitable[T]]) -> T:
+    """``work()`` (which reads the run's deltas) unless the client leaves first: then its call
+    is cancelled within one engine step and ClientGone raised."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await run.started.cancel_unfinished()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()

@@ -1,0 +1,78 @@
+"""Stored Responses (``/v1/responses`` with ``store``): what ``previous_response_id`` continues
+and ``GET /v1/responses/{id}`` returns.
+
+A bounded LRU map, in the server's memory only (a restart forgets every response, as a
+``previous_response_id`` that is not found says). Both bounds hold after every ``put``: the
+number of responses and the bytes of their conversations and bodies, so a client that chains
+turns forever, or stores huge ones, pushes out the least recently used, never the daemon's
+memory. Keys are ``(namespace, id)``, the namespace being the caller's API key name (keys.py),
+so one key never reads, continues or deletes another's responses: to it they do not exist.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    id: str
+    # The whole conversation up to and including this response's output, as chat messages:
+    # what the next turn's prompt is rendered from (so its prefix is the cached one).
+    messages: tuple[dict[str, Any], ...]
+    body: dict[str, Any]  # the response object as GET returns it
+    chain_id: str  # the first response of the chain: the session the router pins it under
+    instructions: str | None = None  # not carried over (OpenAI's rule), kept for GET only
+    size: int = 0  # bytes counted against the store's bound
+
+    @staticmethod
+    def make(
+        id: str, messages: list[dict[str, Any]], body: dict[str, Any], chain_id: str
+    ) -> StoredResponse:
+        size = len(orjson.dumps(messages)) + len(orjson.dumps(body))
+        return StoredResponse(id, tuple(messages), body, chain_id, size=size)
+
+
+class ResponseStore:
+    """LRU over (namespace, id), bounded by ``max_count`` and ``max_bytes``. Event-loop only."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_evicted = 0
+        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, namespace: str, response_id: str) -> StoredResponse | None:
+        key = (namespace, response_id)
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)  # read or continued: recently used
+        return item
+
+    def put(self, namespace: str, item: StoredResponse) -> bool:
+        """Keep ``item``; False when it alone is over the byte bound (then nothing is kept)."""
+        if item.size > self.max_bytes or self.max_count == 0:
+            return False
+        self.delete(namespace, item.id)
+        self._items[(namespace, item.id)] = item
+        self.num_bytes += item.size
+        while len(self._items) > self.max_count or self.num_bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.num_bytes -= old.size
+            self.num_evicted += 1
+        return True
+
+    def delete(self, namespace: str, response_id: str) -> bool:
+        item = self._items.pop((namespace, response_id), None)
+        if item is None:
+            return False
+        self.num_bytes -= item.size
+        return True

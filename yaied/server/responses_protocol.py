@@ -1,0 +1,228 @@
+"""OpenAI Responses API request parsing: a ``POST /v1/responses`` body to a chat ParsedRequest.
+
+Pure functions, as protocol.py: shapes and JSON types checked, every fault a 400 naming the field
+as the client spelled it, unknown fields refused. The input items become chat messages:
+
+    {"role": ..., "content": str | [input_text | output_text parts]}  -> that message
+    {"type": "function_call", call_id, name, arguments}               -> assistant tool_calls
+    {"type": "function_call_output", call_id, output}                 -> a "tool" message
+    {"type": "reasoning", ...}                                        -> dropped (as templates
+                                                                          drop earlier thinking)
+
+``instructions`` is a system message in front of this turn only (OpenAI does not carry it over
+a ``previous_response_id``); the stored conversation never holds it. Sampling fields come from
+the one table (core/sampling_fields.py, endpoint "responses").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
+from yaied.core.sampling_fields import request_names
+from yaied.server.errors import APIError
+from yaied.server.protocol import (
+    ParsedRequest,
+    _get,
+    _refuse_unknown_fields,
+    parse_messages,
+    parse_sampling,
+)
+from yaied.server.tool_request import parse_tool_request
+
+RESPONSES_FIELDS = frozenset(
+    {
+        *request_names("responses"),
+        *("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls"),
+        *("text", "reasoning", "metadata", "store", "previous_response_id", "stream", "user"),
+        *("include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier"),
+        *("background", "conversation", "max_tool_calls", "stream_options", "top_logprobs"),
+    }
+)
+_UNSUPPORTED = {
+    "background": "background responses",
+    "conversation": "conversations (send previous_response_id)",
+    "max_tool_calls": "max_tool_calls",
+    "top_logprobs": "top_logprobs on /v1/responses",
+}
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    """What the response object echoes back, beside the chat request it runs as."""
+
+    parsed: ParsedRequest
+    new_messages: list[dict[str, Any]]  # this turn's input, as chat messages
+    instructions: str | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
+    tool_choice: Any = "auto"
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    effort: str | None = None
+
+
+def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
+    _refuse_unknown_fields(body, RESPONSES_FIELDS)
+    for name, what in _UNSUPPORTED.items():
+        if body.get(name) not in (None, False):
+            raise APIError(400, f"{what} is not supported", param=name)
+    if _get(body, "truncation", (str,), "disabled") != "disabled":
+        raise APIError(400, 'truncation must be "disabled"', param="truncation")
+    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
+        _get(body, name, (str,))
+    _get(body, "include", (list,))  # nothing extra to include: reasoning text is always sent
+    parsed = ParsedRequest("chat", _get(body, "model", (str,)))
+    parsed.stream = _get(body, "stream", (bool,), False)
+    _get(body, "stream_options", (dict,))
+    parsed.user = _get(body, "user", (str,))
+    parse_sampling(body, parsed, "responses")
+    out = ResponsesRequest(parsed, _input_messages(body.get("input")))
+    out.instructions = _get(body, "instructions", (str,))
+    out.store = _get(body, "store", (bool,), True)
+    out.previous_response_id = _get(body, "previous_response_id", (str,))
+    out.metadata = _metadata(body)
+    out.tools, out.tool_choice = _tools(body, parsed)
+    parsed.structured, out.text_format = _text_format(body)
+    out.effort = _effort(body)
+    if out.effort is not None:  # templates that know it (gpt-oss) read it; others ignore it
+        parsed.chat_template_kwargs = {"reasoning_effort": out.effort}
+    return out
+
+
+def _input_messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "input must be a string or a non-empty list of items", "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            _function_call(item, where, messages)
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                text = f"{where} needs call_id and output (strings)"
+                raise APIError(400, text, param=where)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind != "reasoning":
+            raise APIError(400, f"{where}: input items of type {kind!r} are not supported", where)
+    if not messages:
+        raise APIError(400, "input holds no message", param="input")
+    return parse_messages(messages)
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role, content = item.get("role"), item.get("content")
+    if role not in _ROLES:
+        raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(
+                part.get("text"), str
+            ):
+                text = f"{where}.content[{j}]: only text parts are supported, got {kind!r}"
+                raise APIError(400, text, param=f"{where}.content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string or a list of parts", where)
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _function_call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
+    """An earlier call joins the assistant message before it (calls of one turn are one
+    message, as chat writes them)."""
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+        raise APIError(400, f"{where} needs call_id, name and arguments (strings)", where)
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
+    metadata = _get(body, "metadata", (dict,), {})
+    if len(metadata) > 16 or not all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+        for k, v in metadata.items()
+    ):
+        text = "metadata is at most 16 string pairs (keys 64, values 512 characters)"
+        raise APIError(400, text, param="metadata")
+    return dict(metadata)
+
+
+def _tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list[dict[str, Any]], Any]:
+    """Responses' flat function tools (``{"type": "function", "name", "parameters"}``) in chat's
+    shape, through chat's parser (the same names, schemas and bounds)."""
+    tools = _get(body, "tools", (list,), [])
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            text = f"tools[{i}]: only function tools are supported, got {kind!r}"
+            raise APIError(400, text, param=f"tools[{i}]")
+        function = {k: v for k, v in tool.items() if k != "type"}
+        chat_tools.append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    chat_choice = choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            text = 'a named tool_choice is {"type": "function", "name": ...}'
+            raise APIError(400, text, param="tool_choice")
+        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+    chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
+    chat_body["parallel_tool_calls"] = body.get("parallel_tool_calls")
+    parsed.tools = parse_tool_request(chat_body)
+    default_choice = "auto" if tools else "none"
+    return tools, choice if choice is not None else default_choice
+
+
+def _text_format(body: dict[str, Any]) -> tuple[GrammarSpec | None, dict[str, Any]]:
+    text = _get(body, "text", (dict,), {})
+    extra = sorted(set(text) - {"format", "verbosity"})
+    if extra:
+        raise APIError(400, f"text.{extra[0]} is not supported", param=f"text.{extra[0]}")
+    fmt = _get(text, "format", (dict,), {"type": "text"})
+    kind = fmt.get("type")
+    try:
+        if kind == "text":
+            return None, {"type": "text"}
+        if kind == "json_object":
+            return make_spec("json_object", None, "text.format"), {"type": "json_object"}
+        if kind == "json_schema":
+            if not isinstance(fmt.get("name"), str) or "schema" not in fmt:
+                text_ = "text.format json_schema needs name and schema"
+                raise APIError(400, text_, param="text.format")
+            return make_spec("json_schema", fmt["schema"], "text.format.schema"), dict(fmt)
+    except StructuredOutputError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
+    text_ = "text.format.type must be text, json_object or json_schema"
+    raise APIError(400, text_, param="text.format.type")
+
+
+def _effort(body: dict[str, Any]) -> str | None:
+    reasoning = _get(body, "reasoning", (dict,), {})
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        text = f"reasoning.effort must be one of {', '.join(_EFFORTS)}"
+        raise APIError(400, text, param="reasoning.effort")
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in ("auto", "concise", "detailed"):
+        raise APIError(400, "reasoning.summary must be auto, concise or detailed", "reasoning")
+    return effort
