@@ -117,3 +117,21 @@ def live() -> Iterator[LiveServer]:
     server = start_server(ServerConfig(port=0), engine_loader(), MODEL)
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_folder):
+    """A random-weight two-layer llama that speaks the default model's tokenizer and chat
+    template: the whole chat path (templates, tools, stores) at a fraction of a millisecond a
+    token, for soaks and throughput tests whose answers need not make sense."""
+    import shutil
+
+    from tests.conftest import TINY_CONFIGS, make_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    config = dict(TINY_CONFIGS["llama"], vocab_size=49152, max_position_embeddings=2048)
+    make_tiny_model("llama", folder, configs={"llama": config})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_folder / name).exists():
+            shutil.copy(default_model_folder / name, folder / name)
+    return folder

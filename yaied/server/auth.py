@@ -1,6 +1,7 @@
 """Who is calling: the API key check, and each key's bound on generation requests in flight.
 
-With keys set, a request must carry ``Authorization: Bearer <secret>`` of a key in the table
+With keys set, a request must carry ``Authorization: Bearer <secret>`` (or Anthropic's
+``x-api-key: <secret>``) of a key in the table
 (server/keys.py), else 401. The key found is put in the request's state (``api_key_of``), where
 the routes read it to namespace ids and decide whether ``priority`` counts. A key past its
 ``max_in_flight`` generation requests gets 429 with Retry-After; the count drops when a
@@ -52,8 +53,11 @@ class AuthMiddleware:
         if scope["type"] != "http" or not self.keys.enabled or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
         token = given[7:] if given[:7].lower() == b"bearer " else b""
+        # Anthropic's clients send x-api-key instead (the same keys: one table for every API).
+        token = token or headers.get(b"x-api-key", b"")
         key = self.keys.lookup(token)
         if key is None:
             error = APIError(401, "missing or invalid API key", code="invalid_api_key")

