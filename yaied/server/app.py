@@ -20,10 +20,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server import engines_routes, generate, responses_api, router_routes
+from yaied.server import engines_routes, generate, messages_api, responses_api, router_routes
 from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
+from yaied.server.error_shape import AnthropicErrors
 from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.guard import GuardMiddleware, is_loopback
 from yaied.server.keys import KeyTable
@@ -186,6 +187,7 @@ def build_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *responses_api.routes(),
+        *messages_api.routes(),
         *router_routes.routes(),
         *engines_routes.routes(),
     ]
@@ -206,6 +208,7 @@ def build_app(
         allowed_origins=config.cors_allow_origins,
         send_timeout=config.send_timeout_seconds,
     )
+    app.add_middleware(AnthropicErrors)  # outside the guard and auth: their refusals too
     if config.cors_allow_origins:  # off by default: browsers on other sites get no access
         # Outside auth and the guard, so preflights (which carry no key) are answered, and
         # 401s and 4xx refusals carry CORS.
@@ -213,7 +216,14 @@ def build_app(
             CORSMiddleware,
             allow_origins=list(config.cors_allow_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Session-Id"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "X-Request-Id",
+                "X-Session-Id",
+                "X-Api-Key",
+                "Anthropic-Version",
+            ],
             expose_headers=["X-Request-Id", "Retry-After"],
         )
     return app

@@ -1,0 +1,179 @@
+"""``/v1/messages``: Anthropic's Messages API over the chat path.
+
+    POST /v1/messages               parse (messages_protocol.py), run as one chat choice
+                                    (agent_run.py), answer one message or Anthropic's SSE events
+    POST /v1/messages/count_tokens  the rendered prompt's length, nothing run
+
+Content blocks come from agent_output.Blocks: thinking (with a reasoning parser), text and
+tool_use, in the order the model wrote them. Errors before the response are rewritten into
+Anthropic's shape by error_shape.py; after the first byte they travel as an ``error`` event.
+Anthropic's ``input_tokens`` excludes the prompt tokens read from the cache, which it reports as
+``cache_read_input_tokens``; the two add up to the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
+from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
+from yaied.server.body import read_json
+from yaied.server.error_shape import anthropic_error
+from yaied.server.errors import APIError, from_value_error, json_response
+from yaied.server.generate import _EventStream
+from yaied.server.messages_protocol import MessagesRequest, parse_anthropic
+from yaied.server.state import ServerState
+
+log = logging.getLogger(__name__)
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
+
+
+async def count_tokens(request: Request) -> Response:
+    server: ServerState = request.state.server
+    engine = server.ready_engine()
+    req = parse_anthropic(await read_json(request), count_only=True)
+    server.check_model(req.parsed.model)
+    parsed, chat = req.parsed, server.chat_settings(engine)
+    try:
+        ids, _ = engine.inputs.chat_prompt(
+            parsed.messages,
+            server.config.chat_template,
+            template_kwargs=parsed.chat_template_kwargs,
+            tools=parsed.tools.definitions() or None,
+            tool_format=chat.tool_format,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return json_response({"input_tokens": len(ids)})
+
+
+def _block_body(block: Block, done: bool = True) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text if done else ""}
+    arguments: Any = {}
+    if done:
+        try:
+            arguments = orjson.loads(block.text or "{}")
+        except orjson.JSONDecodeError:  # cut off by max_tokens: the JSON is unfinished
+            arguments = {}
+    return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": arguments}
+
+
+def _stop(req: MessagesRequest, run: AgentRun, blocks: list[Block]) -> tuple[str, str | None]:
+    stop_reason = run.choice.stop_reason
+    if isinstance(stop_reason, str) and stop_reason in req.stop_sequences:
+        return "stop_sequence", stop_reason
+    kind = finish_kind(run.choice.finish_reason, blocks)
+    return _STOP_REASONS.get(kind, "end_turn"), None
+
+
+def _usage(run: AgentRun) -> dict[str, int]:
+    prompt, output, cached = run.usage
+    return {"input_tokens": prompt - cached, "output_tokens": output,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+
+
+def _message(message_id: str, model: str) -> dict[str, Any]:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "stop_sequence": None}  # fmt: skip
+
+
+async def create_message(request: Request) -> Response:
+    server: ServerState = request.state.server
+    message_id = "msg_" + uuid.uuid4().hex
+    request_id = request.headers.get("x-request-id") or message_id
+    request.state.request_id = request_id
+    engine = server.ready_engine()
+    req = parse_anthropic(await read_json(request))
+    server.check_model(req.parsed.model)
+    session = request.headers.get("x-session-id") or req.parsed.user
+    try:
+        run = await start_chat(
+            request, server, engine, req.parsed, request_id,
+            session_id=session, max_tokens_name="max_tokens",
+        )  # fmt: skip
+    except ClientGone:
+        return Response(status_code=499)
+    headers = {"X-Request-Id": request_id, "request-id": request_id}
+    message = _message(message_id, server.model_name)
+    if req.parsed.stream:
+        stream = _events(req, run, message)
+        ping = server.config.sse_ping_seconds
+        return _EventStream(
+            stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
+        )
+    blocks = Blocks()
+
+    async def drain() -> None:
+        async for deltas in run.deltas():
+            blocks.feed(deltas)
+        blocks.close()
+
+    try:
+        await collect(request, run, drain)
+    except ClientGone:
+        return Response(status_code=499)
+    stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
+    message["content"] = [_block_body(block) for block in blocks.blocks]
+    message.update(stop_reason=stop_reason, stop_sequence=stop_sequence, usage=_usage(run))
+    return json_response(message, headers=headers)
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    payload = orjson.dumps({"type": kind, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+async def _events(
+    req: MessagesRequest, run: AgentRun, message: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    prompt_tokens = len(run.choice.job.prompt_ids)
+    usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    yield _event("message_start", message={**message, "usage": usage})
+    blocks = Blocks()
+    try:
+        async for deltas in run.deltas():
+            for event in blocks.feed(deltas):
+                yield _block_event(event)
+        for event in blocks.close():
+            yield _block_event(event)
+    except APIError as exc:
+        yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+        return
+    stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
+    delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+    yield _event("message_delta", delta=delta, usage=_usage(run))
+    yield _event("message_stop")
+
+
+def _block_event(event: BlockEvent) -> bytes:
+    block = event.block
+    if event.action == "start":
+        body = _block_body(block, done=False)
+        return _event("content_block_start", index=block.index, content_block=body)
+    if event.action == "stop":
+        return _event("content_block_stop", index=block.index)
+    if block.kind == "tool_call":
+        delta = {"type": "input_json_delta", "partial_json": event.delta}
+    elif block.kind == "text":
+        delta = {"type": "text_delta", "text": event.delta}
+    else:
+        delta = {"type": "thinking_delta", "thinking": event.delta}
+    return _event("content_block_delta", index=block.index, delta=delta)

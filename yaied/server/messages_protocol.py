@@ -1,0 +1,241 @@
+"""Anthropic Messages API request parsing: a ``POST /v1/messages`` body to a chat ParsedRequest.
+
+Pure functions, as protocol.py (the 400s are rewritten into Anthropic's shape on the way out,
+server/error_shape.py). Content blocks become chat messages:
+
+    user:      text -> content; tool_result {tool_use_id, content} -> a "tool" message
+    assistant: text -> content; tool_use {id, name, input} -> tool_calls (input as JSON text);
+               thinking / redacted_thinking -> dropped (as templates drop earlier thinking)
+
+``system`` is the system message. ``max_tokens`` is required, as Anthropic requires it. Sampling
+fields come from the one table (core/sampling_fields.py, endpoint "messages"): max_tokens,
+temperature, top_p, top_k, stop_sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
+from yaied.core.sampling_fields import request_names
+from yaied.server.errors import APIError
+from yaied.server.protocol import (
+    ParsedRequest,
+    _get,
+    _refuse_unknown_fields,
+    parse_messages,
+    parse_sampling,
+)
+from yaied.server.tool_request import parse_tool_request
+
+# Fields that cannot change the output here: type-checked, then ignored. cache_control: the
+# prefix cache keeps every prompt's pages without being asked.
+_NO_OPS: dict[str, tuple[type, ...]] = {
+    "cache_control": (dict,),
+    "service_tier": (str,),
+    "inference_geo": (str,),
+    "speed": (str,),
+    "workspace_id": (str,),
+    "user_profile_id": (str,),
+}
+MESSAGES_FIELDS = frozenset(
+    {
+        *request_names("messages"),
+        *("model", "messages", "system", "tools", "tool_choice", "thinking", "stream"),
+        *("metadata", "output_config", "container", "mcp_servers", "diagnostics"),
+        *_NO_OPS,
+    }
+)
+COUNT_TOKENS_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+_UNSUPPORTED = {
+    "container": "containers",
+    "mcp_servers": "MCP servers",
+    "diagnostics": "diagnostics",
+}
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+@dataclass(slots=True)
+class MessagesRequest:
+    parsed: ParsedRequest
+    stop_sequences: tuple[str, ...] = ()
+
+
+def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
+    _refuse_unknown_fields(body, COUNT_TOKENS_FIELDS if count_only else MESSAGES_FIELDS)
+    for name, what in _UNSUPPORTED.items():
+        if body.get(name) is not None:
+            raise APIError(400, f"{what} are not supported", param=name)
+    parsed = ParsedRequest("chat", _get(body, "model", (str,)))
+    if not count_only:
+        if body.get("max_tokens") is None:
+            raise APIError(400, "max_tokens is required", param="max_tokens")
+        parsed.stream = _get(body, "stream", (bool,), False)
+        for name, kinds in _NO_OPS.items():
+            _get(body, name, kinds)
+        parsed.structured = _output_format(body)
+        metadata = _get(body, "metadata", (dict,), {})
+        parsed.user = _get(metadata, "user_id", (str,))
+        parse_sampling(body, parsed, "messages")
+        if isinstance(body.get("stop_sequences"), str):  # the table's stop takes one; Anthropic not
+            raise APIError(400, "stop_sequences must be a list of strings", "stop_sequences")
+    system = _system(body.get("system"))
+    parsed.messages = parse_messages(system + _messages(body.get("messages")))
+    parsed.tools = _tools(body)
+    thinking = _get(body, "thinking", (dict,))
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled"):
+            raise APIError(400, "thinking.type must be enabled or disabled", "thinking.type")
+        # Templates that switch thinking (Qwen3's) read enable_thinking; others ignore it.
+        parsed.chat_template_kwargs = {"enable_thinking": kind == "enabled"}
+    return MessagesRequest(parsed, tuple(parsed.sampling.get("stop") or ()))
+
+
+def _system(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "system", "content": value}]
+    if isinstance(value, list):
+        return [{"role": "system", "content": _texts(value, "system")}]
+    raise APIError(400, "system must be a string or a list of text blocks", param="system")
+
+
+def _texts(blocks: list[Any], where: str) -> str:
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise APIError(400, f"{where}[{j}] must be a text block", param=where)
+        if not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}[{j}].text must be a string", param=where)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise APIError(400, f"{where}.role must be user or assistant", param=where)
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+        elif isinstance(content, list):
+            out += _blocks(message["role"], content, where)
+        else:
+            raise APIError(400, f"{where}.content must be a string or a list of blocks", where)
+    return out
+
+
+def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    """One Anthropic message's blocks as chat messages: tool results first (each its own "tool"
+    message), then the text and calls as one message of the role."""
+    results: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, at))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        else:
+            raise APIError(400, f"{at}: a {role} message cannot hold a {kind!r} block", at)
+    out = list(results)
+    if texts or calls or not results:
+        item: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            item["tool_calls"] = calls
+        out.append(item)
+    return out
+
+
+def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, dict):
+        raise APIError(400, f"{at}: tool_use needs id, name (strings) and input (an object)", at)
+    text = orjson.dumps(arguments).decode()
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
+    call_id, content = block.get("tool_use_id"), block.get("content", "")
+    if not isinstance(call_id, str):
+        raise APIError(400, f"{at}.tool_use_id is required (a string)", param=at)
+    if isinstance(content, list):
+        content = _texts(content, f"{at}.content")
+    elif not isinstance(content, str):
+        raise APIError(400, f"{at}.content must be a string or text blocks", param=at)
+    if block.get("is_error") is True:
+        content = f"Error: {content}"
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _tools(body: dict[str, Any]) -> Any:
+    """Anthropic's tools (``{name, description, input_schema}``) and tool_choice in chat's shape,
+    through chat's parser (the same names, schemas and bounds)."""
+    tools = _get(body, "tools", (list,), [])
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            raise APIError(400, f"tools[{i}]: only custom (client) tools are supported", "tools")
+        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        if function["parameters"] is None:
+            raise APIError(400, f"tools[{i}].input_schema is required", f"tools[{i}]")
+        chat_tools.append({"type": "function", "function": function})
+    choice = _get(body, "tool_choice", (dict,))
+    chat_choice: Any = None
+    parallel = None
+    if choice is not None:
+        kind = choice.get("type")
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise APIError(400, "tool_choice of type tool needs a name", "tool_choice")
+            chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in _CHOICES:
+            chat_choice = _CHOICES[kind]
+        else:
+            raise APIError(400, "tool_choice.type must be auto, any, tool or none", "tool_choice")
+        if choice.get("disable_parallel_tool_use") is True:
+            parallel = False
+    chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
+    return parse_tool_request({**chat_body, "parallel_tool_calls": parallel})
+
+
+def _output_format(body: dict[str, Any]) -> GrammarSpec | None:
+    """``output_config``: ``format`` {"type": "json_schema", "schema"} constrains the output as
+    chat's response_format does; ``effort`` is accepted (a template may read it, none needs it)."""
+    config = _get(body, "output_config", (dict,), {})
+    extra = sorted(set(config) - {"format", "effort"})
+    if extra:
+        param = f"output_config.{extra[0]}"
+        raise APIError(400, f"{param} is not supported", param=param)
+    effort = config.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        param = "output_config.effort"
+        raise APIError(400, f"{param} must be one of {', '.join(_EFFORTS)}", param=param)
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+        text = 'output_config.format is {"type": "json_schema", "schema": {...}}'
+        raise APIError(400, text, param="output_config.format")
+    try:
+        return make_spec("json_schema", fmt["schema"], "output_config.format.schema")
+    except StructuredOutputError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
