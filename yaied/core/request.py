@@ -28,6 +28,8 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the worker failed while running this request
 
 
+POOLING_MODES = (None, "mean", "last")
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What a client may ask of one generation; validated at construction, never later."""
@@ -66,6 +68,10 @@ class SamplingParams:
     # None: free text. Parsed from the request by yaied/core/grammar_spec.py, compiled before
     # admission, enforced by a per-request matcher and a token mask on the logits.
     structured: GrammarSpec | None = None
+    # An embedding, not a generation: run the prompt, return its final hidden states pooled
+    # ("mean" over every prompt position, or the "last" position's) in the finishing event's
+    # `embedding`, and stop. max_tokens must be 1 (the one sampled token is dropped: no decode).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop); store tuples so params stay hashable.
@@ -125,6 +131,14 @@ class SamplingParams:
                 value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+        _check(
+            self.pooling in POOLING_MODES,
+            f"pooling must be None or one of mean, last, got {self.pooling!r}",
+        )
+        _check(
+            self.pooling is None or self.max_tokens == 1,
+            "max_tokens must be 1 with pooling (an embedding decodes nothing)",
+        )
         _check(
             self.structured is None or isinstance(self.structured, GrammarSpec),
             "structured must be a GrammarSpec (yaied.core.grammar_spec.make_spec) or None",
@@ -313,6 +327,8 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
     # On the first event, when asked for: one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's one (final) event: the pooled hidden state (SamplingParams.pooling).
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

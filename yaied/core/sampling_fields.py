@@ -238,6 +238,9 @@ NOT_IN_TABLE: dict[str, str] = {
     # Several request fields (response_format, structured_outputs, guided_*) make one value,
     # parsed by core/grammar_spec.py; a remote engine is sent it as structured_outputs.
     "structured": "the output constraint (core/grammar_spec.py)",
+    # Set by /v1/embeddings itself (server/embeddings.py), never by a generation request; a
+    # remote engine is not sent it (RemoteHandle.supports refuses pooling calls).
+    "pooling": "an embedding's pooling (server/embeddings.py)",
 }
 # generation_config.json keys that set a sampling default, and the Python type each is read as.
 GENERATION_CONFIG_KEYS: dict[str, type] = {

@@ -92,3 +92,7 @@ class StepOutput:
     num_accepted_drafts: list[int] | None = None
     # The accepted drafts' logprobs, by request id, for the sequences that asked for logprobs.
     draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Pooling sequences (params.pooling), by request id: "mean", the sum of this chunk's final
+    # hidden rows (the engine adds the chunks up and divides by the prompt's length); "last",
+    # the last prompt row's, from the chunk that samples. Float32 values.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -169,9 +169,9 @@ class InputProcessor:
     # -- output ----------------------------------------------------------------------------------
 
     def detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
         params = request.params
+        if self.tokenizer is None or params.pooling is not None:
+            return None  # an embedding has no text
         return IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,

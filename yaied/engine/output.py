@@ -33,6 +33,21 @@ class RequestStream:
     # Prompt logprobs gathered over the prompt's prefill chunks, sent with the first token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_emitted: int = 0  # output tokens sent so far (a speculative step may add several)
+    pooled: list[float] | None = None  # params.pooling: the sum so far ("mean") or last row
+
+    def add_pooled(self, vector: list[float], restart: bool) -> None:
+        # A chunk from position 0 starts the sum anew: after a preemption the prompt is run
+        # again from the start (pooling requests never match the prefix cache for "mean").
+        if restart or self.pooled is None or self.request.params.pooling == "last":
+            self.pooled = list(vector)
+        else:
+            self.pooled = [a + b for a, b in zip(self.pooled, vector, strict=True)]
+
+    def embedding(self) -> list[float] | None:
+        if self.pooled is None or self.request.params.pooling != "mean":
+            return self.pooled
+        n = self.request.num_prompt_tokens
+        return [value / n for value in self.pooled]
 
     def add_prompt_logprobs(self, scored: list[TokenLogprobs | None]) -> None:
         # A chunk from position 0 (it leads with None) starts the list anew: after a
@@ -139,6 +154,11 @@ class OutputPhase:
         logprobs = logprobs_by_request(batch, output)
         for request_id, scored in output.prompt_logprobs.items():
             self._for_request(request_id, self._gather_prompt_logprobs, request_id, scored)
+        if output.pooled:
+            starts = {seq.request_id: seq.start_pos for seq in batch.seqs}
+            for request_id, vector in output.pooled.items():
+                restart = starts[request_id] == 0
+                self._for_request(request_id, self._gather_pooled, request_id, vector, restart)
         for request in self.scheduler.update(batch, output):
             token_logprobs = logprobs.get(request.request_id)
             self._for_request(request.request_id, self._emit_token, request, token_logprobs)
@@ -157,6 +177,11 @@ class OutputPhase:
         if stream is not None:
             stream.add_prompt_logprobs(scored)
 
+    def _gather_pooled(self, request_id: str, vector: list[float], restart: bool) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.add_pooled(vector, restart)
+
     def _emit_token(self, request: Request, token_logprobs: list[TokenLogprobs] | None) -> None:
         stream = self._streams[request.request_id]
         if request.finish_reason is FinishReason.ERROR:  # its grammar refused the token
@@ -165,4 +190,7 @@ class OutputPhase:
             self._end_stream(stream, FinishReason.ERROR, error or "the output left its grammar")
             return
         finish = lambda drop: self.scheduler.finish(request, FinishReason.STOP, drop)  # noqa: E731
-        self._send(stream, stream.token_event(token_logprobs, finish))
+        event = stream.token_event(token_logprobs, finish)
+        if request.params.pooling is not None:  # an embedding: the vector, not the token
+            event.embedding, event.token_ids = stream.embedding(), []
+        self._send(stream, event)

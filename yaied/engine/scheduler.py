@@ -163,7 +163,10 @@ class Scheduler:
         # Prefill only what the prefix cache lacks. Prompt logprobs need every prompt position
         # computed, so those requests skip the lookup until their prompt has been scored (a
         # preempted one that already has output resumes from the cache like any other).
-        scores_prompt = request.params.prompt_logprobs is not None and not request.output_token_ids
+        # Mean pooling (an embedding) needs every prompt row too.
+        params = request.params
+        every_row = params.prompt_logprobs is not None or params.pooling == "mean"
+        scores_prompt = every_row and not request.output_token_ids
         self.kv.match_prefix(request, lookup=not scores_prompt)
         if not scores_prompt and self._prefix_being_prefilled(request):
             self._unmatch(request)

@@ -186,7 +186,8 @@ class RemoteHandle(EngineHandle):
 
     def supports(self, params: SamplingParams) -> bool:
         # The OpenAI logprobs format names tokens by text; the router could not map them back.
-        return params.logprobs is None and params.prompt_logprobs is None
+        # Nor does a daemon's /v1/completions return pooled hidden states (embeddings).
+        return params.logprobs is None and params.prompt_logprobs is None and not params.pooling
 
     def submit(
         self,

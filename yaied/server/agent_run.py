@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from yaied.core.request import FinishReason
+from yaied.core.request import FinishReason, TokenEvent
 from yaied.router.manager import EngineManager
 from yaied.server.admission import prepare_jobs, request_size
 from yaied.server.auth import api_key_of, may_set_priority
@@ -27,7 +27,14 @@ from yaied.server.generate import _compile_grammar, _wait_for_disconnect
 from yaied.server.keys import scoped_id
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest
-from yaied.server.serving import ChoiceState, Submitted, new_choices, request_key, submit_jobs
+from yaied.server.serving import (
+    ChoiceState,
+    Job,
+    Submitted,
+    new_choices,
+    request_key,
+    submit_jobs,
+)
 from yaied.server.state import ServerState
 from yaied.server.token_text import TokenText
 
@@ -109,9 +116,9 @@ async def start_chat(
     return AgentRun(choice, started, request_id)
 
 
-async def collect(request: Request, run: AgentRun, work: Callable[[], Awaitable[T]]) -> T:
-    """``work()`` (which reads the run's deltas) unless the client leaves first: then its call
-    is cancelled within one engine step and ClientGone raised."""
+async def collect(request: Request, started: Submitted, work: Callable[[], Awaitable[T]]) -> T:
+    """``work()`` (which reads the calls' events) unless the client leaves first: then the calls
+    are cancelled within one engine step and ClientGone raised."""
     task = asyncio.ensure_future(work())
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -122,7 +129,23 @@ async def collect(request: Request, run: AgentRun, work: Callable[[], Awaitable[
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await run.started.cancel_unfinished()
+        await started.cancel_unfinished()
     if task.cancelled():
         raise ClientGone
     return task.result()
+
+
+async def collect_events(
+    request: Request, started: Submitted, take: Callable[[Job, TokenEvent], None]
+) -> None:
+    """Every final event of the calls to ``take`` (which may raise an APIError), unless the
+    client leaves first (ClientGone)."""
+
+    async def work() -> None:
+        events = started.events.events()
+        async with contextlib.aclosing(events):
+            async for job, event in events:
+                if event.finished:
+                    take(job, event)
+
+    await collect(request, started, work)

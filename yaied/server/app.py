@@ -20,7 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server import engines_routes, generate, messages_api, responses_api, router_routes
+from yaied.server import (
+    embeddings,
+    engines_routes,
+    generate,
+    messages_api,
+    responses_api,
+    router_routes,
+)
 from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
 from yaied.server.config import ServerConfig
@@ -188,6 +195,7 @@ def build_app(
         Route("/openapi.json", openapi, methods=["GET"]),
         *responses_api.routes(),
         *messages_api.routes(),
+        *embeddings.routes(),
         *router_routes.routes(),
         *engines_routes.routes(),
     ]

@@ -127,7 +127,7 @@ async def create_message(request: Request) -> Response:
         blocks.close()
 
     try:
-        await collect(request, run, drain)
+        await collect(request, run.started, drain)
     except ClientGone:
         return Response(status_code=499)
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)

@@ -190,7 +190,7 @@ async def create_response(request: Request) -> Response:
             stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
         )
     try:
-        await collect(request, run, lambda: _drain(turn, run))
+        await collect(request, run.started, lambda: _drain(turn, run))
     except ClientGone:
         return Response(status_code=499)
     body = turn.body(turn.status(run), run)

@@ -88,6 +88,7 @@ class ModelRunner:
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in rows])
         finite = self._finite_rows(batch.seqs, hidden, first_row, _per_seq_max(logits, sampling))
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
+        pooled = _pooled(batch.seqs, hidden, first_row)
         # With no logprobs asked for, the step's one host sync: tokens, then the finite marks.
         host = torch.cat([token_ids, finite.to(token_ids.dtype)]).tolist()
         failed = {
@@ -102,6 +103,7 @@ class ModelRunner:
             sampled_logprobs=logprobs,
             prompt_logprobs=prompt,
             mask_time=mask_time,
+            pooled=pooled,
         )
         if drafted:
             verify(sampling, out)  # rows -> one token per sequence, after its accepted drafts
@@ -194,6 +196,27 @@ class ModelRunner:
             entries += [next(scored) for _ in seq.prompt_logprob_targets or []]
             out[seq.request_id] = entries
         return out
+
+
+def _pooled(
+    seqs: list[ScheduledSeq], hidden: torch.Tensor, first_row: dict[str, int]
+) -> dict[str, list[float]]:
+    """The pooling sequences' share of StepOutput.pooled: a chunk's row sum ("mean") or its
+    last row once the prompt ends ("last"), one host copy for all of them."""
+    names: list[str] = []
+    vectors: list[torch.Tensor] = []
+    for seq in seqs:
+        mode = seq.params.pooling
+        if mode is None or (mode == "last" and not seq.sample):
+            continue
+        first = first_row[seq.request_id]
+        end = first + len(seq.token_ids)  # hidden: [num_tokens, hidden]; this chunk's rows
+        rows = hidden[first:end] if mode == "mean" else hidden[end - 1 : end]
+        names.append(seq.request_id)
+        vectors.append(rows.float().sum(dim=0))
+    if not vectors:
+        return {}
+    return dict(zip(names, torch.stack(vectors).tolist(), strict=True))
 
 
 def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
