@@ -30,6 +30,7 @@ class FinishReason(enum.StrEnum):
 
 POOLING_MODES = (None, "mean", "last")
 
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What a client may ask of one generation; validated at construction, never later."""
