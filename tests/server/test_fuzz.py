@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 from tests.server.conftest import engine_loader, in_process_server
 from yaied.server.config import ServerConfig
 
-ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+ENDPOINTS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+]
 FIELDS = [
     "model",
     "prompt",
@@ -50,6 +59,21 @@ FIELDS = [
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    # the agents' APIs (Responses, Messages) and embeddings
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "store",
+    "text",
+    "reasoning",
+    "system",
+    "stop_sequences",
+    "thinking",
+    "output_config",
+    "encoding_format",
+    "dimensions",
+    "pooling",
 ]
 scalars = st.one_of(
     st.none(),
@@ -65,7 +89,8 @@ junk = st.recursive(
         st.dictionaries(
             st.sampled_from(
                 ["role", "content", "type", "text", "1", "function", "name", "parameters"]
-                + ["tool_calls", "tool_call_id", "arguments"]
+                + ["tool_calls", "tool_call_id", "arguments", "input_schema", "input"]
+                + ["tool_use_id", "call_id", "output", "format", "schema"]
             ),
             inner,
             max_size=3,
@@ -88,16 +113,28 @@ def tiny(tiny_model_dirs):
 )
 @given(endpoint=st.sampled_from(ENDPOINTS), body=bodies)
 def test_junk_bodies_never_get_a_5xx(tiny, endpoint, body):
-    if body.get("max_tokens") is not None and isinstance(body.get("max_tokens"), int):
-        body["max_tokens"] = min(body["max_tokens"], 8)  # keep valid requests short
+    for name in ("max_tokens", "max_output_tokens"):
+        if isinstance(body.get(name), int):
+            body[name] = min(body[name], 8)  # keep valid requests short
     body.pop("stream", None)  # streaming junk is covered by the live tests
     content = json.dumps(body)  # stdlib: huge integers and NaN go out as written
     response = tiny.post(endpoint, content=content, headers={"Content-Type": "application/json"})
     assert response.status_code < 500, (endpoint, body, response.text)
-    if response.status_code >= 400:
-        error = response.json()["error"]
-        assert isinstance(error["message"], str) and error["message"]
-        assert {"type", "param", "code"} <= set(error)
+    assert_error_body(response, endpoint)
+
+
+def assert_error_body(response: httpx.Response, path: str) -> None:
+    """OpenAI's error shape, or Anthropic's under /v1/messages."""
+    if response.status_code < 400:
+        return
+    body = response.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and body["error"]["type"].endswith("_error")
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        return
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert {"type", "param", "code"} <= set(error)
 
 
 def test_engine_still_serves_after_fuzzing(tiny):
@@ -120,6 +157,11 @@ ROUTES = [
     "/v1",
     "/v1/models/tiny",
     "/%00",
+    "/v1/responses",
+    "/v1/responses/resp_0",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
 ]
 header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=200).map(
     str.strip
@@ -143,10 +185,8 @@ raw_bodies = st.one_of(
 
 def assert_openai_error(response: httpx.Response, method: str) -> None:
     assert response.status_code < 500, (method, response.request.url, response.text)
-    if response.status_code >= 400 and method != "HEAD":
-        error = response.json()["error"]
-        assert isinstance(error["message"], str) and error["message"]
-        assert {"type", "param", "code"} <= set(error)
+    if method != "HEAD":
+        assert_error_body(response, response.request.url.path)
 
 
 @settings(
@@ -203,6 +243,10 @@ messages = st.one_of(
 )
 def test_text_prompts_and_messages_never_get_a_5xx(live, endpoint, prompt, messages, extra):
     body = {**extra, "prompt": prompt, "messages": messages, "max_tokens": 3}
+    if endpoint in ("/v1/responses", "/v1/embeddings"):  # their text goes in input
+        body = {**extra, "input": prompt if endpoint.endswith("embeddings") else messages}
+        if endpoint == "/v1/responses":
+            body["max_output_tokens"] = 3
     if isinstance(body.get("n"), int):
         body["n"] = min(body["n"], 2)  # valid requests stay short
     content = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
@@ -212,4 +256,5 @@ def test_text_prompts_and_messages_never_get_a_5xx(live, endpoint, prompt, messa
         headers={"Content-Type": "application/json"},
         timeout=60,
     )
-    assert_openai_error(response, "POST")
+    assert response.status_code < 500, (endpoint, response.text)
+    assert_error_body(response, endpoint)

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from starlette.testclient import TestClient
 
 from tests.server.conftest import engine_loader, in_process_server
+from tests.server.test_fuzz import assert_error_body
 from yaied.server.app import VERSION
 from yaied.server.config import ServerConfig
 from yaied.server.openapi import openapi_schema
@@ -63,7 +64,4 @@ def test_served_schema_is_the_one_tested(tiny):
 def test_generated_requests_never_get_a_5xx(case, tiny):
     response = send(tiny, case)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text)
-    if response.status_code >= 400:
-        error = response.json()["error"]
-        assert isinstance(error["message"], str) and error["message"]
-        assert {"type", "param", "code"} <= set(error)
+    assert_error_body(response, case.path)

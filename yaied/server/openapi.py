@@ -10,6 +10,7 @@ from typing import Any
 
 from yaied.core import sampling_fields
 from yaied.core.sampling_fields import Endpoint
+from yaied.server.openapi_agents import agent_paths
 
 # The call's own fields; the sampling fields come from core/sampling_fields.py.
 _COMMON = {
@@ -193,6 +194,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": _post("Text completion", _COMPLETION, ["prompt"], closed=True),
             "/v1/chat/completions": _post("Chat completion", _CHAT, ["messages"], closed=True),
+            **agent_paths(),
             "/v1/models": _get("The served model"),
             "/tokenize": _post(
                 "Prompt or messages to token ids",

@@ -1,0 +1,145 @@
+"""The OpenAPI paths of the agents' APIs: /v1/responses, /v1/messages, /v1/embeddings.
+
+Their sampling fields come from the one table (core/sampling_fields.py, endpoints "responses"
+and "messages"), as the OpenAI endpoints' do; the rest is each API's own request shape, closed
+(other fields are refused), so the schema-driven fuzzer (tests/server/test_schemathesis.py)
+sends both what the parsers accept and what they must refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from yaied.core import sampling_fields
+
+_TEXT_OR_PARTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
+_TOKENS = {"type": "array", "items": {"type": "integer"}}
+
+
+def _sampling(endpoint: sampling_fields.Endpoint) -> dict[str, Any]:
+    return {
+        name: spec.schema_for(endpoint)
+        for spec in sampling_fields.FIELDS
+        for name in spec.names(endpoint)
+    }
+
+
+_RESPONSES = {
+    **_sampling("responses"),
+    "model": {"type": "string"},
+    "input": {
+        "oneOf": [
+            {"type": "string"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "type": {
+                            "type": "string",
+                            "enum": ["message", "function_call", "function_call_output"],
+                        },
+                        "role": {"type": "string", "enum": ["user", "assistant", "system"]},
+                        "content": _TEXT_OR_PARTS,
+                        "call_id": {"type": "string"},
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string"},
+                        "output": {"type": "string"},
+                    },
+                },
+            },
+        ]
+    },
+    "instructions": {"type": "string"},
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "text": {"type": "object", "properties": {"format": {"type": "object"}}},
+    "reasoning": {"type": "object", "properties": {"effort": {"type": "string"}}},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    "store": {"type": "boolean"},
+    "previous_response_id": {"type": "string"},
+    "stream": {"type": "boolean"},
+    "user": {"type": "string"},
+    "truncation": {"type": "string", "enum": ["disabled"]},
+}
+_MESSAGES = {
+    **_sampling("messages"),
+    "model": {"type": "string"},
+    "messages": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"type": "string", "enum": ["user", "assistant"]},
+                "content": _TEXT_OR_PARTS,
+            },
+        },
+    },
+    "system": _TEXT_OR_PARTS,
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"type": "object"},
+    "thinking": {"type": "object"},
+    "metadata": {"type": "object"},
+    "output_config": {"type": "object"},
+    "stream": {"type": "boolean"},
+}
+_EMBEDDINGS = {
+    "model": {"type": "string"},
+    "input": {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            _TOKENS,
+            {"type": "array", "items": _TOKENS},
+        ]
+    },
+    "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+    "pooling": {"type": "string", "enum": ["mean", "last"]},
+    "user": {"type": "string"},
+}
+
+
+def _post(summary: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": {"description": "JSON, or text/event-stream when streaming"}},
+        }
+    }
+
+
+def _by_id(summary: str) -> dict[str, Any]:
+    schema = {"type": "string"}
+    parameter = {"name": "response_id", "in": "path", "required": True, "schema": schema}
+    answer = {"200": {"description": "JSON"}, "404": {"description": "not stored for this key"}}
+    return {
+        method: {"summary": f"{summary} {what}", "parameters": [parameter], "responses": answer}
+        for method, what in (("get", "(read)"), ("delete", "(delete)"))
+    }
+
+
+def agent_paths() -> dict[str, Any]:
+    return {
+        "/v1/responses": _post("OpenAI Responses API (stateful with store)", _RESPONSES, ["input"]),
+        "/v1/responses/{response_id}": _by_id("A stored response"),
+        "/v1/messages": _post(
+            "Anthropic Messages API (errors in Anthropic's shape)",
+            _MESSAGES,
+            ["messages", "max_tokens"],
+        ),
+        "/v1/messages/count_tokens": _post(
+            "The prompt's token count for a Messages request",
+            {k: _MESSAGES[k] for k in ("model", "messages", "system", "tools", "tool_choice")},
+            ["messages"],
+        ),
+        "/v1/embeddings": _post("Pooled, normalised hidden states", _EMBEDDINGS, ["input"]),
+    }
