@@ -1,0 +1,184 @@
+"""Issue 33's targets, measured over HTTP on the default model (the daemon's app in this process,
+uvicorn on a loopback port):
+
+1. Responses chains: TTFT of turn N of a ``previous_response_id`` chain against turn 1's for the
+   same number of new (uncached) prompt tokens, and the cached-token share of turns 2+. Turn 1's
+   TTFT as a function of its prompt length is fitted (least squares, a line) from fresh
+   requests of several sizes; each later turn is compared with the fit at its own new-token
+   count (its input tokens minus the cached ones). TTFT: from sending the request to the first
+   ``response.output_text.delta`` (or output item) of the stream.
+2. Embeddings: 256 short inputs in one request against 256 requests one after another.
+
+    PYTHONPATH=. nice -n 19 .venv/bin/python scripts/bench_agent_apis.py --port 18133
+
+Prints one JSON line per measurement and a summary line; record the figures with ``lscpu``'s
+model name and the kernel ISA level /health reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+WORDS = [
+    *("apple", "river", "stone", "cloud", "market", "engine", "garden", "silver", "window"),
+    *("planet", "letter", "music", "forest", "candle", "bridge", "harbor", "pencil", "winter"),
+    *("summer", "coffee", "island", "mirror", "rocket", "thunder", "valley"),
+]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def serve(port: int, threads: int) -> tuple[uvicorn.Server, threading.Thread]:
+    from yaied.core.config import load_config
+    from yaied.engine.async_engine import AsyncEngine
+    from yaied.server.app import build_app
+    from yaied.server.config import ServerConfig
+
+    def load() -> AsyncEngine:
+        overrides: dict[str, Any] = {"max_model_len": 4096}
+        if threads:
+            overrides["threads"] = threads
+        return AsyncEngine(load_config(env={}, overrides=overrides), show_progress=False)
+
+    app = build_app(ServerConfig(port=port), load, "default")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return server, thread
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the server did not become healthy")
+
+
+def streamed_turn(client: httpx.Client, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(TTFT seconds, the completed response)."""
+    start = time.perf_counter()
+    ttft, final = None, None
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            kind = event["type"]
+            first = kind.endswith(".delta") or kind == "response.output_item.added"
+            if ttft is None and first:
+                ttft = time.perf_counter() - start
+            if kind in ("response.completed", "response.incomplete"):
+                final = event["response"]
+    assert ttft is not None and final is not None
+    return ttft, final
+
+
+def chains(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(0)
+    base = {"model": "default", "max_output_tokens": args.output_tokens, "temperature": 0}
+    for _ in range(3):  # warm-up: first-call costs (kernels, allocator) are not turn 1's
+        streamed_turn(client, {**base, "input": words(rng, 50), "store": False})
+    # Turn 1 at several sizes, cold (random words: nothing in common with the cache).
+    fit_points = []
+    for size in args.turn1_words:
+        for _ in range(args.reps):
+            ttft, final = streamed_turn(client, {**base, "input": words(rng, size), "store": False})
+            usage = final["usage"]
+            new = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+            fit_points.append((new, ttft))
+            print(json.dumps({"kind": "turn1", "new_tokens": new, "ttft_s": round(ttft, 4)}))
+    xs, ys = [p[0] for p in fit_points], [p[1] for p in fit_points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    ratios, shares = [], []
+    for chain in range(args.reps):
+        previous = None
+        for turn in range(1, args.turns + 1):
+            body = {**base, "input": words(rng, args.turn_words)}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            ttft, final = streamed_turn(client, body)
+            previous = final["id"]
+            usage = final["usage"]
+            cached = usage["input_tokens_details"]["cached_tokens"]
+            new = usage["input_tokens"] - cached
+            expected = intercept + slope * new
+            row = {"kind": "chain", "chain": chain, "turn": turn, "input_tokens":
+                   usage["input_tokens"], "cached_tokens": cached, "new_tokens": new,
+                   "ttft_s": round(ttft, 4), "turn1_fit_s": round(expected, 4)}  # fmt: skip
+            print(json.dumps(row))
+            if turn >= 2:
+                ratios.append(ttft / expected)
+                shares.append(cached / usage["input_tokens"])
+    return {
+        "turn1_fit": {"intercept_s": round(intercept, 4), "s_per_token": round(slope, 6)},
+        "turn_n_ttft_over_turn1_median": round(statistics.median(ratios), 3),
+        "turn_n_ttft_over_turn1_max": round(max(ratios), 3),
+        "cached_share_turn2plus_mean": round(statistics.fmean(shares), 3),
+        "cached_share_turn2plus_min": round(min(shares), 3),
+    }
+
+
+def embeddings(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(1)
+    inputs = [f"Item {i}: {words(rng, 6)}." for i in range(args.num_inputs)]
+    batched, single = [], []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        response = client.post("/v1/embeddings", json={"input": inputs})
+        response.raise_for_status()
+        batched.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for text in inputs:
+            client.post("/v1/embeddings", json={"input": text}).raise_for_status()
+        single.append(time.perf_counter() - start)
+        print(json.dumps({"kind": "embeddings", "batched_s": round(batched[-1], 3),
+                          "one_by_one_s": round(single[-1], 3)}))  # fmt: skip
+    tokens = response.json()["usage"]["prompt_tokens"]
+    b, s = statistics.median(batched), statistics.median(single)
+    return {
+        "inputs": args.num_inputs,
+        "prompt_tokens": tokens,
+        "batched_inputs_per_s": round(args.num_inputs / b, 1),
+        "one_by_one_inputs_per_s": round(args.num_inputs / s, 1),
+        "speedup": round(s / b, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=18133)
+    parser.add_argument("--threads", type=int, default=0, help="engine threads; 0: its default")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turn-words", type=int, default=60, help="new words per later turn")
+    parser.add_argument("--turn1-words", type=int, nargs="+", default=[40, 60, 80, 110, 140])
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--num-inputs", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    server, thread = serve(args.port, args.threads)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=600) as client:
+            health = client.get("/health").json()
+            summary = {"health": health, "chains": chains(client, args)}
+            summary["embeddings"] = embeddings(client, args)
+        print(json.dumps({"kind": "summary", **summary}))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
