@@ -1,0 +1,142 @@
+"""The agents' APIs' pure parts: Responses items and Anthropic blocks to chat messages, their
+tools and formats in chat's shape, the one sampling-field table's names, and chat deltas to
+output blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from yaied.server.agent_output import Blocks, finish_kind
+from yaied.server.errors import APIError
+from yaied.server.messages_protocol import parse_anthropic
+from yaied.server.responses_protocol import parse_responses
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_responses_items_become_chat_messages():
+    req = parse_responses(
+        {
+            "input": [
+                {"role": "developer", "content": "Be terse."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+            "tools": [{"type": "function", "name": "w", "parameters": SCHEMA}],
+            "max_output_tokens": 7,
+            "temperature": 0.5,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}},
+        }
+    )
+    roles = [m["role"] for m in req.new_messages]
+    assert roles == ["system", "user", "assistant", "tool"]
+    assert [c["id"] for c in req.new_messages[2]["tool_calls"]] == ["c1", "c2"]
+    parsed = req.parsed
+    assert parsed.max_tokens == 7 and parsed.sampling == {"temperature": 0.5}
+    assert parsed.tools.tools[0].name == "w" and parsed.tools.choice.mode == "auto"
+    assert parsed.structured is not None and parsed.structured.kind == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "max_tokens": 5}, "max_tokens"),  # chat's name is not the Responses one
+        ({"input": "x", "top_k": 5}, "top_k"),
+        ({"input": "x", "stop": ["a"]}, "stop"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
+        ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+    ],
+)
+def test_responses_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as caught:
+        parse_responses(body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_anthropic_blocks_become_chat_messages():
+    req = parse_anthropic(
+        {
+            "max_tokens": 9,
+            "system": [{"type": "text", "text": "Be terse."}],
+            "stop_sequences": ["END"],
+            "top_k": 3,
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": ""},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "t1", "name": "w", "input": {"city": "Paris"}},
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [
+                        {"type": "text", "text": "sunny"}]},
+                    {"type": "text", "text": "Thanks."},
+                ]},
+            ],
+            "tools": [{"name": "w", "input_schema": SCHEMA}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        }
+    )  # fmt: skip
+    messages = req.parsed.messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    call = messages[2]["tool_calls"][0]
+    assert call["function"]["arguments"] == '{"city":"Paris"}' and call["id"] == "t1"
+    assert messages[3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
+    tools = req.parsed.tools
+    assert tools.choice.mode == "required" and tools.parallel is False
+    assert req.parsed.max_tokens == 9 and req.stop_sequences == ("END",)
+    assert req.parsed.sampling["top_k"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "tool_use", "id": "a", "name": "w", "input": {}}]}]},
+         "messages[0].content[0]"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "mcp_servers": []}, "mcp_servers"),
+    ],
+)  # fmt: skip
+def test_anthropic_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as caught:
+        parse_anthropic(body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_blocks_follow_the_order_the_model_wrote():
+    blocks = Blocks()
+    events = blocks.feed(
+        [
+            {"reasoning_content": "think", "reasoning": "think"},
+            {"content": "Hello "},
+            {"content": "there"},
+            {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                             "function": {"name": "w", "arguments": ""}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+        ]
+    )  # fmt: skip
+    events += blocks.close()
+    actions = [(e.action, e.block.kind) for e in events]
+    assert actions == [
+        ("start", "reasoning"), ("delta", "reasoning"), ("stop", "reasoning"),
+        ("start", "text"), ("delta", "text"), ("delta", "text"), ("stop", "text"),
+        ("start", "tool_call"), ("delta", "tool_call"), ("delta", "tool_call"),
+        ("stop", "tool_call"),
+    ]  # fmt: skip
+    kinds = [(b.kind, b.text) for b in blocks.blocks]
+    assert kinds == [("reasoning", "think"), ("text", "Hello there"),
+                     ("tool_call", '{"city": "Paris"}')]  # fmt: skip
+    assert blocks.blocks[2].call_id == "call_1" and blocks.blocks[2].name == "w"
+    assert finish_kind("stop", blocks.blocks) == "tool_calls"
+    assert finish_kind("length", blocks.blocks) == "length"
