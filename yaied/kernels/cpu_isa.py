@@ -132,5 +132,17 @@ def torch_caps(level: str) -> dict[str, str]:
     return {"ONEDNN_MAX_CPU_ISA": onednn[level], "ATEN_CPU_CAPABILITY": aten[level]}
 
 
+def hold_torch_to_cap(environ: dict[str, str] | None = None) -> str:
+    """The selected level (IsaError for a bad cap); where the cap lowers it, torch's own
+    kernels are held to it too (``torch_caps``, unless their variables are already set), so
+    that a capped run does what a CPU of that level does. Call before torch loads."""
+    env = os.environ if environ is None else environ
+    level = selected_level(env)
+    if level != detected_level():
+        for name, value in torch_caps(level).items():
+            env.setdefault(name, value)
+    return level
+
+
 def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
