@@ -127,9 +127,14 @@ def torch_caps(level: str) -> dict[str, str]:
     only if set before torch loads."""
     onednn = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
     aten = {"generic": "default", "avx2": "avx2", "avx512": "avx512"}
+    mkl = {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}  # fp32 matmuls: MKL's sgemm
     if level not in onednn or not _is_x86():
         return {}
-    return {"ONEDNN_MAX_CPU_ISA": onednn[level], "ATEN_CPU_CAPABILITY": aten[level]}
+    return {
+        "ONEDNN_MAX_CPU_ISA": onednn[level],
+        "ATEN_CPU_CAPABILITY": aten[level],
+        "MKL_ENABLE_INSTRUCTIONS": mkl[level],
+    }
 
 
 def hold_torch_to_cap(environ: dict[str, str] | None = None) -> str:
