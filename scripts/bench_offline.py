@@ -28,7 +28,13 @@ runs it on.
 
 ``--compare-hf`` runs the same prompts through ``transformers`` ``generate`` in one left-padded
 batch (W-nano: batches of 64, each generating its longest output; only the tokens each request
-asked for are counted) and reports ``hf_output_tok_s`` and ``ratio`` = ours / hf.
+asked for are counted) and reports ``hf_output_tok_s`` and ``ratio`` = ours / hf. transformers
+runs in its fastest dtype on this machine (``--hf-dtype fastest``: bf16 and fp32 each time a
+probe, the faster runs the workload; scripts/hf_baseline.py), yaied in its default (``auto``).
+
+Every line says what it ran on: the CPU's model name, the ISA level yaied's kernels ran at
+(``YAIED_CPU_ISA`` caps it, and a capped run holds torch's kernels to the level too), the math
+and weight dtypes, and the copy bandwidth measured in the same process.
 
 ``--decode-step`` times one decode step at batch 1 instead (scripts/decode_step.py) and prints
 it next to the memory floor: weight bytes / the device's spec bandwidth (H100 3.35 TB/s, H200
@@ -48,9 +54,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from hf_baseline import hf_generate, load_hf_model, run_hf
-from tp_comm import comm_counters, comm_record
+from yaied.kernels.cpu_isa import hold_torch_to_cap
+
+hold_torch_to_cap()  # a capped run's torch kernels keep to the cap: set before torch loads
+
+import torch  # noqa: E402
+from hf_baseline import fastest_hf_model, hf_generate, run_hf  # noqa: E402
+from machine import cpu_model_name  # noqa: E402
+from single_stream import copy_bandwidth  # noqa: E402
+from tp_comm import comm_counters, comm_record  # noqa: E402
 
 WORKLOADS = ("W-mixed", "W-decode", "W-prefix", "W-nano", "W-single", "W-agent")
 
@@ -102,9 +114,22 @@ def build_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
 # -- the machine and the model -------------------------------------------------------------------
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    # "auto" is bfloat16, as in the engine's loader.
-    return {"auto": torch.bfloat16, "bfloat16": torch.bfloat16}.get(name) or getattr(torch, name)
+def engine_dtypes(llm: Any) -> tuple[torch.dtype, torch.dtype]:
+    """The engine's math and linear-weight dtypes, as its loader resolved them."""
+    info = llm.engine.worker.info
+    return getattr(torch, info.dtype), getattr(torch, info.weight_dtype or info.dtype)
+
+
+def machine_record(llm: Any, bandwidth: float) -> dict[str, Any]:
+    """What a figure ran on, for every result line."""
+    info = llm.engine.worker.info
+    return {
+        "cpu": cpu_model_name(),
+        "cpu_isa": info.cpu_isa or None,
+        "math_dtype": info.dtype,
+        "weight_dtype": info.weight_dtype or info.dtype,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+    }
 
 
 def bench_device() -> torch.device:
@@ -212,7 +237,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=128, help="steps per timing")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument(
-        "--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32")
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32")
+    )
+    parser.add_argument(
+        "--hf-dtype",
+        default="fastest",
+        choices=("fastest", "bfloat16", "float32"),
+        help="transformers' dtype; fastest: bf16 and fp32 each time a probe, the faster runs",
     )
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument(
@@ -268,7 +299,6 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     device = bench_device()
-    dtype = torch_dtype(args.dtype)
 
     from yaied import LLM, SamplingParams
 
@@ -296,18 +326,28 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(
             [list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         )
-        hf_model = None
+        dtype, weight_dtype = engine_dtypes(llm)
+        bandwidth = on_reference_thread(copy_bandwidth)
+        machine = machine_record(llm, bandwidth)
+        _log(f"on {machine}")
+        hf_model, hf_record = None, {}
         if args.compare_hf:
-            _log("loading the transformers model")
-            hf_model = on_reference_thread(load_hf_model, args, llm, dtype, device)
+            _log(f"loading the transformers model ({args.hf_dtype})")
+            probe = build_workload(args.workload or "W-mixed", llm.vocab_size).prompts
+            hf_model, hf_record = on_reference_thread(
+                fastest_hf_model, args, llm, probe, device, args.hf_dtype
+            )
+            _log(f"transformers: {hf_record}")
             on_reference_thread(hf_generate, hf_model, [list(range(1, 17))], 4, device)
         params = matmul_params(llm.hf_config)
         if args.decode_step:
             from decode_step import decode_step_record
 
             _log(f"timing batch-1 decode steps ({args.decode_steps} per timing)")
-            record = decode_step_record(llm, args.model, params, dtype, device, args.decode_steps)
-            print(json.dumps(record), flush=True)
+            record = decode_step_record(
+                llm, args.model, params, weight_dtype, device, args.decode_steps
+            )
+            print(json.dumps(record | machine), flush=True)
             return
         peak = 0.0
         if not args.no_peak:
@@ -324,13 +364,14 @@ def main(argv: list[str] | None = None) -> None:
                 record |= {"device": str(device), "threads": threads, "seed": run}
                 prompt = workload.prompts[0]
                 record |= single_stream_record(
-                    llm, hf_model, prompt, run, params, dtype, device, on_reference_thread
-                )
+                    llm, hf_model, prompt, run, params, (weight_dtype, dtype), device,
+                    on_reference_thread,
+                )  # fmt: skip
             else:
                 record = _run_once(args, llm, workload, run, peak, params, device)
                 if hf_model is not None:
                     add_hf(record, on_reference_thread(run_hf, hf_model, workload, device))
-            print(json.dumps(record), flush=True)
+            print(json.dumps(record | machine | hf_record), flush=True)
     finally:
         llm.close()
 

@@ -13,7 +13,12 @@ One JSON line goes to stdout; logs go to stderr. Only loopback targets are allow
 every run sends fresh prompts the prefix cache cannot serve; one JSON line per run.
 ``--compare-hf`` then (the daemon stopped, so nothing competes for the cores) times transformers'
 left-padded greedy ``generate`` on each run's prompts in this process and adds its output tok/s
-and the ratio to that run's line (scripts/hf_baseline.py, as bench_offline.py does).
+and the ratio to that run's line (scripts/hf_baseline.py, as bench_offline.py does), in its
+fastest dtype on this machine (``--hf-dtype fastest``: bf16 and fp32 each time a probe).
+
+Every line says what it ran on: the CPU's model name, the daemon's kernel ISA level and dtypes
+(from its /health) and the copy bandwidth measured in this process before the daemon starts. A
+``YAIED_CPU_ISA`` cap reaches the daemon, and holds torch's kernels to the level there and here.
 
 Datasets: ``--workload W-mixed|W-decode|W-prefix`` reuses ``bench_offline.build_workload``
 (the DESIGN.md prompts); ``--dataset random`` draws lengths (``--input-len`` or
@@ -104,21 +109,42 @@ def build_requests(args: argparse.Namespace, seed: int) -> tuple[list[list[int]]
 Dataset = tuple[list[list[int]], list[int]]  # prompts, output lengths
 
 
-def hf_output_tok_s(args: argparse.Namespace, runs: list[Dataset]) -> list[float]:
-    """transformers' generate on each run's prompts, in this process: output tok/s per run."""
+def hf_output_tok_s(
+    args: argparse.Namespace, runs: list[Dataset]
+) -> tuple[list[float], dict[str, Any]]:
+    """transformers' generate on each run's prompts, in this process, in its fastest dtype:
+    output tok/s per run, and the dtype record (scripts/hf_baseline.py)."""
     import torch
 
     sys.path.insert(0, str(SCRIPTS))
-    from hf_baseline import load_hf_model, run_hf
+    from hf_baseline import fastest_hf_model, run_hf
 
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16  # auto: bf16 on CPU
     device = torch.device("cpu")
-    model = load_hf_model(args, None, dtype, device)
+    model, record = fastest_hf_model(args, None, runs[0][0], device, args.hf_dtype)
     rates = []
     for prompts, output_lens in runs:
         workload = argparse.Namespace(prompts=prompts, output_lens=output_lens)
         rates.append(sum(output_lens) / run_hf(model, workload, device))
-    return rates
+    return rates, record
+
+
+def machine_record(base_url: str, bandwidth: float) -> dict[str, Any]:
+    """The CPU, the daemon's kernel ISA level and dtypes (its /health), the copy bandwidth."""
+    sys.path.insert(0, str(SCRIPTS))
+    from machine import cpu_model_name
+
+    health = httpx.get(base_url + "/health", timeout=10, trust_env=False).json()
+    record = {"cpu": cpu_model_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
+    for field_name in ("cpu_isa", "dtype", "weight_dtype"):
+        record[field_name] = health.get(field_name)
+    return record
+
+
+def measured_copy_bandwidth() -> float:
+    sys.path.insert(0, str(SCRIPTS))
+    from single_stream import copy_bandwidth
+
+    return copy_bandwidth()
 
 
 # -- one request ---------------------------------------------------------------------------------
@@ -336,6 +362,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
     parser.add_argument("--runs", type=int, default=1, help="run k uses seed --seed + k")
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers")
+    parser.add_argument(
+        "--hf-dtype",
+        default="fastest",
+        choices=("fastest", "bfloat16", "float32"),
+        help="transformers' dtype; fastest: bf16 and fp32 each time a probe, the faster runs",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -354,6 +386,9 @@ def _log(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from yaied.kernels.cpu_isa import hold_torch_to_cap
+
+    hold_torch_to_cap()  # transformers here, under a cap, keeps to it as the daemon does
     if not args.launch and (why := check_loopback(args.base_url)):
         print(f"error: {why}", file=sys.stderr)
         return 2
@@ -362,10 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
     records = []
     proc = None
+    bandwidth = measured_copy_bandwidth()  # before the daemon competes for the memory
     try:
         base_url = args.base_url.rstrip("/")
         if args.launch:
             proc, base_url = launch_daemon(args)
+        machine = machine_record(base_url, bandwidth)
+        _log(f"on {machine}")
         for k, (prompts, output_lens) in enumerate(datasets):
             _log(f"run {k}: {len(prompts)} requests at rate {rate}, max concurrency "
                  f"{args.max_concurrency}")  # fmt: skip
@@ -373,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             record = {"dataset": args.workload or args.dataset, "model": args.model}
             record |= {"seed": args.seed + k, "request_rate": rate}
             record |= {"max_concurrency": args.max_concurrency}
-            records.append(record | summarize(results, duration))
+            records.append(record | summarize(results, duration) | machine)
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -382,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             stop_daemon(proc)
     if args.compare_hf:
         _log("transformers generate on the same prompts")
-        for record, hf in zip(records, hf_output_tok_s(args, datasets), strict=True):
+        rates, hf_record = hf_output_tok_s(args, datasets)
+        for record, hf in zip(records, rates, strict=True):
+            record |= hf_record
             record["hf_output_tok_s"] = round(hf, 2)
             record["ratio"] = round(record["output_throughput"] / hf, 3)
     for record in records:

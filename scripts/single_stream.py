@@ -7,7 +7,9 @@ over the full request's time less that TTFT. transformers is timed the same way.
 
 The memory floor: at batch 1 a decode step reads every weight once (the lm_head included, even
 when tied to the embedding) plus the K/V of its context, so floor tok/s = copy bandwidth /
-(weight bytes + KV bytes per token x the mean context of the decode). The bandwidth is measured
+(weight bytes + KV bytes per token x the mean context of the decode). Weight bytes are those the
+decode path reads: bf16 linear weights under dtype auto on every CPU, fp32 math or not; the KV
+cache is in the math dtype. The bandwidth is measured
 here, a 1 GiB ``copy_`` counted as read + write traffic (2 GiB moved), best of 5.
 """
 
@@ -61,11 +63,12 @@ def single_stream_record(
     prompt: list[int],
     seed: int,
     weight_params: int,
-    dtype: torch.dtype,
+    dtypes: tuple[torch.dtype, torch.dtype],
     device: torch.device,
     on_reference_thread: Callable[..., Any] = lambda fn, *args: fn(*args),
 ) -> dict[str, Any]:
-    """One W-single run: `prompt` is the workload's request; fresh prompts time the TTFT.
+    """One W-single run: `prompt` is the workload's request; fresh prompts time the TTFT;
+    `dtypes`: the engine's (linear weights, KV cache) dtypes.
     `on_reference_thread(fn, *args)` runs the copy and transformers away from the thread that
     drives the engine (see bench_offline.py's main)."""
     rng = random.Random(1000 + seed)
@@ -76,9 +79,9 @@ def single_stream_record(
     ttft = min(_engine_seconds(llm, fresh(), 1) for _ in range(TTFT_REPEATS))
     total = _engine_seconds(llm, prompt, OUTPUT_TOKENS)
     decode_tok_s = (OUTPUT_TOKENS - 1) / (total - ttft)
-    element = torch.tensor([], dtype=dtype).element_size()
-    weight_bytes = weight_params * element
-    kv_per_token = kv_bytes_per_token(llm.hf_config, dtype)
+    weight_dtype, kv_dtype = dtypes
+    weight_bytes = weight_params * torch.tensor([], dtype=weight_dtype).element_size()
+    kv_per_token = kv_bytes_per_token(llm.hf_config, kv_dtype)
     mean_context = PROMPT_TOKENS + OUTPUT_TOKENS / 2
     bandwidth = on_reference_thread(copy_bandwidth)
     floor_tok_s = bandwidth / (weight_bytes + kv_per_token * mean_context)

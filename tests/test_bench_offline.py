@@ -51,6 +51,11 @@ def test_w_nano_smoke_with_compare_hf(tmp_path):
     assert record["output_tokens"] == 12
     assert 200 <= record["prompt_tokens"] <= 2 * 1024  # W-nano prompts are 100..1024 tokens
     assert record["output_tok_s"] > 0 and record["hf_output_tok_s"] > 0 and record["ratio"] > 0
+    # what it ran on, in every line; transformers in whichever dtype its probe found faster
+    assert record["cpu_isa"] and record["copy_bandwidth_gb_s"] > 0 and record["cpu"]
+    assert record["math_dtype"] == "float32" and record["weight_dtype"] == "float32"
+    probe = record["hf_probe_s"]
+    assert record["hf_dtype"] == min(probe, key=probe.get) and set(probe) == {"bfloat16", "float32"}
 
 
 @pytest.mark.timeout(180)

@@ -49,6 +49,9 @@ def test_bench_serving_launch_random(tmp_path):
     first, record = (orjson.loads(line) for line in done.stdout.strip().splitlines())
     assert (first["seed"], record["seed"]) == (0, 1)  # fresh prompts each run
     assert record["hf_output_tok_s"] > 0 and record["ratio"] > 0
+    assert record["hf_dtype"] in ("bfloat16", "float32")  # its faster on this machine
+    # what it ran on, from the daemon's /health and this process
+    assert record["cpu_isa"] and record["dtype"] == "float32" and record["copy_bandwidth_gb_s"] > 0
     assert record["num_requests"] == record["completed"] == 6 and record["failed"] == 0
     assert record["total_output_tokens"] == 36
     assert record["output_throughput"] > 0

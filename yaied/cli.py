@@ -373,12 +373,9 @@ def _apply_cpu_cap() -> None:
     IsaError is a ValueError). A cap below this CPU's level also holds torch's own kernels
     (oneDNN, ATen) to it, unless their variables are set, so that a capped run is what a CPU of
     that level does; torch reads them when it loads, which is later than this."""
-    from yaied.kernels.cpu_isa import detected_level, selected_level, torch_caps
+    from yaied.kernels.cpu_isa import hold_torch_to_cap
 
-    level = selected_level()
-    if level != detected_level():
-        for name, value in torch_caps(level).items():
-            os.environ.setdefault(name, value)
+    hold_torch_to_cap()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -69,5 +69,6 @@ def test_bf16_math_only_with_bf16_dots_and_torch_caps():
         assert cpu_isa.torch_caps("avx2") == {
             "ONEDNN_MAX_CPU_ISA": "AVX2",
             "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         }
         assert cpu_isa.torch_caps("avx512_bf16") == {}

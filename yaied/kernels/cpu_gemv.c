@@ -125,6 +125,8 @@ static inline vec load_bf16(const uint16_t *p) {
         for (int64_t k = 0; k < end; k += LANES) {                                              \
             vec xv[MAX_ROWS];                                                                   \
             for (int m = 0; m < ROWS; m++) xv[m] = LOAD_ACT_##SUFFIX(x + m * K + k);            \
+            if (k % 32 == 0) /* a cache line of each row of the next block, a block ahead */    \
+                for (int j = 0; j < BLOCK; j++) __builtin_prefetch(wr + (BLOCK + j) * K + k);   \
             for (int j = 0; j < BLOCK; j++) {                                                   \
                 vec a = load_bf16(wr + j * K + k);                                              \
                 for (int m = 0; m < ROWS; m++) sum[m][j] = vec_fma(a, xv[m], sum[m][j]);        \
@@ -166,6 +168,7 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
     for (int64_t k = 0; k < end; k += 32) {
         __m512bh xv[MAX_ROWS];
         for (int m = 0; m < ROWS; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int j = 0; j < BLOCK; j++) __builtin_prefetch(wr + (BLOCK + j) * K + k);
         for (int j = 0; j < BLOCK; j++) {
             __m512bh a = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
             for (int m = 0; m < ROWS; m++) sum[m][j] = _mm512_dpbf16_ps(sum[m][j], a, xv[m]);

@@ -127,9 +127,26 @@ def torch_caps(level: str) -> dict[str, str]:
     only if set before torch loads."""
     onednn = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
     aten = {"generic": "default", "avx2": "avx2", "avx512": "avx512"}
+    mkl = {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}  # fp32 matmuls: MKL's sgemm
     if level not in onednn or not _is_x86():
         return {}
-    return {"ONEDNN_MAX_CPU_ISA": onednn[level], "ATEN_CPU_CAPABILITY": aten[level]}
+    return {
+        "ONEDNN_MAX_CPU_ISA": onednn[level],
+        "ATEN_CPU_CAPABILITY": aten[level],
+        "MKL_ENABLE_INSTRUCTIONS": mkl[level],
+    }
+
+
+def hold_torch_to_cap(environ: dict[str, str] | None = None) -> str:
+    """The selected level (IsaError for a bad cap); where the cap lowers it, torch's own
+    kernels are held to it too (``torch_caps``, unless their variables are already set), so
+    that a capped run does what a CPU of that level does. Call before torch loads."""
+    env = os.environ if environ is None else environ
+    level = selected_level(env)
+    if level != detected_level():
+        for name, value in torch_caps(level).items():
+            env.setdefault(name, value)
+    return level
 
 
 def _is_x86() -> bool:
