@@ -159,13 +159,17 @@ def embeddings(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]
         print(json.dumps({"kind": "embeddings", "batched_s": round(batched[-1], 3),
                           "one_by_one_s": round(single[-1], 3)}))  # fmt: skip
     tokens = response.json()["usage"]["prompt_tokens"]
-    b, s = statistics.median(batched), statistics.median(single)
+    # Best of the repetitions: on a shared machine a slow run says how busy it was, not how
+    # fast the path is (the medians are printed too).
+    best_b, best_s = min(batched), min(single)
+    median_b, median_s = statistics.median(batched), statistics.median(single)
     return {
         "inputs": args.num_inputs,
         "prompt_tokens": tokens,
-        "batched_inputs_per_s": round(args.num_inputs / b, 1),
-        "one_by_one_inputs_per_s": round(args.num_inputs / s, 1),
-        "speedup": round(s / b, 2),
+        "batched_inputs_per_s": round(args.num_inputs / best_b, 1),
+        "one_by_one_inputs_per_s": round(args.num_inputs / best_s, 1),
+        "speedup_best": round(best_s / best_b, 2),
+        "speedup_median": round(median_s / median_b, 2),
     }
 
 
