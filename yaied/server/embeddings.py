@@ -66,7 +66,11 @@ def _parse(body: dict[str, Any]) -> tuple[list[str | list[int]], str, str]:
 
 
 def _jobs(
-    engine: EngineManager, inputs: list[str | list[int]], pooling: str, key: str, limits: Any
+    engine: EngineManager,
+    inputs: list[str | list[int]],
+    pooling: str,
+    key: str,
+    limits: RequestLimits,
 ) -> list[Job]:
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
     jobs = []

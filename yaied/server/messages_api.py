@@ -13,6 +13,7 @@ Anthropic's ``input_tokens`` excludes the prompt tokens read from the cache, whi
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from yaied.server.admission import request_size
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
 from yaied.server.body import read_json
@@ -49,14 +51,16 @@ async def count_tokens(request: Request) -> Response:
     req = parse_anthropic(await read_json(request), count_only=True)
     server.check_model(req.parsed.model)
     parsed, chat = req.parsed, server.chat_settings(engine)
-    try:
-        ids, _ = engine.inputs.chat_prompt(
-            parsed.messages,
-            server.config.chat_template,
-            template_kwargs=parsed.chat_template_kwargs,
-            tools=parsed.tools.definitions() or None,
-            tool_format=chat.tool_format,
-        )
+    render = functools.partial(
+        engine.inputs.chat_prompt,
+        parsed.messages,
+        server.config.chat_template,
+        template_kwargs=parsed.chat_template_kwargs,
+        tools=parsed.tools.definitions() or None,
+        tool_format=chat.tool_format,
+    )
+    try:  # a large conversation renders in the CPU thread, as the generation endpoints do
+        ids, _ = await server.off_loop(request_size(parsed), render)
     except ValueError as exc:
         raise from_value_error(exc) from None
     return json_response({"input_tokens": len(ids)})
