@@ -66,3 +66,15 @@ def test_a_thousand_chained_turns_stay_within_the_bound(app):
     assert store.num_evicted > 900
     # the peak RSS after the first few hundred turns does not keep climbing
     assert rss[-1] - rss[2] < 64 * 1024, rss  # KiB
+
+
+def test_a_chain_is_one_session_in_the_router(app):
+    """Every turn of a chain carries the chain's first id (in the key's namespace) as its
+    session: what the router pins long calls by."""
+    first = turn(app, None, "Hello")
+    second = turn(app, first["id"], "And then?")
+    third = turn(app, second["id"], "And after that?")
+    manager = app.app.state.server.manager
+    calls = manager.lifecycle.by_session(f"alice:{first['id']}")
+    assert len(calls) == 3, [c.session_id for c in manager.lifecycle.live()]
+    assert third["usage"]["input_tokens_details"]["cached_tokens"] > 0
