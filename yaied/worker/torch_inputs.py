@@ -146,6 +146,9 @@ class TorchInputBuilder:
                     counts_t.repeat_interleave(lengths_t, output_size=num_rows),
                     pages_t,
                     pos_t,
+                    # Decodes and speculative verification rows only, of output positions:
+                    # the decode loop may run the step (its rows are the few-row kernel's)
+                    not chunks and all(s.sample and s.num_output_tokens for s in seqs),
                 )
                 if self.decode_kernel
                 else None
@@ -180,6 +183,7 @@ class TorchInputBuilder:
         num_pages: torch.Tensor,
         pages: torch.Tensor,
         positions: torch.Tensor,
+        output_decodes: bool = False,
     ) -> KernelDecodes | None:
         """The decode kernel's inputs for rows [0, count): page_start, num_pages and positions
         are per row (a drafted sequence's rows share its page table), pages is every page table,
@@ -196,6 +200,7 @@ class TorchInputBuilder:
             page_table=table,
             context_lens=positions[:count] + 1,
             step=self.decode_kernel.step,
+            output_decodes=output_decodes,
         )
 
     def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:
