@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
+from yaied.core.metric_names import restarts_key
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent
 from yaied.core.step import Batch, StepOutput
@@ -264,7 +265,7 @@ class AsyncEngine(Recovery, OutputPhase):
             "structured_output_masked_steps": self.masks.steps,
         }
         for reason, count in self.restarts.items():
-            stats[f"engine_restarts_{reason}"] = count
+            stats[restarts_key(reason)] = count
         return stats
 
     def progressing(self) -> bool:
