@@ -155,8 +155,14 @@ def test_cancel_request_and_cancel_session_end_streams_with_abort(cluster):
     headers = [{"X-Session-Id": "doomed", "X-Request-Id": f"doomed-{i}"} for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(stream_chunks, url, body(1000), h) for h in headers]
-        wait_for(lambda: manager_of(router).num_requests_in_flight == 3)
-        time.sleep(0.2)  # every stream is running
+        lifecycle = manager_of(router).lifecycle
+        wait_for(  # every stream is running: its first event has reached the router
+            lambda: all(
+                [r.started_at is not None for r in lifecycle.by_client_id(h["X-Request-Id"])]
+                == [True]
+                for h in headers
+            )
+        )
         response = httpx.post(url + "/v1/sessions/doomed/cancel", timeout=10)
         assert response.json()["cancelled"] == 3
         results = [f.result(timeout=30) for f in futures]
