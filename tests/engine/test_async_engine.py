@@ -29,9 +29,9 @@ def engine(tiny_model_dirs):
 
 def all_pages_free(engine: AsyncEngine) -> bool:
     """No request holds a page: each is free or cached and unused (evictable)."""
-    pool, tree = engine.pool, engine.kv.tree
+    pool, tree = engine.pool, engine.cache.tree
     nothing_leaked = pool.num_free + tree.num_cached_pages == pool.num_pages
-    return nothing_leaked and engine.kv.num_free_pages == pool.num_pages
+    return nothing_leaked and engine.cache.num_free_pages == pool.num_pages
 
 
 async def collect(engine, prompt, **kwargs):

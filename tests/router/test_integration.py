@@ -135,7 +135,7 @@ def test_a_long_session_stays_on_its_engine_and_hits_its_cache(cluster):
         prompt = prompt + [7] * 8 + list(range(10, 30))  # the next turn extends the context
     assert len(set(engines)) == 1, engines
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
-    assert manager_of(router).kv.session_hit_rate("long-session") > 0
+    assert manager_of(router).coordinator.session_hit_rate("long-session") > 0
 
 
 def test_cancel_request_and_cancel_session_end_streams_with_abort(cluster):

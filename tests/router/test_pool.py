@@ -74,7 +74,7 @@ async def test_drain_finishes_in_flight_calls_sends_new_ones_elsewhere_and_relea
     running = await manager.submit_request(prompt=[1], sampling_params=params(30))
     manager.drain_engine(pinned)
     assert manager.engine_state(pinned) == "draining"
-    assert manager.kv.pin_of("s") is None  # the session's next call goes elsewhere
+    assert manager.coordinator.pin_of("s") is None  # the session's next call goes elsewhere
     later = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(3)]
     turn = await manager.submit_request(session_id="s", prompt=long_prompt)
     assert {h.engine_id for h in [*later, turn]} == {"1" if pinned == "0" else "0"}
