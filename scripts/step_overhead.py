@@ -110,7 +110,7 @@ def _mark_native(runner) -> None:
     if ops is not None:
         for name in ("add_rms_norm", "rotary", "silu_mul"):
             setattr(ops, name, marked(getattr(ops, name)))
-    inputs = runner.inputs  # the step's attention metadata carries the kernels it holds
+    inputs = runner.packer  # the step's attention metadata carries the kernels it holds
     if inputs.prefill_kernel is not None:
         inputs.prefill_kernel = marked(inputs.prefill_kernel)
     kernel = inputs.decode_kernel

@@ -26,7 +26,7 @@ import yaied.llm, yaied.engine, yaied.kernels, yaied.kernels.cpu_decode
 import yaied.kernels.cpu_prefill, yaied.kernels.cpu_fused
 if importlib.util.find_spec("triton") is not None:
     import yaied.kernels.triton_decode, yaied.kernels.triton_extend, yaied.kernels.triton_store_kv
-    import yaied.worker.gpu_inputs, yaied.worker.cuda_graphs
+    import yaied.worker.gpu_packing, yaied.worker.cuda_graphs
 sys.path.insert(0, {scripts!r})
 import bench_offline, decode_step, single_stream, hf_baseline
 print("ok")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from tests.waiting import async_wait_until
 from yaied.systemd_notify import SystemdNotifier
 
 
@@ -44,11 +45,18 @@ async def test_watchdog_is_fed_only_while_alive(tmp_path):
     alive = [True]
     notifier = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "40000"})
     task = asyncio.create_task(notifier.feed_watchdog(lambda: alive[0]))
-    await asyncio.sleep(0.1)
-    fed = _drain(sock)
+    fed = 0
+
+    def fed_twice() -> bool:
+        nonlocal fed
+        fed += _drain(sock)
+        return fed >= 2
+
+    await async_wait_until(fed_twice, timeout=10, what="two watchdog feeds")
     alive[0] = False
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # a feed already under way when the engine stopped
     _drain(sock)
+    # An absence, so a window rather than a condition: no feed in five watchdog periods.
     await asyncio.sleep(0.1)
     starved = _drain(sock)
     task.cancel()

@@ -348,7 +348,7 @@ class FuzzWorld:
             self.discard_engine()
             engine = self.engine
         if not self.setup.carry_cache:
-            engine.kv.tree.reset()
+            engine.cache.tree.reset()
         engine.worker.runner.generator.manual_seed(engine.config.model.seed)
         self.errors.records.clear()
         return engine
@@ -368,7 +368,7 @@ class FuzzWorld:
 
 def idle_and_whole(engine: AsyncEngine) -> bool:
     """No stream open, no request known, every page free or cached and unlocked."""
-    pool, tree = engine.pool, engine.kv.tree
+    pool, tree = engine.pool, engine.cache.tree
     return (
         not engine._streams
         and not engine._inbox
@@ -1008,7 +1008,7 @@ def check_pages(engine: AsyncEngine, fail) -> None:
     The tree is well formed, its counters are right, each node's lock count is the number of
     running requests locking it or a node below it, and every running request's shared pages
     are the tree's pages for its own tokens."""
-    pool, tree, scheduler = engine.pool, engine.kv.tree, engine.scheduler
+    pool, tree, scheduler = engine.pool, engine.cache.tree, engine.scheduler
     size = pool.page_size
     owner: dict[int, str] = {}
 

@@ -29,9 +29,9 @@ def engine(tiny_model_dirs):
 
 def all_pages_free(engine: AsyncEngine) -> bool:
     """No request holds a page: each is free or cached and unused (evictable)."""
-    pool, tree = engine.pool, engine.kv.tree
+    pool, tree = engine.pool, engine.cache.tree
     nothing_leaked = pool.num_free + tree.num_cached_pages == pool.num_pages
-    return nothing_leaked and engine.kv.num_free_pages == pool.num_pages
+    return nothing_leaked and engine.cache.num_free_pages == pool.num_pages
 
 
 async def collect(engine, prompt, **kwargs):
@@ -66,13 +66,20 @@ async def test_closing_the_stream_aborts_and_frees_pages(engine):
 
 
 async def test_abort_by_id_sends_a_final_abort_event(engine):
+    started = asyncio.Event()
+
     async def consume():
-        return await collect(
-            engine, [5] * 20, request_id="r-abort", max_tokens=500, temperature=0.0, ignore_eos=True
+        events = []
+        stream = engine.generate(
+            [5] * 20, request_id="r-abort", max_tokens=500, temperature=0.0, ignore_eos=True
         )
+        async for event in stream:
+            events.append(event)
+            started.set()  # the request is in the engine: the abort has something to stop
+        return events
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(started.wait(), 10)
     engine.abort("r-abort")
     events = await asyncio.wait_for(task, 10)
     assert events[-1].finish_reason is FinishReason.ABORT
@@ -96,7 +103,21 @@ async def test_random_sampling_runs_beside_greedy(engine):
     results = await asyncio.gather(
         *(collect(engine, [1, 2, 3], max_tokens=6, ignore_eos=True, **p) for p in params)
     )
-    assert all(len([t for e in r for t in e.token_ids]) == 6 for r in results)
+    sampled, greedy = ([t for e in r for t in e.token_ids] for r in results)
+    assert len(sampled) == 6
+    # The sampled row beside it changes nothing of the greedy row's tokens.
+    alone = await collect(engine, [1, 2, 3], max_tokens=6, ignore_eos=True, temperature=0.0)
+    assert greedy == [t for e in alone for t in e.token_ids]
+
+
+async def test_stats_report_every_name_in_the_table(engine):
+    """The server and a router read core/metric_names.py; the engine must report those keys (the
+    KV usage the server derives from num_free_pages / num_pages)."""
+    from yaied.core.metric_names import ENGINE_COUNTERS, ENGINE_GAUGES
+
+    stats = engine.stats()
+    assert {*ENGINE_COUNTERS, *ENGINE_GAUGES} - {"kv_cache_usage_perc"} <= stats.keys()
+    assert {"num_free_pages", "num_pages"} <= stats.keys()
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ def final(got: list[TokenEvent]) -> TokenEvent:
 
 
 def idle_and_whole(engine: AsyncEngine) -> bool:
-    pool, tree = engine.pool, engine.kv.tree
+    pool, tree = engine.pool, engine.cache.tree
     check_invariants(engine.scheduler, len(engine._streams), len(engine._inbox))
     return pool.num_free + tree.num_cached_pages == pool.num_pages and not engine._streams
 
@@ -157,7 +157,7 @@ def test_a_non_finite_prefill_chunk_is_never_cached(engine):
     run(engine)
     runner.execute = execute
     assert "non-finite" in final(events(bad)).error
-    assert engine.kv.tree.num_cached_pages == 0
+    assert engine.cache.tree.num_cached_pages == 0
     good = submit(engine, prompt, request_id="good", **PLAIN)
     run(engine)
     got = events(good)

@@ -65,8 +65,8 @@ def make(policy: str, *, num_pages: int = 64, max_seqs: int = 8, **knobs) -> Sch
     config = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=64, policy=policy, **knobs
     )
-    kv = KVCacheManager(PagePool(num_pages, 4), enable_prefix_caching=True)
-    return Scheduler(config, kv, 4096, clock=lambda: 0.0)
+    cache = KVCacheManager(PagePool(num_pages, 4), enable_prefix_caching=True)
+    return Scheduler(config, cache, 4096, clock=lambda: 0.0)
 
 
 def req(rid: str, prompt: int, max_tokens: int = 4, **kwargs) -> Request:
@@ -123,7 +123,7 @@ def test_plas_preempts_a_lower_queue_call_when_pages_run_out():
     scheduler.add(new)
     assert "new" in run_step(scheduler)
     assert hog.status is RequestStatus.WAITING and scheduler.num_preemptions == 1
-    assert scheduler.kv.tree.num_cached_pages == 4 + 3  # hog's first 4 pages, new's 3
+    assert scheduler.cache.tree.num_cached_pages == 4 + 3  # hog's first 4 pages, new's 3
     while scheduler.has_work:
         run_step(scheduler)
     assert hog.num_cached_tokens == 16  # it resumed from its cached prefix

@@ -16,8 +16,8 @@ from yaied.engine.scheduler import Scheduler
 def make(num_pages=64, page_size=4, budget=32, max_seqs=8, max_len=1024, caching=False):
     pool = PagePool(num_pages, page_size)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
-    kv = KVCacheManager(pool, enable_prefix_caching=caching)
-    return Scheduler(config, kv, max_len), pool
+    cache = KVCacheManager(pool, enable_prefix_caching=caching)
+    return Scheduler(config, cache, max_len), pool
 
 
 def request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
@@ -141,7 +141,7 @@ def test_a_later_request_starts_from_the_cached_prefix():
     assert b.num_cached_tokens == 12
     assert [(s.start_pos, len(s.token_ids)) for s in batch.seqs] == [(12, 3)]
     run_to_end(scheduler)
-    assert scheduler.kv.num_queried_tokens == 14 + 15 and scheduler.kv.num_hit_tokens == 12
+    assert scheduler.cache.num_queried_tokens == 14 + 15 and scheduler.cache.num_hit_tokens == 12
 
 
 def test_chunks_of_a_running_prefill_are_shared_at_once():
@@ -176,7 +176,7 @@ def test_a_prefix_being_prefilled_is_waited_for_not_computed_twice():
     step(scheduler)
     assert second.status is RequestStatus.RUNNING and second.num_cached_tokens == 16
     run_to_end(scheduler)
-    assert scheduler.kv.num_hit_tokens == 16
+    assert scheduler.cache.num_hit_tokens == 16
 
 
 def test_disabled_cache_never_hits():
@@ -185,7 +185,7 @@ def test_disabled_cache_never_hits():
     for name in "ab":
         scheduler.add(Request(name, list(range(1, 20)), params))
         run_to_end(scheduler)
-    assert scheduler.kv.num_hit_tokens == 0 and scheduler.kv.tree.num_cached_pages == 0
+    assert scheduler.cache.num_hit_tokens == 0 and scheduler.cache.tree.num_cached_pages == 0
 
 
 def test_preempted_request_resumes_from_its_cached_pages():
@@ -202,4 +202,4 @@ def test_preempted_request_resumes_from_its_cached_pages():
             resumed_from = resumed_from or new.num_cached_tokens
     assert scheduler.num_preemptions >= 1
     assert resumed_from and resumed_from >= 8  # its prompt pages came back from the cache
-    assert pool.num_free + scheduler.kv.tree.num_cached_pages == pool.num_pages
+    assert pool.num_free + scheduler.cache.tree.num_cached_pages == pool.num_pages

@@ -64,7 +64,7 @@ def test_every_program_finishes_and_every_page_comes_back():
     result = sim.run(programs)
     assert sorted(p.program_id for p in result.programs) == sorted(p.program_id for p in programs)
     assert len(result.calls) == sum(p.num_calls for p in programs)
-    pool, tree = sim.scheduler.pool, sim.scheduler.kv.tree
+    pool, tree = sim.scheduler.pool, sim.scheduler.cache.tree
     assert pool.num_free + tree.num_cached_pages == pool.num_pages
     # Later calls extend their program's context, so they start from cached prefixes.
     assert result.num_prefix_hit_tokens > 0

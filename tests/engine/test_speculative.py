@@ -42,9 +42,9 @@ def test_ngram_drafts_ignore_matches_across_token_boundaries():
 
 def make(num_pages=64, page_size=4, budget=32, spec=SPEC, max_len=1024):
     pool = PagePool(num_pages, page_size)
-    kv = KVCacheManager(pool, enable_prefix_caching=True)
+    cache = KVCacheManager(pool, enable_prefix_caching=True)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget)
-    return Scheduler(config, kv, max_len, speculative=spec), pool
+    return Scheduler(config, cache, max_len, speculative=spec), pool
 
 
 def copying_request(rid: str = "a", max_tokens: int = 32, **params) -> Request:
@@ -113,7 +113,7 @@ def test_a_stop_inside_the_accepted_drafts_ends_the_output_there(params, accepte
     scheduler.update(batch, StepOutput([77], num_accepted_drafts=[min(accepted, num_drafts)]))
     assert request.output_token_ids == output
     assert request.finish_reason is reason and request.status is RequestStatus.FINISHED
-    assert pool.num_free + scheduler.kv.tree.num_evictable_pages == pool.num_pages
+    assert pool.num_free + scheduler.cache.tree.num_evictable_pages == pool.num_pages
 
 
 def test_finish_drops_the_tokens_after_a_stop_string():

@@ -54,7 +54,7 @@ async def test_add_then_drain_and_remove_the_first_engine_under_load(tiny_model_
             session_id="kv", prompt=context, sampling_params=SamplingParams(max_tokens=4, **greedy)
         )
         assert (await turn.result()).finish_reason is FinishReason.LENGTH
-        assert turn.engine_id == "0" and manager.kv.pin_of("kv") == "0"
+        assert turn.engine_id == "0" and manager.coordinator.pin_of("kv") == "0"
 
         second = manager.add_engine(EngineEntry(device="cpu", threads=1, name="second"))
         assert manager.engine_state(second) == "starting"

@@ -124,7 +124,7 @@ async def test_a_long_session_stays_on_its_engine():
         session_id="s", prompt=long_prompt, sampling_params=params()
     )
     assert first.engine_id == second.engine_id
-    assert manager.kv.pin_of("s") == first.engine_id
+    assert manager.coordinator.pin_of("s") == first.engine_id
     for handle in busy:
         await handle.cancel()
     await asyncio.gather(first.result(), second.result(), *(h.result() for h in busy))
@@ -165,11 +165,11 @@ async def test_a_lost_engine_retries_unstreamed_calls_and_fails_streamed_ones():
     manager, (e0, e1) = await started(long_call_threshold=1)
     e0.die_after = 0  # dies before its first token
     retried = await manager.submit_request(session_id="s", prompt=[1, 2], sampling_params=params())
-    assert retried.engine_id == "0" and manager.kv.pin_of("s") == "0"
+    assert retried.engine_id == "0" and manager.coordinator.pin_of("s") == "0"
     out = await retried.result()
     assert out.finish_reason is FinishReason.LENGTH and retried.engine_id == "1"
     assert manager.lifecycle.get(retried.request_id).engine_id == "1"
-    assert manager.kv.pin_of("s") == "1"  # the dead engine's pin went; the retry pinned anew
+    assert manager.coordinator.pin_of("s") == "1"  # the dead one's pin went; pinned anew
     e1.die_after = 2  # dies mid-stream
     e0.health = Health.DOWN
     failed = await manager.submit_request(prompt=[1], sampling_params=params())

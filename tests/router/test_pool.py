@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from tests.router.test_manager import FakeEngine, params, started
+from tests.waiting import async_wait_until
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason
 from yaied.engine.inputs import InputProcessor
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import Health
+from yaied.router.lifecycle import CallState
 from yaied.router.manager import EngineManager
 from yaied.router.pool import entry_names
 
@@ -72,7 +74,7 @@ async def test_drain_finishes_in_flight_calls_sends_new_ones_elsewhere_and_relea
     running = await manager.submit_request(prompt=[1], sampling_params=params(30))
     manager.drain_engine(pinned)
     assert manager.engine_state(pinned) == "draining"
-    assert manager.kv.pin_of("s") is None  # the session's next call goes elsewhere
+    assert manager.coordinator.pin_of("s") is None  # the session's next call goes elsewhere
     later = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(3)]
     turn = await manager.submit_request(session_id="s", prompt=long_prompt)
     assert {h.engine_id for h in [*later, turn]} == {"1" if pinned == "0" else "0"}
@@ -112,7 +114,11 @@ async def test_calls_left_at_the_timeout_are_retried_or_ended_with_an_error():
     engines[0].tick = 0.05
     streaming = await manager.submit_request(prompt=[1], sampling_params=params(200))
     assert streaming.engine_id == "0"
-    await asyncio.sleep(0.12)  # it has streamed a token or two
+    await async_wait_until(  # it has streamed a token: no retry elsewhere for it
+        lambda: manager.lifecycle.get(streaming.request_id).state is CallState.RUNNING,
+        timeout=10,
+        what="the first token",
+    )
     waiting = await manager.submit_request(prompt=[1], sampling_params=params(5))
     assert waiting.engine_id == "1"
     engines[1].health = Health.STARTING  # engine 1 takes nothing for now

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.server.conftest import engine_loader, start_server, stop_server
+from tests.waiting import wait_until
 from yaied.server.config import ServerConfig
 
 BODY = {"model": "tiny", "max_tokens": 8, "temperature": 0}
@@ -157,7 +158,13 @@ def test_a_slow_sse_reader_does_not_stall_other_streams(tiny):
     slow_body = {**BODY, "prompt": [20, 21], "max_tokens": 1000, "ignore_eos": True}
     slow = open_unread_stream(tiny.url, {**slow_body, "stream": True, "logprobs": 20})
     try:
-        time.sleep(0.5)  # let it generate and fill every buffer on the way
+        # Let it generate and fill every buffer on the way: 300 tokens are some 450 kB of SSE.
+        manager = tiny.server.config.app.state.server.manager
+        wait_until(
+            lambda: any(c.num_output_tokens >= 300 for c in list(manager._calls.values())),
+            timeout=30,
+            what="the slow stream's first 300 tokens",
+        )
         start = time.monotonic()
         for i in range(3):
             fast = post(tiny.url, {**BODY, "prompt": [30 + i], "max_tokens": 20, "stream": True})
@@ -228,8 +235,14 @@ def test_a_hung_step_kills_the_engine_turns_health_to_503_and_starves_the_watchd
     server = start_server(ServerConfig(served_model_name="tiny"), loader, "ignored")
     try:
         assert post(server.url, {**BODY, "prompt": [1, 2]}).status_code == 200
-        time.sleep(0.2)
-        assert _watchdog_count(sock) >= 2
+        fed = 0
+
+        def fed_twice() -> bool:
+            nonlocal fed
+            fed += _watchdog_count(sock)
+            return fed >= 2
+
+        wait_until(fed_twice, timeout=10, what="two watchdog feeds")
 
         engine = server.server.config.app.state.server.engine
         engine.worker.fault_hook = lambda batch: time.sleep(3)  # a step that hangs
@@ -242,6 +255,7 @@ def test_a_hung_step_kills_the_engine_turns_health_to_503_and_starves_the_watchd
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
         time.sleep(0.05)
         _watchdog_count(sock)  # a feed already in flight when the loop died
+        # An absence, so a window, not a condition: no feed in 12 watchdog periods.
         time.sleep(0.3)
         assert _watchdog_count(sock) == 0
     finally:
@@ -257,7 +271,8 @@ def test_a_client_leaving_mid_upload_is_not_a_server_error(tiny, caplog):
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b'Content-Length: 1000\r\n\r\n{"prompt": [1, 2'
         )
-        time.sleep(0.2)
+        time.sleep(0.2)  # the handler is reading the body when the client goes
+    # An absence (no error logged), so a window rather than a condition to wait on.
     time.sleep(0.3)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert post(tiny.url, {**BODY, "prompt": [1, 2]}).status_code == 200

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from tests.server.conftest import engine_loader, start_server, stop_server
+from tests.waiting import wait_until
 from yaied.server.config import ServerConfig
 
 ALICE = {"Authorization": "Bearer sk-alice"}
@@ -51,6 +52,15 @@ def manager_of(live):
     return live.server.config.app.state.server.manager
 
 
+def wait_in_flight(live, count: int = 1) -> None:
+    """Until the router holds `count` requests: a stream started in a thread is under way."""
+    wait_until(
+        lambda: manager_of(live).num_requests_in_flight >= count,
+        timeout=20,
+        what=f"{count} requests in flight",
+    )
+
+
 def wait_idle(live, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while manager_of(live).num_requests_in_flight and time.monotonic() < deadline:
@@ -74,7 +84,7 @@ def test_amplification_body_is_refused_at_once_while_a_stream_flows(hostile):
     url = hostile.v1 + "/completions"
     with ThreadPoolExecutor(1) as pool:
         flowing = pool.submit(stream_times, url, LONG, ALICE)
-        time.sleep(0.3)
+        wait_in_flight(hostile)
         amplified = {"prompt": [[1, 2, 3]] * 5000, "n": 128, "max_tokens": 16}
         start = time.monotonic()
         r = httpx.post(url, json=amplified, headers=ALICE, timeout=30)
@@ -119,7 +129,7 @@ def test_non_ascii_user_works_end_to_end(hostile):
     long = {**LONG, "max_tokens": 1000, "user": NON_ASCII_USER}
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(stream_times, url, long, ALICE)
-        time.sleep(0.5)
+        wait_in_flight(hostile)
         cancel = hostile.v1 + "/sessions/" + quote(NON_ASCII_USER, safe="") + "/cancel"
         assert httpx.post(cancel, headers=ALICE).json()["cancelled"] == 1
         assert running.result()[1] == "abort"
@@ -142,7 +152,7 @@ def test_one_key_cannot_cancel_or_join_another_keys_work(hostile):
     ids = {"X-Request-Id": "shared", "X-Session-Id": "sess"}
     with ThreadPoolExecutor(1) as pool:
         bobs = pool.submit(stream_times, url, {**LONG, "max_tokens": 300}, {**BOB, **ids})
-        time.sleep(0.3)
+        wait_in_flight(hostile)
         # To alice, bob's request and session are absent.
         r = httpx.post(hostile.v1 + "/requests/shared/cancel", headers=ALICE)
         assert r.status_code == 404
@@ -153,8 +163,9 @@ def test_one_key_cannot_cancel_or_join_another_keys_work(hostile):
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "key_in_flight_limit"
         assert bobs.result()[1] == "length"  # alice changed nothing
+        wait_idle(hostile)  # so that the count below is the next request's
         bobs = pool.submit(stream_times, url, {**LONG, "max_tokens": 1000}, {**BOB, **ids})
-        time.sleep(0.3)
+        wait_in_flight(hostile)
         assert httpx.post(hostile.v1 + "/requests/shared/cancel", headers=BOB).json()["cancelled"]
         assert bobs.result()[1] == "abort"
     wait_idle(hostile)
@@ -228,7 +239,7 @@ def test_slow_body_gets_408_and_a_client_that_stops_reading_is_cut_off(hostile, 
     )
     sock.sendall(head.encode() + body)
     try:
-        time.sleep(0.5)
+        wait_in_flight(hostile, 32)
         assert manager_of(hostile).num_requests_in_flight == 32
         wait_idle(hostile, timeout=15)
         assert "client stopped reading" in caplog.text

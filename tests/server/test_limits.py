@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import engine_loader, start_server, stop_server
+from yaied.kernels.cpu_isa import selected_level
 from yaied.server.config import ServerConfig
 from yaied.server.errors import APIError
 
@@ -35,7 +36,11 @@ def test_api_keys(tiny):
     r = httpx.post(tiny.v1 + "/completions", json=body, headers=KEY)
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     assert r.json()["choices"][0]["text"] == ""  # no tokenizer: tokens only
-    assert httpx.get(tiny.url + "/health").status_code == 200  # probes need no key
+    health = httpx.get(tiny.url + "/health")  # probes need no key
+    assert health.status_code == 200
+    # which code runs: the CPU kernels' ISA level (yaied/kernels/cpu_isa.py) and the dtypes
+    assert health.json()["status"] == "ok" and health.json()["device"] == "cpu"
+    assert health.json()["cpu_isa"] == selected_level() and health.json()["weight_dtype"]
     r = httpx.post(
         tiny.v1 + "/chat/completions", json={"messages": [{"role": "user"}]}, headers=KEY
     )

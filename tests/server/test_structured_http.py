@@ -20,6 +20,7 @@ import pytest
 
 from tests.server.conftest import MODEL, LiveServer
 from tests.structured.schemas import SCHEMA_CASES, example_messages
+from tests.waiting import wait_until
 from yaied.structured import GrammarCompiler
 
 pytestmark = pytest.mark.timeout(180)
@@ -166,6 +167,7 @@ def test_a_client_gone_while_its_grammar_compiles_starts_nothing(live, slow_comp
         client_id = f"gone-while-compiling-{stream}"
         regex = f"[d-f]{{{5 + stream}}}"
         body = {"prompt": "x", "max_tokens": 4, "guided_regex": regex, "stream": stream}
+        compiled = len(grammars._compiler._cache) if grammars._compiler is not None else 0
         with pytest.raises(httpx.ReadTimeout):  # the client leaves after 0.3 s
             httpx.post(
                 live.v1 + "/completions",
@@ -173,7 +175,18 @@ def test_a_client_gone_while_its_grammar_compiles_starts_nothing(live, slow_comp
                 headers={"X-Request-Id": client_id},
                 timeout=httpx.Timeout(5.0, read=0.3),
             )
-        time.sleep(1.5)  # the compile (already running, so not dropped) ends in the cache
+        # The compile (already running, so not dropped) ends in the cache; the handler resumes
+        # on the loop's next turn, which a round trip through the server has passed.
+        wait_until(
+            lambda compiled=compiled: (
+                grammars._compiler is not None
+                and len(grammars._compiler._cache) > compiled
+                and not grammars._compiler._inflight
+            ),
+            timeout=30,
+            what="the compile to end in the cache",
+        )
+        assert httpx.get(live.url + "/health", timeout=10).status_code == 200
         assert manager.lifecycle.by_client_id(client_id) == []
         assert not grammars._compiler._inflight
     assert manager.num_requests_in_flight == 0
@@ -244,8 +257,13 @@ def test_compiles_run_off_the_event_loop(live, slow_compiles):
             "timeout": 60,
         },
     )
+    grammars = manager_of(live).inputs.grammars
     slow.start()
-    time.sleep(0.2)
+    wait_until(  # the compiler is built by the first constrained request
+        lambda: grammars._compiler is not None and grammars._compiler._inflight,
+        timeout=30,
+        what="the slow compile to start",
+    )
     start = time.monotonic()
     assert httpx.get(live.url + "/health").status_code == 200
     assert time.monotonic() - start < 0.5

@@ -63,7 +63,7 @@ def test_logits_match_transformers(pair):
     pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
     try:
         seq = ScheduledSeq("x", prompt, 0, pages, True, SamplingParams(temperature=0.0))
-        prep = runner.inputs.build([seq])
+        prep = runner.packer.build([seq])
         with torch.inference_mode():
             hidden = runner.model(prep.input_ids, prep.positions, runner.kv_caches, prep.meta)
             ours = runner.model.compute_logits(hidden[prep.sample_rows])[0]

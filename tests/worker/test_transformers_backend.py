@@ -193,7 +193,7 @@ def check_prefill_logits(llm: LLM, reference, prompt: list[int]) -> None:
     pages = llm.engine.pool.allocate(llm.engine.pool.pages_for(len(prompt)))
     try:
         seq = ScheduledSeq("x", prompt, 0, pages, True, SamplingParams(temperature=0.0))
-        prepared = runner.inputs.build([seq])
+        prepared = runner.packer.build([seq])
         with torch.inference_mode():
             hidden = runner.model(
                 prepared.input_ids, prepared.positions, runner.kv_caches, prepared.meta

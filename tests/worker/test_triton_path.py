@@ -89,7 +89,7 @@ def test_padding_rows_write_and_change_nothing(triton_llm):
 
 
 def test_host_staging_uploads_sections_in_one_buffer():
-    from yaied.worker.gpu_inputs import HostStaging
+    from yaied.worker.gpu_packing import HostStaging
 
     staging = HostStaging(torch.device("cpu"))
     with torch.inference_mode():
@@ -107,7 +107,7 @@ def test_host_staging_uploads_sections_in_one_buffer():
 def test_host_staging_waits_for_the_last_copy_before_rewriting():
     """On a GPU the copy out of the pinned buffer is asynchronous and a step need not end with a
     sync (an empty tensor's copy back does not sync), so the next upload waits on its event."""
-    from yaied.worker.gpu_inputs import HostStaging
+    from yaied.worker.gpu_packing import HostStaging
 
     seen = []
 

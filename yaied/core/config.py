@@ -22,7 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str = "smollm2-135m-instruct"  # HF folder, .gguf file, or the embedded default's name
-    dtype: str = "auto"  # auto = bfloat16 (faster on this class of CPU and on GPUs)
+    dtype: str = "auto"  # bf16 on GPUs and bf16-dot CPUs, else fp32 math over bf16 weights
     load_format: str = "auto"  # auto | dummy (random weights from the config, no tokenizer)
     max_model_len: int = 0  # 0 = the model's own context length
     model_impl: str = "auto"  # auto (native first) | native | transformers (its classes, our cache)

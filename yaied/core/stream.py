@@ -21,8 +21,20 @@ from yaied.core.request import TokenEvent
 
 K = TypeVar("K")
 
-# Called with each event of one call, on the event loop: must be cheap and must not raise.
+# Called with each event of one call, on the event loop: must be cheap and must not raise. One
+# call's events pass through a chain of these, each hop a plain call (no queue until the last):
+#   engine  OutputPhase -> RequestStream.sink              (engine/output.py)
+#   router  handle -> CallSink.deliver = the manager's _deliver (lifecycle, KV coordinator)
+#           -> Call.sink                                    (router/handle.py, router/manager.py)
+#   server  Call.sink = _JobSink (metrics, the log line) -> EventStream.sink(key), the queue the
+#           response reads                                  (server/serving.py, below)
 EventSink = Callable[[TokenEvent], None]
+# Told, instead of a final event, that the engine serving a call was lost (the reason).
+LostSink = Callable[[str], None]
+# One engine step's size in tokens (AsyncEngine.step_observer); a router handle tags it with its
+# engine id (StepObserver) for the server's iteration_tokens histogram.
+StepSizeSink = Callable[[int], None]
+StepObserver = Callable[[str, int], None]
 
 
 class EventStream(Generic[K]):

@@ -36,10 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
+from yaied.core.metric_names import restarts_key
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent
 from yaied.core.step import Batch, StepOutput
-from yaied.core.stream import EventSink, EventStream
+from yaied.core.stream import EventSink, EventStream, StepSizeSink
 from yaied.engine.faults import RESTART_REASONS, EngineDeadError, check_invariants
 from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
@@ -89,15 +90,15 @@ class AsyncEngine(Recovery, OutputPhase):
         self._last_progress = time.monotonic()  # the last finished step, or when work arrived
         # Told each step's size in tokens (the server's iteration_tokens histogram). It runs in
         # the engine task, so it must be cheap and must not raise.
-        self.step_observer: Callable[[int], None] | None = None
+        self.step_observer: StepSizeSink | None = None
 
     def _new_bookkeeping(self) -> None:
         """A fresh page pool, prefix cache and scheduler: at start, and to recover (level 2)."""
         self.pool = PagePool(self.info.num_pages, self.info.page_size)
-        self.kv = KVCacheManager(
+        self.cache = KVCacheManager(
             self.pool, enable_prefix_caching=self.config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler.for_engine(self.config, self.kv, self.info.max_model_len)
+        self.scheduler = Scheduler.for_engine(self.config, self.cache, self.info.max_model_len)
 
     @property
     def tokenizer(self):
@@ -252,11 +253,11 @@ class AsyncEngine(Recovery, OutputPhase):
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting) + self._num_queued,
             # Cached pages that no running request uses count as free (they are evicted on demand).
-            "num_free_pages": self.kv.num_free_pages,
+            "num_free_pages": self.cache.num_free_pages,
             "num_pages": self.pool.num_pages,
-            "num_cached_pages": self.kv.tree.num_cached_pages,
-            "prefix_cache_queries": self.kv.num_queried_tokens,
-            "prefix_cache_hits": self.kv.num_hit_tokens,
+            "num_cached_pages": self.cache.tree.num_cached_pages,
+            "prefix_cache_queries": self.cache.num_queried_tokens,
+            "prefix_cache_hits": self.cache.num_hit_tokens,
             **self.scheduler.counters(),  # preemptions, speculative drafts
             "num_steps": self.num_steps,
             # Filling and applying grammar masks, over the steps that had a constrained row.
@@ -264,7 +265,7 @@ class AsyncEngine(Recovery, OutputPhase):
             "structured_output_masked_steps": self.masks.steps,
         }
         for reason, count in self.restarts.items():
-            stats[f"engine_restarts_{reason}"] = count
+            stats[restarts_key(reason)] = count
         return stats
 
     def progressing(self) -> bool:

@@ -56,7 +56,7 @@ def check_invariants(scheduler: Scheduler, num_streams: int, num_queued: int) ->
 
         pool.num_pages == free + cached (the tree's) + owned (running requests' own pages)
     """
-    kv = scheduler.kv
+    cache = scheduler.cache
     owned = 0
     for request in scheduler.running:
         if request.prefix_node is None:
@@ -67,13 +67,13 @@ def check_invariants(scheduler: Scheduler, num_streams: int, num_queued: int) ->
     for request in scheduler.waiting:
         if request.page_ids or request.prefix_node is not None:
             raise InvariantError(f"waiting request {request.request_id} holds pages")
-    free, cached, total = kv.pool.num_free, kv.tree.num_cached_pages, kv.pool.num_pages
+    free, cached, total = cache.pool.num_free, cache.tree.num_cached_pages, cache.pool.num_pages
     if free + cached + owned != total:
         raise InvariantError(
             f"KV pages do not add up: {free} free + {cached} cached + {owned} owned by "
             f"running requests != {total}"
         )
-    if kv.tree.num_evictable_pages > cached:
+    if cache.tree.num_evictable_pages > cached:
         raise InvariantError("more evictable pages than cached ones")
     known = len(scheduler.requests)
     if known != len(scheduler.running) + len(scheduler.waiting):

@@ -46,15 +46,15 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv: KVCacheManager,
+        cache: KVCacheManager,
         max_model_len: int,
         *,
         clock: Callable[[], float] = time.monotonic,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
-        self.kv = kv
-        self.pool = kv.pool
+        self.cache = cache
+        self.pool = cache.pool
         self.max_model_len = max_model_len
         self.clock = clock  # a simulator passes its own
         self.policy: QueuePolicy = make_policy(config)
@@ -70,8 +70,10 @@ class Scheduler:
         self.spec = SpecCounters()
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> Scheduler:
-        return cls(config.scheduler, kv, max_model_len, speculative=config.speculative)
+    def for_engine(
+        cls, config: EngineConfig, cache: KVCacheManager, max_model_len: int
+    ) -> Scheduler:
+        return cls(config.scheduler, cache, max_model_len, speculative=config.speculative)
 
     def counters(self) -> dict[str, int]:
         """The scheduler's counters for the engine's stats()."""
@@ -131,7 +133,7 @@ class Scheduler:
         preempts anyone); [] otherwise."""
         assert self.proposer is not None
         drafts = self.proposer.drafts(request, budget)
-        if drafts and not self.kv.reserve(request, 1 + len(drafts)):
+        if drafts and not self.cache.reserve(request, 1 + len(drafts)):
             return []
         return drafts
 
@@ -167,7 +169,7 @@ class Scheduler:
         params = request.params
         every_row = params.prompt_logprobs is not None or params.pooling == "mean"
         scores_prompt = every_row and not request.output_token_ids
-        self.kv.match_prefix(request, lookup=not scores_prompt)
+        self.cache.match_prefix(request, lookup=not scores_prompt)
         if not scores_prompt and self._prefix_being_prefilled(request):
             self._unmatch(request)
             return _DEFERRED
@@ -175,7 +177,7 @@ class Scheduler:
         if not self._reserve_pages(request, n, scheduled, ranks):
             self._unmatch(request)
             return 0
-        self.kv.count_prefix_hit(request)
+        self.cache.count_prefix_hit(request)
         now = self.clock()
         if request.scheduled_time is None:
             request.scheduled_time = now
@@ -189,7 +191,7 @@ class Scheduler:
         """Whether a running request is still prefilling full pages of `request`'s prompt that
         the cache does not hold yet: then waiting a few steps gets them from the cache instead of
         computing them twice. Running requests always advance, so the wait ends."""
-        if not self.kv.enabled:
+        if not self.cache.enabled:
             return False
         size = self.pool.page_size
         tokens = request.all_token_ids
@@ -252,7 +254,7 @@ class Scheduler:
         running request may preempt any of them, itself included (then it returns False); a
         waiting one only those ranked strictly worse, and only under a preemptive policy."""
         waiting = request.status is RequestStatus.WAITING
-        while not self.kv.reserve(request, n):
+        while not self.cache.reserve(request, n):
             if waiting and not self.policy.preemptive:
                 return False
             candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
@@ -265,7 +267,7 @@ class Scheduler:
                 ]
                 # Preempt nobody unless preempting all of them could make room.
                 need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
-                if need > self.kv.num_free_pages + sum(len(r.page_ids) for r in candidates):
+                if need > self.cache.num_free_pages + sum(len(r.page_ids) for r in candidates):
                     return False
             victim = max(candidates, key=lambda r: self._victim_key(r, ranks), default=None)
             if victim is None:
@@ -287,7 +289,7 @@ class Scheduler:
 
     def _unmatch(self, request: Request) -> None:
         """Undo match_prefix for a request that could not be admitted after all."""
-        self.kv.release(request, keep=False)
+        self.cache.release(request, keep=False)
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
 
@@ -295,7 +297,7 @@ class Scheduler:
         """Recompute preemption: the request's computed pages go to the prefix cache, so when it
         is re-admitted it resumes from them (unless they were evicted meanwhile)."""
         self.running.remove(request)
-        self.kv.release(request, keep=True)
+        self.cache.release(request, keep=True)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -329,7 +331,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if len(seq.token_ids) > 1:
-                self.kv.cache(request)  # a prefill chunk's pages serve other requests at once
+                self.cache.cache(request)  # a prefill chunk's pages serve other requests at once
             if token is None:
                 continue
             request.output_token_ids.append(token)
@@ -356,7 +358,7 @@ class Scheduler:
             if reason is not None:
                 break
         request.num_computed_tokens = request.num_tokens - 1
-        self.kv.trim(request)
+        self.cache.trim(request)
         if reason is not None:
             self.finish(request, reason)
 
@@ -394,7 +396,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         # A failed step may have left this request's K/V incomplete: don't cache it then.
-        self.kv.release(request, keep=reason is not FinishReason.ERROR)
+        self.cache.release(request, keep=reason is not FinishReason.ERROR)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

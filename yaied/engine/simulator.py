@@ -116,8 +116,8 @@ class Simulator:
         self.cost = cost or CostModel()
         self.now = 0.0
         pool = PagePool(engine.num_pages, engine.page_size)
-        kv = KVCacheManager(pool, enable_prefix_caching=engine.enable_prefix_caching)
-        self.scheduler = Scheduler(config, kv, engine.max_model_len, clock=lambda: self.now)
+        cache = KVCacheManager(pool, enable_prefix_caching=engine.enable_prefix_caching)
+        self.scheduler = Scheduler(config, cache, engine.max_model_len, clock=lambda: self.now)
         self.rng = random.Random(seed)
         self._arrivals: list[tuple[float, int, Request]] = []
         self._seq = 0
@@ -149,13 +149,13 @@ class Simulator:
             steps += 1
             if steps >= max_steps:
                 raise RuntimeError(f"simulation did not finish within {max_steps} steps")
-        kv = self.scheduler.kv
+        cache = self.scheduler.cache
         return SimResult(
             finished,
             calls,
             steps,
             self.scheduler.num_preemptions,
-            kv.num_hit_tokens,
+            cache.num_hit_tokens,
             self.now,
             busy,
         )

@@ -1,6 +1,6 @@
-/* Linear layer over bf16 weights for a few rows (a decode step's batch): out = x @ w.T (+ bias).
+/* Linear layer over bf16 weights for a few rows (a decode step's batch, up to 8): out = x @ w.T (+ bias).
  *
- * At one to four rows a linear layer is a pass over its weight, so its time is the weight's
+ * At a few rows a linear layer is a pass over its weight, so its time is the weight's
  * bytes over the memory bandwidth. This streams a block of weight rows at a time, each chunk of
  * K loaded once and multiplied into every input row, and splits the output rows across OpenMP
  * threads. Weights are always bf16 (half the bytes of fp32); the activations are either bf16
@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 4
+#define MAX_ROWS 8
 #define MAX_BLOCK 8
 
 /* ---- one vector of fp32 lanes, per level ---- */
@@ -188,11 +188,13 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
 #define BLOCK_2 8
 #define BLOCK_3 4
 #define BLOCK_4 4
+#define BLOCK_5_TO_8 2
 #else
 #define BLOCK_1 8
 #define BLOCK_2 4
 #define BLOCK_3 2
 #define BLOCK_4 2
+#define BLOCK_5_TO_8 1
 #endif
 
 /* One function per (activation type, input rows), with the sizes as literals inside the
@@ -218,6 +220,10 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
     DEFINE_ROWS(T, SUFFIX, BODY, 2, BLOCK_2)                                                    \
     DEFINE_ROWS(T, SUFFIX, BODY, 3, BLOCK_3)                                                    \
     DEFINE_ROWS(T, SUFFIX, BODY, 4, BLOCK_4)                                                    \
+    DEFINE_ROWS(T, SUFFIX, BODY, 5, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, BODY, 6, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, BODY, 7, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, BODY, 8, BLOCK_5_TO_8)                                               \
                                                                                                 \
     /* Returns -1 (and computes nothing) when rows is out of range. */                          \
     int linear_##SUFFIX(const T *x, const uint16_t *w, const T *bias, T *out, int64_t rows,     \
@@ -227,6 +233,10 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
         case 2: rows_##SUFFIX##_2(x, w, bias, out, N, K, threads); return 0;                    \
         case 3: rows_##SUFFIX##_3(x, w, bias, out, N, K, threads); return 0;                    \
         case 4: rows_##SUFFIX##_4(x, w, bias, out, N, K, threads); return 0;                    \
+        case 5: rows_##SUFFIX##_5(x, w, bias, out, N, K, threads); return 0;                    \
+        case 6: rows_##SUFFIX##_6(x, w, bias, out, N, K, threads); return 0;                    \
+        case 7: rows_##SUFFIX##_7(x, w, bias, out, N, K, threads); return 0;                    \
+        case 8: rows_##SUFFIX##_8(x, w, bias, out, N, K, threads); return 0;                    \
         default: return -1;                                                                     \
         }                                                                                       \
     }                                                                                           \

@@ -1,7 +1,7 @@
 """Launcher for the few-row linear kernel over bf16 weights (cpu_gemv.c), whose torch reference
 is F.linear.
 
-A decode step at batch 1 to 4 is a pass over every weight; the kernel streams each weight once
+A decode step of a few rows is a pass over every weight; the kernel streams each weight once
 at near the memory bandwidth, where oneDNN's packed linear reaches about half of it on small
 layers (docs/benchmarks.md), and bf16 weights are half the bytes of fp32 ones. Its activations
 are bf16 (bf16 models) or fp32 (fp32 math over bf16 weights, on CPUs without bf16 dot products:
@@ -19,7 +19,7 @@ import torch
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-MAX_ROWS = 4  # as in cpu_gemv.c
+MAX_ROWS = 8  # as in cpu_gemv.c
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.model_info import ModelInfo
-from yaied.core.request import SamplingParams, TokenEvent
+from yaied.core.request import SamplingParams
+from yaied.core.stream import EventSink, LostSink, StepObserver
 
 if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
@@ -37,11 +38,8 @@ class CallSink:
     """Where a handle sends one call's events, on the event loop: every event to ``deliver``, the
     last with a finish reason; or, if the engine is lost first, one ``lost(reason)`` instead."""
 
-    deliver: Callable[[TokenEvent], None]
-    lost: Callable[[str], None]
-
-
-StepObserver = Callable[[str, int], None]  # (engine id, tokens in one step)
+    deliver: EventSink
+    lost: LostSink
 
 
 class Health(enum.StrEnum):

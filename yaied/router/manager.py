@@ -68,7 +68,7 @@ class EngineManager(ManagerStatus, EnginePool):
         self.engine_config = engine_config  # what local engines run, and the front's model
         self.handles: dict[str, EngineHandle] = {}
         self.lifecycle = LifecycleTracker(ttl_seconds=self.config.lifecycle_ttl_seconds)
-        self.kv = KVCoordinator()
+        self.coordinator = KVCoordinator()
         self.inputs: InputProcessor | None = None  # the front end: tokenize and validate
         self.info: ModelInfo | None = None
         self._calls: dict[str, Call] = {}
@@ -131,7 +131,7 @@ class EngineManager(ManagerStatus, EnginePool):
             task.cancel()
 
     def _engine_lost(self, engine_id: str) -> None:
-        cleared = self.kv.engine_lost(engine_id)
+        cleared = self.coordinator.engine_lost(engine_id)
         log.warning("engine %s lost its cache: %d session pins cleared", engine_id, cleared)
 
     # -- calls ------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class EngineManager(ManagerStatus, EnginePool):
             self.config.policy,
             loads,
             num_prompt_tokens=len(call.prompt_ids),
-            pinned=self.kv.pin_of(call.session_id),
+            pinned=self.coordinator.pin_of(call.session_id),
             thresholds=self.config.thresholds,
             turn=self._turn,
         )
@@ -274,7 +274,7 @@ class EngineManager(ManagerStatus, EnginePool):
         if decision is None:
             return None
         if decision.pin is not None:
-            self.kv.set_pin(call.session_id, decision.pin)
+            self.coordinator.set_pin(call.session_id, decision.pin)
         call.engine_id = decision.engine_id
         self._outstanding[decision.engine_id][call.request_id] = call.num_tokens
         return self.handles[decision.engine_id]
@@ -299,7 +299,7 @@ class EngineManager(ManagerStatus, EnginePool):
                 error=event.error,
             )
             if state is CallState.COMPLETED:
-                self.kv.record(
+                self.coordinator.record(
                     call.session_id,
                     call.engine_id,
                     event.num_prompt_tokens or len(call.prompt_ids),

@@ -98,7 +98,7 @@ class EnginePool:
     handles: dict[str, EngineHandle]
     _outstanding: dict[str, dict[str, int]]
     _calls: dict[str, Call]
-    kv: KVCoordinator
+    coordinator: KVCoordinator
     config: RouterConfig
     engine_config: EngineConfig | None
 
@@ -198,7 +198,7 @@ class EnginePool:
         if entry.draining:
             return
         entry.draining = True
-        cleared = self.kv.engine_lost(engine_id)
+        cleared = self.coordinator.engine_lost(engine_id)
         log.info(
             "engine %s (%s) draining: %d calls in flight, %d session pins released",
             engine_id,
@@ -256,7 +256,7 @@ class EnginePool:
         entry = self.pool.pop(engine_id)
         del self.handles[engine_id]
         del self._outstanding[engine_id]
-        self.kv.engine_lost(engine_id)
+        self.coordinator.engine_lost(engine_id)
         self.removed[engine_id] = status
         while len(self.removed) > _REMOVED_KEPT:
             self.removed.popitem(last=False)

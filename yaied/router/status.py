@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class ManagerStatus:
     handles: dict[str, EngineHandle]
     _outstanding: dict[str, dict[str, int]]
-    kv: KVCoordinator
+    coordinator: KVCoordinator
     lifecycle: LifecycleTracker
     config: RouterConfig
     pool: dict[str, PoolEntry]  # and engine_state: router/pool.py
@@ -39,7 +39,7 @@ class ManagerStatus:
             handle.health.value,
             len(outstanding),
             sum(outstanding.values()),
-            self.kv.engine_hit_rate(engine_id),
+            self.coordinator.engine_hit_rate(engine_id),
             handle.stats(),
             handle.describe(),
             self.pool[engine_id].name,
@@ -70,13 +70,13 @@ class ManagerStatus:
 
     def get_stats(self) -> dict[str, Any]:
         live = self.lifecycle.live()
-        totals = self.kv.totals()
+        totals = self.coordinator.totals()
         return {
             "policy": self.config.policy,
             "engines": [self.get_engine_status(i).as_json() for i in self.handles],
             "num_requests_pending": sum(r.state is CallState.PENDING for r in live),
             "num_requests_running": sum(r.state is CallState.RUNNING for r in live),
-            "num_sessions": self.kv.num_sessions,
+            "num_sessions": self.coordinator.num_sessions,
             "prompt_tokens": totals.num_prompt_tokens,
             "cached_tokens": totals.num_cached_tokens,
             "hit_rate": totals.hit_rate,

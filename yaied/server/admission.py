@@ -24,7 +24,7 @@ def request_size(parsed: ParsedRequest) -> int:
 
 
 def prepare_jobs(
-    engine: EngineManager,
+    manager: EngineManager,
     parsed: ParsedRequest,
     base_id: str,
     chat_template: str,
@@ -33,9 +33,9 @@ def prepare_jobs(
 ) -> list[Job]:
     """``build_jobs``, then echo's prompt text offsets when logprobs are echoed (found once per
     prompt; its n choices share them)."""
-    jobs = build_jobs(engine, parsed, base_id, chat_template, limits, chat)
+    jobs = build_jobs(manager, parsed, base_id, chat_template, limits, chat)
     if parsed.kind == "completion" and parsed.echo and parsed.logprobs is not None:
-        names = TokenText.of(engine.tokenizer)
+        names = TokenText.of(manager.tokenizer)
         offsets: dict[int, list[int]] = {}
         for job in jobs:
             if job.prompt_index not in offsets:

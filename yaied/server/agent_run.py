@@ -78,7 +78,7 @@ class AgentRun:
 async def start_chat(
     request: Request,
     server: ServerState,
-    engine: EngineManager,
+    manager: EngineManager,
     parsed: ParsedRequest,
     request_id: str,
     *,
@@ -96,23 +96,23 @@ async def start_chat(
             exc.param = max_tokens_name
             exc.message = exc.message.replace("max_tokens", max_tokens_name, 1)
         raise
-    chat = server.chat_settings(engine)
+    chat = server.chat_settings(manager)
     size = request_size(parsed)
     key, template = request_key(request_id), server.config.chat_template
-    jobs = await server.off_loop(size, prepare_jobs, engine, parsed, key, template, limits, chat)
-    if not await _compile_grammar(engine, parsed, request):
+    jobs = await server.off_loop(size, prepare_jobs, manager, parsed, key, template, limits, chat)
+    if not await _compile_grammar(manager, parsed, request):
         raise ClientGone
-    server.check_queue(engine, len(jobs))
+    server.check_queue(manager, len(jobs))
     api_key = api_key_of(request)
     started = submit_jobs(
-        engine,
+        manager,
         jobs,
         server.metrics,
         client_id=scoped_id(api_key, request_id),
         session_id=None if session_id is None else scoped_id(api_key, session_id),
         priority=parsed.priority if may_set_priority(request) else 0,
     )
-    choice = new_choices(jobs, parsed, TokenText.of(engine.tokenizer), chat)[0]
+    choice = new_choices(jobs, parsed, TokenText.of(manager.tokenizer), chat)[0]
     return AgentRun(choice, started, request_id)
 
 

@@ -51,7 +51,7 @@ async def health(request: Request) -> Response:
         # Probes read the status code; people read which CPU code runs (yaied/kernels/cpu_isa.py).
         return json_response({"status": "ok", **server.manager.hardware()})
     try:
-        server.ready_engine()
+        server.ready_manager()
     except APIError as exc:
         return exc.response()
     return Response(status_code=503)
@@ -76,45 +76,45 @@ async def openapi(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     server: ServerState = request.state.server
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     body = await read_json(request)
     server.check_model(body.get("model"))
-    tokenizer = engine.tokenizer
+    tokenizer = manager.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
     prompts, messages = parse_tokenize(body)
     if messages:
         add_generation_prompt, template_kwargs = parse_template_options(body)
         try:
-            tokens, _ = engine.inputs.chat_prompt(
+            tokens, _ = manager.inputs.chat_prompt(
                 messages,
                 server.config.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 template_kwargs=template_kwargs,
                 tools=parse_tool_request(body).definitions() or None,
-                tool_format=server.chat_settings(engine).tool_format,
+                tool_format=server.chat_settings(manager).tool_format,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
     else:  # a large prompt is tokenized in the CPU thread, as the generation endpoints do
         encode = functools.partial(tokenizer.encode, add_special_tokens=True)
         tokens = await server.off_loop(len(prompts[0]), encode, prompts[0])
-    max_len = engine.info.max_model_len
+    max_len = manager.info.max_model_len
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
 
 
 async def detokenize(request: Request) -> Response:
     server: ServerState = request.state.server
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     body = await read_json(request)
     server.check_model(body.get("model"))
     tokens = parse_detokenize(body)
-    if engine.tokenizer is None:
+    if manager.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
-    vocab = engine.info.vocab_size
+    vocab = manager.info.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    text = await server.off_loop(len(tokens), engine.tokenizer.decode, tokens)
+    text = await server.off_loop(len(tokens), manager.tokenizer.decode, tokens)
     return json_response({"prompt": text})
 
 

@@ -66,7 +66,7 @@ def _parse(body: dict[str, Any]) -> tuple[list[str | list[int]], str, str]:
 
 
 def _jobs(
-    engine: EngineManager,
+    manager: EngineManager,
     inputs: list[str | list[int]],
     pooling: str,
     key: str,
@@ -76,9 +76,9 @@ def _jobs(
     jobs = []
     try:
         for index, item in enumerate(inputs):
-            ids = engine.inputs.prompt_token_ids(item, params)
+            ids = manager.inputs.prompt_token_ids(item, params)
             limits.check_prompt(len(ids), "input")
-            engine.inputs.check_fits(len(ids), 1)
+            manager.inputs.check_fits(len(ids), 1)
             request_id = key if len(inputs) == 1 else f"{key}-{index}"
             jobs.append(Job(index, index, request_id, ids, "", params))
     except ValueError as exc:
@@ -98,7 +98,7 @@ async def create_embeddings(request: Request) -> Response:
     server: ServerState = request.state.server
     request_id = request.headers.get("x-request-id") or "embd-" + uuid.uuid4().hex
     request.state.request_id = request_id
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     body = await read_json(request)
     inputs, fmt, pooling = _parse(body)
     server.check_model(_get(body, "model", (str,)))
@@ -108,11 +108,11 @@ async def create_embeddings(request: Request) -> Response:
         raise APIError(400, text, param="input", code="too_many_inputs")
     size = sum(len(item) for item in inputs)
     key = request_key(request_id)
-    jobs = await server.off_loop(size, _jobs, engine, inputs, pooling, key, limits)
-    server.check_queue(engine, len(jobs))
+    jobs = await server.off_loop(size, _jobs, manager, inputs, pooling, key, limits)
+    server.check_queue(manager, len(jobs))
     api_key = api_key_of(request)
     started = submit_jobs(
-        engine, jobs, server.metrics, client_id=scoped_id(api_key, request_id),
+        manager, jobs, server.metrics, client_id=scoped_id(api_key, request_id),
         session_id=None, priority=0,
     )  # fmt: skip
     vectors: dict[int, list[float]] = {}

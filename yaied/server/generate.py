@@ -69,32 +69,32 @@ async def _generate(request: Request, kind: str) -> Response:
     # The client's id names the response and is what cancel matches; calls are keyed apart.
     request_id = request.headers.get("x-request-id") or prefix + uuid.uuid4().hex
     request.state.request_id = request_id
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     body = await read_json(request)
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     server.check_model(parsed.model)
     limits = RequestLimits.from_config(server.config)
     limits.check_parsed(parsed, body)
     key = request_key(request_id)
-    chat = server.chat_settings(engine)
+    chat = server.chat_settings(manager)
     template = server.config.chat_template
     jobs = await server.off_loop(
-        request_size(parsed), prepare_jobs, engine, parsed, key, template, limits, chat
+        request_size(parsed), prepare_jobs, manager, parsed, key, template, limits, chat
     )
-    if not await _compile_grammar(engine, parsed, request):
+    if not await _compile_grammar(manager, parsed, request):
         log.info("%s: client disconnected while its grammar compiled", request_id)
         return Response(status_code=499)  # nothing was queued
-    server.check_queue(engine, len(jobs))
+    server.check_queue(manager, len(jobs))
     head = R.ResponseHead(request_id, int(time.time()), server.model_name)
     session_id = request.headers.get("x-session-id") or parsed.user
     # With API keys, ids live in the caller's key's namespace: no key reaches another's work.
     api_key = api_key_of(request)
     session_id = None if session_id is None else scoped_id(api_key, session_id)
-    choices = new_choices(jobs, parsed, TokenText.of(engine.tokenizer), chat)
+    choices = new_choices(jobs, parsed, TokenText.of(manager.tokenizer), chat)
     headers = {"X-Request-Id": request_id}
     # The calls start here: from now on, however the response ends, cancel_unfinished runs.
     started = submit_jobs(
-        engine,
+        manager,
         jobs,
         server.metrics,
         client_id=scoped_id(api_key, request_id),
@@ -104,7 +104,7 @@ async def _generate(request: Request, kind: str) -> Response:
     events = started.events.events()
     if parsed.stream:
         stream = _sse(parsed, head, choices, events)
-        return _EventStream(
+        return _SSEResponse(
             stream,
             started.cancel_unfinished,
             headers=headers,
@@ -128,7 +128,7 @@ async def _generate(request: Request, kind: str) -> Response:
     return json_response(collect.result(), headers=headers)
 
 
-class _EventStream(EventSourceResponse):
+class _SSEResponse(EventSourceResponse):
     """SSE whose calls are cancelled however the response ends, even when its stream never
     started (the client left before the headers went out, so nothing closed the stream)."""
 
@@ -145,12 +145,12 @@ class _EventStream(EventSourceResponse):
             await self._on_close()
 
 
-async def _compile_grammar(engine: EngineManager, parsed: ParsedRequest, request: Request) -> bool:
+async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, request: Request) -> bool:
     """Compile the request's grammar before anything is queued, off the event loop (at once on a
     cache hit): a spec that does not compile, or not within the compile timeout, is a 400 naming
     its field. False when the client left first: then no call starts, and the compile is
     dropped unless it runs already or another request waits for it (then it lands in the cache)."""
-    spec, grammars = parsed.structured, engine.inputs.grammars
+    spec, grammars = parsed.structured, manager.inputs.grammars
     if spec is None or grammars.cached(spec) is not None:
         return True
     compiling = asyncio.ensure_future(grammars.compile(spec))

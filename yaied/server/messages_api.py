@@ -30,7 +30,7 @@ from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
 from yaied.server.body import read_json
 from yaied.server.error_shape import anthropic_error
 from yaied.server.errors import APIError, from_value_error, json_response
-from yaied.server.generate import _EventStream
+from yaied.server.generate import _SSEResponse
 from yaied.server.messages_protocol import MessagesRequest, parse_anthropic
 from yaied.server.state import ServerState
 
@@ -47,12 +47,12 @@ def routes() -> list[Route]:
 
 async def count_tokens(request: Request) -> Response:
     server: ServerState = request.state.server
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     req = parse_anthropic(await read_json(request), count_only=True)
     server.check_model(req.parsed.model)
-    parsed, chat = req.parsed, server.chat_settings(engine)
+    parsed, chat = req.parsed, server.chat_settings(manager)
     render = functools.partial(
-        engine.inputs.chat_prompt,
+        manager.inputs.chat_prompt,
         parsed.messages,
         server.config.chat_template,
         template_kwargs=parsed.chat_template_kwargs,
@@ -104,13 +104,13 @@ async def create_message(request: Request) -> Response:
     message_id = "msg_" + uuid.uuid4().hex
     request_id = request.headers.get("x-request-id") or message_id
     request.state.request_id = request_id
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     req = parse_anthropic(await read_json(request))
     server.check_model(req.parsed.model)
     session = request.headers.get("x-session-id") or req.parsed.user
     try:
         run = await start_chat(
-            request, server, engine, req.parsed, request_id,
+            request, server, manager, req.parsed, request_id,
             session_id=session, max_tokens_name="max_tokens",
         )  # fmt: skip
     except ClientGone:
@@ -120,7 +120,7 @@ async def create_message(request: Request) -> Response:
     if req.parsed.stream:
         stream = _events(req, run, message)
         ping = server.config.sse_ping_seconds
-        return _EventStream(
+        return _SSEResponse(
             stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
         )
     blocks = Blocks()

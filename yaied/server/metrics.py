@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from yaied.core.metric_names import (
+    ENGINE_COUNTERS,
+    ENGINE_GAUGES,
+    PREFIX,
+    RESTARTS,
+    RESTARTS_DOC,
+    RESTARTS_PREFIX,
+)
 from yaied.core.request import TokenEvent
 
 # Engine id -> that engine's stats() (the engines that report them); None while none is loaded.
@@ -37,8 +45,6 @@ _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The pool: engines per state, and the autoscaler's events per direction; None before loading.
 PoolStatsFn = Callable[[], tuple[dict[str, int], dict[str, int]] | None]
-# Engine stats keys engine_restarts_<reason>: the engine_restarts_total{reason} counter.
-RESTARTS_PREFIX = "engine_restarts_"
 
 
 class EngineStatsCollector:
@@ -53,35 +59,14 @@ class EngineStatsCollector:
         if not per_engine:
             return
         names = ["model_name", "engine"]
-        gauges = {
-            "num_requests_running": "Requests running (holding KV pages).",
-            "num_requests_waiting": "Requests waiting to be scheduled.",
-            "kv_cache_usage_perc": "KV cache pages held by requests (0-1).",
-        }
-        counters = {  # engine stats keys; prometheus adds the _total suffix
-            "prefix_cache_queries": "Prompt tokens looked up.",
-            "prefix_cache_hits": "Prompt tokens found in the cache.",
-            "num_preemptions": "Requests preempted.",
-            "structured_output_mask_seconds": (
-                "Seconds spent filling and applying grammar token masks (the steps with a "
-                "constrained row: structured_output_masked_steps)."
-            ),
-            "structured_output_masked_steps": "Engine steps with at least one constrained row.",
-            # Speculative decoding, as vLLM names it; mean acceptance length is
-            # 1 + accepted_tokens / drafts (tokens per step of a drafting sequence).
-            "spec_decode_num_drafts": "Sequence-steps that carried draft tokens.",
-            "spec_decode_num_draft_tokens": "Draft tokens verified.",
-            "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
-        }
         families: dict[str, Metric] = {}
-        for name, doc in gauges.items():
-            families[name] = GaugeMetricFamily(f"yaied:{name}", doc, labels=names)
-        for name, doc in counters.items():
-            families[name] = CounterMetricFamily(f"yaied:{name}", doc, labels=names)
+        # The table in core/metric_names.py; prometheus adds the counters' _total suffix.
+        for name, doc in ENGINE_GAUGES.items():
+            families[name] = GaugeMetricFamily(f"{PREFIX}{name}", doc, labels=names)
+        for name, doc in ENGINE_COUNTERS.items():
+            families[name] = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=names)
         restarts = CounterMetricFamily(
-            "yaied:engine_restarts",
-            "In-process engine rebuilds after a fault, by reason (see yaied/engine/faults.py).",
-            labels=[*names, "reason"],
+            f"{PREFIX}{RESTARTS}", RESTARTS_DOC, labels=[*names, "reason"]
         )
         for engine_id, stats in per_engine.items():
             values = {**stats, "kv_cache_usage_perc": _kv_usage(stats)}

@@ -32,7 +32,7 @@ from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
-from yaied.server.generate import _EventStream
+from yaied.server.generate import _SSEResponse
 from yaied.server.response_store import ResponseStore, StoredResponse
 from yaied.server.responses_protocol import ResponsesRequest, parse_responses
 from yaied.server.state import ServerState
@@ -161,7 +161,7 @@ async def create_response(request: Request) -> Response:
     response_id = "resp_" + uuid.uuid4().hex
     request_id = request.headers.get("x-request-id") or response_id
     request.state.request_id = request_id
-    engine = server.ready_engine()
+    manager = server.ready_manager()
     req = parse_responses(await read_json(request))
     server.check_model(req.parsed.model)
     turn = _Turn(req, response_id, server.model_name)
@@ -177,7 +177,7 @@ async def create_response(request: Request) -> Response:
     session = request.headers.get("x-session-id") or req.parsed.user or turn.chain_id
     try:
         run = await start_chat(
-            request, server, engine, req.parsed, request_id,
+            request, server, manager, req.parsed, request_id,
             session_id=session, max_tokens_name="max_output_tokens",
         )  # fmt: skip
     except ClientGone:
@@ -186,7 +186,7 @@ async def create_response(request: Request) -> Response:
     if req.parsed.stream:
         stream = _events(turn, run, server.response_store, namespace)
         ping = server.config.sse_ping_seconds
-        return _EventStream(
+        return _SSEResponse(
             stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
         )
     try:

@@ -120,7 +120,7 @@ class ChoiceState:
 
 
 def build_jobs(
-    engine: EngineManager,
+    manager: EngineManager,
     parsed: ParsedRequest,
     base_id: str,
     chat_template: str = "",
@@ -135,14 +135,14 @@ def build_jobs(
     aliases["prompt"] = "messages" if parsed.kind == "chat" else "prompt"
     chat = chat or ChatSettings()
     try:
-        prompts = _tokenized_prompts(engine, parsed, chat_template, chat)
+        prompts = _tokenized_prompts(manager, parsed, chat_template, chat)
         if parsed.kind == "chat":
             parsed.structured = output_grammar(parsed, chat, prompts[0][1])
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
             limits.check_prompt(len(ids), aliases["prompt"])
-            params, drop = _params_for(engine, parsed, len(ids), limits)
-            engine.inputs.check_fits(len(ids), params.max_tokens)
+            params, drop = _params_for(manager, parsed, len(ids), limits)
+            manager.inputs.check_fits(len(ids), params.max_tokens)
             for k in range(parsed.n):
                 index = len(jobs)
                 own = params if params.seed is None else _with_seed(params, params.seed + k)
@@ -160,11 +160,11 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def _tokenized_prompts(
-    engine: EngineManager, parsed: ParsedRequest, chat_template: str, chat: ChatSettings
+    manager: EngineManager, parsed: ParsedRequest, chat_template: str, chat: ChatSettings
 ) -> list[tuple[list[int], str]]:
-    tokenizer = engine.tokenizer
+    tokenizer = manager.tokenizer
     if parsed.kind == "chat":
-        ids, text = engine.inputs.chat_prompt(
+        ids, text = manager.inputs.chat_prompt(
             parsed.messages,
             chat_template,
             add_generation_prompt=parsed.add_generation_prompt,
@@ -177,7 +177,7 @@ def _tokenized_prompts(
     probe = SamplingParams(max_tokens=1)  # the real max_tokens is checked once params exist
     names = TokenText.of(tokenizer)
     for prompt in parsed.prompts:
-        ids = engine.inputs.prompt_token_ids(prompt, probe)
+        ids = manager.inputs.prompt_token_ids(prompt, probe)
         if isinstance(prompt, str):
             text = prompt
         else:  # echo shows it as logprobs' text offsets count it
@@ -187,15 +187,15 @@ def _tokenized_prompts(
 
 
 def _params_for(
-    engine: EngineManager, parsed: ParsedRequest, num_prompt_tokens: int, limits: RequestLimits
+    manager: EngineManager, parsed: ParsedRequest, num_prompt_tokens: int, limits: RequestLimits
 ) -> tuple[SamplingParams, bool]:
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat's default: whatever the context has left, under the cap
-        max_tokens = limits.default_max_tokens(engine.info.max_model_len - num_prompt_tokens)
+        max_tokens = limits.default_max_tokens(manager.info.max_model_len - num_prompt_tokens)
         if max_tokens < 1:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "
-                f"{engine.info.max_model_len} tokens"
+                f"{manager.info.max_model_len} tokens"
             )
     # Completions with max_tokens 0 (echo scoring in eval harnesses): run one token for the
     # prompt's logprobs and report none. Chat has no use for it; SamplingParams refuses 0 there.
@@ -209,7 +209,7 @@ def _params_for(
         sampling["logprobs"] = parsed.logprobs
         if parsed.echo:
             sampling["prompt_logprobs"] = parsed.logprobs
-    return engine.inputs.sampling_params(None, sampling), drop
+    return manager.inputs.sampling_params(None, sampling), drop
 
 
 class _JobSink:
@@ -236,7 +236,7 @@ class _JobSink:
 class Submitted:
     """The calls of one HTTP request, and the one stream all their events arrive on."""
 
-    engine: EngineManager
+    manager: EngineManager
     events: EventStream[Job]
     calls: list[tuple[Job, Call, RequestTimer]] = field(default_factory=list)
 
@@ -244,7 +244,7 @@ class Submitted:
         """Cancel every call that has not finished (the stream's reader left early)."""
         for _, call, _ in self.calls:
             if not call.finished:
-                self.engine.cancel_nowait(call.request_id)
+                self.manager.cancel_nowait(call.request_id)
 
     async def cancel_unfinished(self) -> None:
         """Cancel every call of a response that has not finished (a no-op for those that have).
@@ -254,11 +254,11 @@ class Submitted:
             if not call.finished:
                 # Its final abort event still comes through the sink (the engine sends one for
                 # every call), so the metrics count the tokens it generated before the cancel.
-                await self.engine.cancel_request(call.request_id)
+                await self.manager.cancel_request(call.request_id)
 
 
 def submit_jobs(
-    engine: EngineManager,
+    manager: EngineManager,
     jobs: list[Job],
     metrics: ServerMetrics,
     *,
@@ -269,13 +269,13 @@ def submit_jobs(
     """Route and start every job's call (validated by build_jobs) before anything is sent to the
     client: a refusal is an APIError (503 when no engine can take the call), and the calls
     already started are cancelled. Their events all go to one stream, tagged with their job."""
-    submitted: Submitted = Submitted(engine, EventStream(len(jobs)))
+    submitted: Submitted = Submitted(manager, EventStream(len(jobs)))
     submitted.events = EventStream(len(jobs), on_close=submitted.cancel_nowait)
     try:
         for job in jobs:
             timer = metrics.timer()
             sink = _JobSink(job, timer, client_id, submitted.events.sink(job))
-            sink.call = engine.start_call(
+            sink.call = manager.start_call(
                 job.prompt_ids,
                 job.params,
                 sink=sink,

@@ -106,7 +106,7 @@ class ServerState:
     def ready(self) -> bool:
         return self.manager is not None and self.manager.dead is None and not self.draining
 
-    def ready_engine(self) -> EngineManager:
+    def ready_manager(self) -> EngineManager:
         """The engine manager, or a 503 saying why it cannot serve."""
         if self.manager is None:
             reason = "failed to load" if self.load_error is not None else "is still loading"
@@ -137,11 +137,11 @@ class ServerState:
             while manager.num_requests_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
 
-    def chat_settings(self, engine: EngineManager) -> ChatSettings:
+    def chat_settings(self, manager: EngineManager) -> ChatSettings:
         """The model's tool-call format and reasoning parser, settled on first use (the chat
         template is known once the engine is)."""
         if self._chat is None:
-            tokenizer = engine.tokenizer
+            tokenizer = manager.tokenizer
             template = self.config.chat_template or getattr(tokenizer, "chat_template", None)
             self._chat = ChatSettings.resolve(
                 template if isinstance(template, str) else None,
@@ -176,13 +176,13 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_queue(self, engine: EngineManager, num_jobs: int = 1) -> None:
+    def check_queue(self, manager: EngineManager, num_jobs: int = 1) -> None:
         """429 unless ``num_jobs`` more calls fit under server.max_queue_len waiting calls.
         Counted from the router's own calls, updated as each starts: called with no await
         between it and the submission, a burst cannot pass the check together. An empty queue
         takes any request (its size is bounded by max_jobs_per_request), so none waits forever."""
         limit = self.config.max_queue_len
-        waiting = engine.num_calls_waiting
+        waiting = manager.num_calls_waiting
         if limit and waiting and waiting + num_jobs > limit:
             raise APIError(
                 429,

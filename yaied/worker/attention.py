@@ -69,7 +69,7 @@ class KernelDecodes:
 
 class AttentionBackend(Protocol):
     """A fused path that replaces both the K/V write and the attention of the torch path (the
-    Triton kernels on a GPU: yaied.worker.gpu_inputs.TritonAttention)."""
+    Triton kernels on a GPU: yaied.worker.gpu_packing.TritonAttention)."""
 
     def store(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -25,7 +25,7 @@ from torch import nn
 
 from yaied.kernels.triton_decode import choose_num_splits
 from yaied.worker.attention import AttentionMetadata
-from yaied.worker.gpu_inputs import TritonAttention, TritonStep
+from yaied.worker.gpu_packing import TritonAttention, TritonStep
 
 log = logging.getLogger(__name__)
 

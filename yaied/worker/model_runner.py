@@ -16,11 +16,11 @@ from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
 from yaied.worker.speculative import position_rows, verify
-from yaied.worker.torch_inputs import TorchInputBuilder, upload
+from yaied.worker.torch_packing import TorchBatchPacker, upload
 
 if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
     from yaied.worker.cuda_graphs import DecodeGraphs
-    from yaied.worker.gpu_inputs import TritonInputBuilder
+    from yaied.worker.gpu_packing import TritonBatchPacker
 
 
 class ModelRunner:
@@ -32,7 +32,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         seed: int = 0,
-        triton: TritonInputBuilder | None = None,
+        triton: TritonBatchPacker | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -47,7 +47,7 @@ class ModelRunner:
         cpu_kernel = device.type == "cpu" and triton is None
         self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
         self.prefill_kernel = self._load_prefill_kernel(model) if cpu_kernel else None
-        self.inputs = TorchInputBuilder(
+        self.packer = TorchBatchPacker(
             page_size, device, self.dtype, kv_caches[0][0].shape[0], self.decode_kernel,
             self.prefill_kernel,
         )  # fmt: skip
@@ -140,7 +140,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(hidden states of every row, the rows to sample, request id -> first row)."""
         if self.triton is None:
-            prepared = self.inputs.build(seqs)
+            prepared = self.packer.build(seqs)
             hidden = self.model(
                 prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta
             )

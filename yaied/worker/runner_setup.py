@@ -49,9 +49,9 @@ def build_runner(
 ) -> ModelRunner:
     triton = None
     if backend == "triton":
-        from yaied.worker.gpu_inputs import TritonInputBuilder
+        from yaied.worker.gpu_packing import TritonBatchPacker
 
-        triton = TritonInputBuilder(
+        triton = TritonBatchPacker(
             config.cache.page_size, model.shape.num_kv_heads, device, num_sms(device)
         )
     return runner_class(

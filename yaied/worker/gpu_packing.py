@@ -1,4 +1,4 @@
-"""Step inputs for the Triton attention path (the CUDA path; on CPU it runs in Triton's
+"""Tensors for a step on the Triton attention path (the CUDA path; on CPU it runs in Triton's
 interpreter, which is how the tests drive it).
 
 Every index array of a step (token ids, positions, slots, sampled rows, the decode and extend
@@ -136,7 +136,7 @@ class TritonStep:
     num_real_decodes: int  # decodes before padding
 
 
-class TritonInputBuilder:
+class TritonBatchPacker:
     def __init__(self, page_size: int, kv_heads: int, device: torch.device, num_sms: int) -> None:
         self.page_size = page_size
         self.kv_heads = kv_heads

@@ -1,9 +1,9 @@
-"""Step inputs for the torch attention path (the CPU path, with or without the C kernels).
+"""Tensors for a step on the torch attention path (the CPU path, with or without the C kernels).
 
 The batch is packed into rows: decodes first, then prefill chunks; ``slot_mapping`` says where
 each new token's K/V goes, and the attention metadata carries what the path in use reads (the
 decode kernel's page table and context lengths, or the torch path's padded decode buckets; each
-prefill chunk's pages, and a mask on the torch path). ``TorchInputBuilder.build`` walks the
+prefill chunk's pages, and a mask on the torch path). ``TorchBatchPacker.build`` walks the
 sequences once, extending flat lists at C speed; one tensor carries them all, and slots and
 page tables come out of a few tensor ops over it, whatever the batch size or context length. A
 step of a few plain decodes on the kernel path (``FEW_DECODES``) is built in Python outright:
@@ -26,7 +26,7 @@ MIN_DECODE_BUCKET = 8
 FEW_DECODES = 8
 
 
-class PreparedInputs(NamedTuple):
+class PackedBatch(NamedTuple):
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
@@ -34,7 +34,7 @@ class PreparedInputs(NamedTuple):
     first_row: dict[str, int]  # request id -> the row of its chunk's first token
 
 
-class TorchInputBuilder:
+class TorchBatchPacker:
     def __init__(
         self,
         page_size: int,
@@ -51,7 +51,7 @@ class TorchInputBuilder:
         self.decode_kernel = decode_kernel  # CpuDecodeKernel or None
         self.prefill_kernel = prefill_kernel  # CpuPrefillKernel or None
 
-    def build_few_decodes(self, seqs: list[ScheduledSeq]) -> PreparedInputs:
+    def build_few_decodes(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         """What ``build`` gives for a step of a few single-token decodes on the decode kernel,
         rows in batch order, from Python lists and one tensor."""
         size = self.page_size
@@ -80,9 +80,9 @@ class TorchInputBuilder:
         )
         meta = AttentionMetadata(slots_t, [], [], decodes, self.prefill_kernel)
         first_row = {s.request_id: i for i, s in enumerate(seqs)}
-        return PreparedInputs(ids_t, pos_t, meta, sample_t, first_row)
+        return PackedBatch(ids_t, pos_t, meta, sample_t, first_row)
 
-    def build(self, seqs: list[ScheduledSeq]) -> PreparedInputs:
+    def build(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         """Pack the batch into rows: decodes first, sorted by context length so that each decode
         bucket is a contiguous run of rows, then prefill chunks. Sampled rows keep batch order.
 
@@ -146,15 +146,16 @@ class TorchInputBuilder:
                     counts_t.repeat_interleave(lengths_t, output_size=num_rows),
                     pages_t,
                     pos_t,
+                    # Decodes and speculative verification rows only, of output positions:
+                    # the decode loop may run the step (its rows are the few-row kernel's)
+                    not chunks and all(s.sample and s.num_output_tokens for s in seqs),
                 )
                 if self.decode_kernel
                 else None
             ),
             prefill_kernel=self.prefill_kernel,
         )
-        return PreparedInputs(
-            ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row
-        )
+        return PackedBatch(ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row)
 
     def _prefill_chunk(
         self, seq: ScheduledSeq, row: int, pages: torch.Tensor, page_start: int
@@ -180,6 +181,7 @@ class TorchInputBuilder:
         num_pages: torch.Tensor,
         pages: torch.Tensor,
         positions: torch.Tensor,
+        output_decodes: bool = False,
     ) -> KernelDecodes | None:
         """The decode kernel's inputs for rows [0, count): page_start, num_pages and positions
         are per row (a drafted sequence's rows share its page table), pages is every page table,
@@ -196,6 +198,7 @@ class TorchInputBuilder:
             page_table=table,
             context_lens=positions[:count] + 1,
             step=self.decode_kernel.step,
+            output_decodes=output_decodes,
         )
 
     def _decode_buckets(self, decodes: list[ScheduledSeq]) -> list[DecodeBucket]:

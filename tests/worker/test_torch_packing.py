@@ -12,8 +12,8 @@ import torch
 from yaied.core.request import SamplingParams
 from yaied.core.step import ScheduledSeq
 from yaied.kernels.cpu_decode import CpuDecodeKernel
-from yaied.worker import torch_inputs
-from yaied.worker.torch_inputs import TorchInputBuilder
+from yaied.worker import torch_packing
+from yaied.worker.torch_packing import TorchBatchPacker
 
 kernel = CpuDecodeKernel.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler for the decode kernel")
@@ -37,10 +37,10 @@ def decodes(count: int, page_size: int, seed: int) -> list[ScheduledSeq]:
 
 @pytest.mark.parametrize("count", [1, 2, 5, 8])
 def test_few_decodes_match_the_general_path(count, monkeypatch):
-    builder = TorchInputBuilder(16, torch.device("cpu"), torch.bfloat16, 2, kernel, None)
+    builder = TorchBatchPacker(16, torch.device("cpu"), torch.bfloat16, 2, kernel, None)
     seqs = decodes(count, 16, seed=count)
     fast = builder.build(seqs)
-    monkeypatch.setattr(torch_inputs, "FEW_DECODES", 0)
+    monkeypatch.setattr(torch_packing, "FEW_DECODES", 0)
     general = builder.build(seqs)
     assert fast.meta.kernel_decodes.step is not None and general.meta.kernel_decodes is not None
 
