@@ -49,3 +49,18 @@ RESTARTS_DOC = "In-process engine rebuilds after a fault, by reason (see yaied/e
 def restarts_key(reason: str) -> str:
     """The stats key of one restart reason's count."""
     return f"{RESTARTS_PREFIX}{reason}"
+
+
+# The Gateway API Inference Extension's model-server protocol: its endpoint picker (llm-d, KServe,
+# Envoy AI Gateway) reads a pod's queue length, running requests and KV-cache usage, by default
+# under vLLM's names (older pickers read the usage as gpu_cache_usage_perc). The server exports
+# the pod's totals under them too (queues added up over its engines, the usage averaged), beside
+# the yaied: names, with the model_name label only. Its LoRA-affinity scorer reads
+# LORA_REQUESTS_INFO, whose labels name the adapters running and waiting: yaied serves none.
+INFERENCE_EXTENSION_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "num_requests_running": ("vllm:num_requests_running",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+

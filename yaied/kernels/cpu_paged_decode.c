@@ -18,6 +18,37 @@
 #define MAX_HEAD_DIM 256
 #define BLOCK 16 /* scores computed a block of positions at a time */
 
+/* Eight dot products of length dim (a multiple of 8) at once: out[j] = q . key[j]. Each pair
+ * accumulates in 8 lanes, then one transpose-and-add tree sums the eight vectors' lanes (7 adds
+ * and 14 shuffles where eight separate horizontal sums took 48 steps). */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 loadv8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8 dots8(const float *q, const float (*key)[MAX_HEAD_DIM], int64_t dim) {
+    v8 a[8];
+    for (int j = 0; j < 8; j++) a[j] = (v8){0};
+    for (int64_t d = 0; d < dim; d += 8) {
+        v8 qv = loadv8(q + d);
+        for (int j = 0; j < 8; j++) a[j] += qv * loadv8(key[j] + d);
+    }
+    v8 x = SHUF(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 y = SHUF(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a[2], a[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 z = SHUF(a[4], a[5], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a[4], a[5], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 w = SHUF(a[6], a[7], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a[6], a[7], 1, 9, 3, 11, 5, 13, 7, 15);
+    /* x: [a0 01, a1 01, a0 23, a1 23, a0 45, a1 45, a0 67, a1 67] (lane pairs summed) */
+    v8 u = SHUF(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 v = SHUF(z, w, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(z, w, 2, 3, 10, 11, 6, 7, 14, 15);
+    /* u: [a0..a3 over lanes 0-3, a0..a3 over lanes 4-7] */
+    return SHUF(u, v, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u, v, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 /* One (row, kv head) pair: `group` query heads against one kv head's context. */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE, SUFFIX)                                                     \
     static inline __attribute__((always_inline)) void NAME##_one(const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, \
@@ -42,14 +73,25 @@
                              (pos % page_size) * head_dim;                                       \
                 for (int64_t d = 0; d < head_dim; d++) key[i][d] = LOAD(k[d]);                   \
             }                                                                                    \
+            for (int64_t i = n; i < BLOCK && i % 8; i++) /* the last block's padding */          \
+                for (int64_t d = 0; d < head_dim; d++) key[i][d] = 0.0f;                         \
+            if (head_dim % 8 == 0)                                                               \
+                for (int64_t g = 0; g < group; g++)                                              \
+                    for (int64_t i0 = 0; i0 < n; i0 += 8) {                                      \
+                        v8 s8 = dots8(query[g], key + i0, head_dim);                             \
+                        memcpy(scores[g] + i0, &s8, sizeof s8);                                  \
+                    }                                                                            \
+            else                                                                                 \
+                for (int64_t g = 0; g < group; g++)                                              \
+                    for (int64_t i = 0; i < n; i++) {                                            \
+                        float s = 0.0f;                                                          \
+                        for (int64_t d = 0; d < head_dim; d++) s += query[g][d] * key[i][d];     \
+                        scores[g][i] = s;                                                        \
+                    }                                                                            \
             for (int64_t g = 0; g < group; g++) {                                                \
                 float block_max = -INFINITY;                                                     \
-                for (int64_t i = 0; i < n; i++) {                                                \
-                    float s = 0.0f;                                                              \
-                    for (int64_t d = 0; d < head_dim; d++) s += query[g][d] * key[i][d];         \
-                    scores[g][i] = s;                                                            \
-                    block_max = s > block_max ? s : block_max;                                   \
-                }                                                                                \
+                for (int64_t i = 0; i < n; i++)                                                  \
+                    block_max = scores[g][i] > block_max ? scores[g][i] : block_max;             \
                 float new_max = block_max > running_max[g] ? block_max : running_max[g];         \
                 float rescale = exp_nonpositive(running_max[g] - new_max);                       \
                 denom[g] *= rescale;                                                             \

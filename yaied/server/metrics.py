@@ -3,7 +3,9 @@
 Names follow DESIGN.md (vLLM's semantics, prefix ``yaied:``), labelled ``model_name`` and
 ``engine``. Gauges and the engine's own counters are read from ``engine.stats()`` at scrape time
 by a custom collector, so they can never drift from the engine; per-request counters and
-histograms are observed by the server as each request's events pass through it.
+histograms are observed by the server as each request's events pass through it. The pod-level
+gauges a Gateway API Inference Extension endpoint picker reads are exported under its names too
+(``InferenceExtensionCollector``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from yaied.core.metric_names import (
+    ENGINE_AVERAGED,
     ENGINE_COUNTERS,
     ENGINE_GAUGES,
+    INFERENCE_EXTENSION_NAMES,
+    LORA_REQUESTS_INFO,
     PREFIX,
     RESTARTS,
     RESTARTS_DOC,
@@ -79,6 +84,37 @@ class EngineStatsCollector:
                     restarts.add_metric([self._model_name, engine_id, reason], value)
         yield from families.values()
         yield restarts
+
+
+class InferenceExtensionCollector:
+    """The pod-level gauges an Inference Extension endpoint picker reads, under the names it
+    reads (core/metric_names.py INFERENCE_EXTENSION_NAMES): one series each, for the whole
+    daemon, however many engines it runs."""
+
+    def __init__(self, stats: StatsFn, model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        per_engine = self._stats()
+        if not per_engine:
+            return
+        engines = [{**s, "kv_cache_usage_perc": _kv_usage(s)} for s in per_engine.values()]
+        for key, names in INFERENCE_EXTENSION_NAMES.items():
+            value = sum(float(stats.get(key, 0)) for stats in engines)
+            if key in ENGINE_AVERAGED:
+                value /= len(engines)
+            for name in names:
+                gauge = GaugeMetricFamily(name, ENGINE_GAUGES[key], labels=["model_name"])
+                gauge.add_metric([self._model_name], value)
+                yield gauge
+        lora = GaugeMetricFamily(
+            LORA_REQUESTS_INFO,
+            "LoRA adapters running and waiting (none: yaied serves no adapters).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        lora.add_metric(["", "", "0"], time.time())  # as vLLM: the value is the scrape time
+        yield lora
 
 
 def _kv_usage(stats: dict[str, int | float]) -> float:
@@ -187,6 +223,7 @@ class ServerMetrics:
             _COMPILE_BUCKETS,
         )
         self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(InferenceExtensionCollector(stats, model_name))
         self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), self.labels))
         self.registry.register(PoolCollector(pool_stats or (lambda: None), model_name))
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
