@@ -193,8 +193,10 @@ def test_a_client_gone_while_its_grammar_compiles_starts_nothing(live, slow_comp
 
 
 class Step(pydantic.BaseModel):
-    explanation: str
-    output: str
+    # Bounded, so the grammar closes the object: unbounded, the 135M model's greedy explanation
+    # repeats one sentence until max_tokens.
+    explanation: str = pydantic.Field(max_length=40)
+    output: str = pydantic.Field(max_length=20)
 
 
 class Answer(pydantic.BaseModel):
