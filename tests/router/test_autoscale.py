@@ -153,7 +153,13 @@ async def test_the_loop_scales_a_manager_up_and_down_on_a_fake_clock():
     assert manager.engine_state("1") == "removed" and manager.engine_state("0") == "up"
     manager.autoscaler = scaler
     metrics = ServerMetrics(
-        "m", lambda: {}, pool_stats=lambda: (manager.engine_counts(), manager.autoscale_events())
+        "m",
+        lambda: {},
+        pool_stats=lambda: (
+            manager.engine_counts(),
+            manager.autoscale_events(),
+            manager.migrations,
+        ),
     )
     text = metrics.render().decode()
     assert 'yaied:engines{model_name="m",state="removed"} 1.0' in text

@@ -50,7 +50,7 @@ def test_an_engine_process_exits_when_its_engine_dies(tiny_model_dirs):
     try:
         assert event_r.poll(90) and event_r.recv()[0] == "ready"
         params = SamplingParams(max_tokens=2, temperature=0.0)
-        submit_w.send(("submit", "call-1", [1, 2, 3], params, None, 0))
+        submit_w.send(("submit", "call-1", [1, 2, 3], params, None, 0, ()))
         finals = []
         deadline = time.monotonic() + 30
         while not finals and time.monotonic() < deadline:

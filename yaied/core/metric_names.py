@@ -51,6 +51,14 @@ def restarts_key(reason: str) -> str:
     return f"{RESTARTS_PREFIX}{reason}"
 
 
+# The router's calls that outlived their engine, yaied:call_migrations_total{outcome}: "moved" (it
+# went on on another engine), "failed" (no engine could take it, or it had moved twice already:
+# it ended with an error event). Counted by the router (router/manager.py), not by an engine.
+CALL_MIGRATIONS = "call_migrations"
+CALL_MIGRATIONS_DOC = "Calls whose engine went (removed, lost, died), by outcome (moved, failed)."
+MIGRATION_OUTCOMES = ("moved", "failed")
+
+
 # The Gateway API Inference Extension's model-server protocol: its endpoint picker (llm-d, KServe,
 # Envoy AI Gateway) reads a pod's queue length, running requests and KV-cache usage, by default
 # under vLLM's names (older pickers read the usage as gpu_cache_usage_perc). The server exports
@@ -63,4 +71,3 @@ INFERENCE_EXTENSION_NAMES: dict[str, tuple[str, ...]] = {
     "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
-

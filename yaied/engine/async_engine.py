@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from yaied.cache.cache_manager import KVCacheManager
@@ -146,12 +146,19 @@ class AsyncEngine(Recovery, OutputPhase):
         request_id: str | None = None,
         session_id: str | None = None,
         priority: int = 0,
+        output_ids: Sequence[int] = (),
     ) -> str:
         """Queue a request whose prompt and parameters have been through ``self.inputs`` (the
         router's front end or generate() did that: the engine does not check them again). Its
         events go to ``sink``, on the event loop, the last with a finish reason. Returns its id.
         Starts the loop task when called from a running event loop; tests that step the engine
         themselves (step()) call it from plain code.
+
+        ``output_ids``: a call moved here from another engine, with these tokens already sent
+        to its client. It resumes as a preempted request does (prompt plus output recomputed),
+        with its sampling state rebuilt from them: the seeded draws' position, the penalties'
+        counts, max_tokens and min_tokens count them, and its detokenizer (held-back text, stop
+        strings) and grammar replay them. Its events carry only the tokens after them.
 
         A constrained request whose grammar is not in the compile cache waits for its compile
         (in the loop), or compiles here (from plain code, where a bad spec raises)."""
@@ -167,6 +174,7 @@ class AsyncEngine(Recovery, OutputPhase):
             session_id=session_id,
             priority=priority,
             eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
+            output_token_ids=list(output_ids),
         )
         spec, grammars = params.structured, self.inputs.grammars
         if spec is not None:
@@ -174,10 +182,13 @@ class AsyncEngine(Recovery, OutputPhase):
             if request.grammar is None and not _in_event_loop():
                 request.grammar = grammars.matcher_of(grammars.compile_sync(spec))
         stream = RequestStream(request, sink, self.inputs.detokenizer(request))
+        stream.replay_sent()
         if not self._streams:
             self._last_progress = time.monotonic()  # idle until now: nothing was stalled
         self._streams[request_id] = stream
-        if spec is not None and request.grammar is None:
+        if (error := stream.replay_grammar()) is not None:  # the moved output left its grammar
+            self._end_stream(stream, FinishReason.ERROR, error)
+        elif spec is not None and request.grammar is None:
             task = asyncio.get_running_loop().create_task(self._compile_then_queue(stream))
             self._compiling[request_id] = task
         else:
@@ -202,6 +213,10 @@ class AsyncEngine(Recovery, OutputPhase):
         if self._compiling.pop(request.request_id, None) is None:
             return  # ended meanwhile (the engine stopped)
         request.grammar = grammars.matcher_of(compiled)
+        if (error := stream.replay_grammar()) is not None:  # a call moved here mid-output
+            self._compiling.pop(request.request_id, None)
+            self._end_stream(stream, FinishReason.ERROR, error)
+            return
         self._inbox.append(stream)
         self._ensure_started()
         self._wake.set()

@@ -35,6 +35,29 @@ class RequestStream:
     num_emitted: int = 0  # output tokens sent so far (a speculative step may add several)
     pooled: list[float] | None = None  # params.pooling: the sum so far ("mean") or last row
 
+    def replay_sent(self) -> None:
+        """A request that starts with output (a call moved from another engine, whose client
+        has those tokens): its detokenizer takes them again, so it holds back what the first
+        engine held back and matches stop strings across the seam; its events start after them.
+        The text this replay decides was sent already and is dropped."""
+        output = self.request.output_token_ids
+        if self.detokenizer is not None:
+            for token in output:
+                if self.detokenizer.finished:  # a stop string ended it: it never moves
+                    break
+                self.detokenizer.push(token)
+        self.num_emitted = len(output)
+
+    def replay_grammar(self) -> str | None:
+        """Advance a moved request's grammar through the output it starts with (the matcher has
+        then accepted exactly output_token_ids, as after a preemption). The error if it refuses
+        one: that output never came from this grammar."""
+        grammar = self.request.grammar
+        for token in self.request.output_token_ids if grammar is not None else ():
+            if not grammar.accept(token):
+                return grammar.error or f"the sent output does not match its grammar at {token}"
+        return None
+
     def add_pooled(self, vector: list[float], restart: bool) -> None:
         # A chunk from position 0 starts the sum anew: after a preemption the prompt is run
         # again from the start (pooling requests never match the prefix cache for "mean").

@@ -1,5 +1,8 @@
 """One call as the manager holds it, and the handle a Python caller gets back.
 
+A call outlives its engine: the manager keeps the tokens its caller has (``output_ids``), and
+a call whose engine goes resumes on another after them (manager.py, ``_give_up_on``).
+
 The engine's events reach ``Call.sink`` through the manager's ``_deliver`` (lifecycle, KV
 coordinator), with no queue or task in between. ``submit_request`` makes that sink one end of an
 EventStream and wraps the other in a ``RequestHandle``, read as a stream or as one collected
@@ -10,10 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from yaied.core.request import FinishReason, RequestOutput, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, EventStream
+
+# A call whose engine goes (removed, drained past its timeout, lost, its process dead) moves to
+# another engine at most this many times; then it ends with an error event.
+MAX_MOVES = 2
 
 
 @dataclass(slots=True)
@@ -27,8 +34,11 @@ class Call:
     client_id: str = ""  # the caller's name for it (X-Request-Id): shared by choices, not unique
     engine_id: str = ""
     cancelled: bool = False
-    retried: bool = False
-    streamed: bool = False  # an event with tokens reached the caller: no retry elsewhere
+    num_moves: int = 0  # times it left an engine for another (at most MAX_MOVES)
+    streamed: bool = False  # an event with tokens reached the caller
+    # The tokens the caller has: a move resumes after them (prompt + these recomputed, the
+    # sampling state rebuilt from them by the next engine: AsyncEngine.add_request).
+    output_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     finished: bool = False
 

@@ -136,7 +136,7 @@ class ChildServer:
         if message is None:
             self._done.set()
             return
-        _, request_id, prompt_ids, params, session_id, priority = message
+        _, request_id, prompt_ids, params, session_id, priority, output_ids = message
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
             self.sender.put(("event", _final(request_id, FinishReason.ABORT, None)))
@@ -149,6 +149,7 @@ class ChildServer:
                 request_id=request_id,
                 session_id=session_id,
                 priority=priority,
+                output_ids=output_ids,
             )
         except Exception as exc:  # a duplicate id or a dead engine: the call fails, not the process
             self.sender.put(("event", _final(request_id, FinishReason.ERROR, str(exc))))

@@ -11,15 +11,17 @@ device) and ``RemoteHandle`` (router/remote.py: another yaied daemon over HTTP).
 
 An engine that cannot take a call raises ``EngineUnavailable`` from submit; one lost with calls
 in flight (process died, daemon unreachable) tells each of them ``sink.lost(reason)`` instead of
-a final event. The manager then retries a call that streamed nothing, or fails it. A failure of
-the request itself arrives as a final event with ``FinishReason.ERROR``, as from one engine.
+a final event. The manager then moves the call to another engine (manager.py), or fails it. A
+failure of the request itself arrives as a final event with ``FinishReason.ERROR``, as from one
+engine. A handle whose ``resumes`` is True takes a moved call's sent tokens (``output_ids``) and
+resumes it there; the manager passes ``output_ids`` to no other kind.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +84,9 @@ class EngineStatus:
 
 class EngineHandle(abc.ABC):
     kind: str = ""
+    # Whether submit takes ``output_ids``: a call moved from another engine, resumed after the
+    # tokens its client has (AsyncEngine.add_request). Other kinds get only calls with no output.
+    resumes: bool = False
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
@@ -110,9 +115,11 @@ class EngineHandle(abc.ABC):
         session_id: str | None,
         priority: int,
         sink: CallSink,
+        output_ids: Sequence[int] = (),
     ) -> None:
         """Start a call (prompt and params validated by the router's front end); its events go
-        to ``sink``. Raises EngineUnavailable when the engine cannot take it now."""
+        to ``sink``. Raises EngineUnavailable when the engine cannot take it now. ``output_ids``
+        (only where ``resumes``): tokens already sent, the call resumes after them."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -144,6 +151,7 @@ class InProcessHandle(EngineHandle):
     """An AsyncEngine on the router's own event loop: the single-engine daemon."""
 
     kind = "inprocess"
+    resumes = True
 
     def __init__(self, engine_id: str, engine: AsyncEngine) -> None:
         super().__init__(engine_id)
@@ -184,6 +192,7 @@ class InProcessHandle(EngineHandle):
         session_id: str | None,
         priority: int,
         sink: CallSink,
+        output_ids: Sequence[int] = (),
     ) -> None:
         if self.engine.dead is not None:
             raise EngineUnavailable(f"engine {self.engine_id} has stopped: {self.engine.dead}")
@@ -196,6 +205,7 @@ class InProcessHandle(EngineHandle):
             request_id=request_id,
             session_id=session_id,
             priority=priority,
+            output_ids=output_ids,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -4,6 +4,9 @@
        |                        |------> CANCELLED (abort)
        +--> CANCELLED | FAILED  +------> FAILED    (engine error, engine lost)
 
+A call that moves to another engine (its engine was lost or removed) keeps its state; the move
+is recorded (``moves``: from, to, tokens sent by then) and ``engine_id`` names the new engine.
+
 Records are keyed by the call's own id (unique among live calls) and carry the client's id
 (``X-Request-Id``), which several calls may share: the choices of one request, or requests of
 clients that picked the same id. ``by_client_id`` finds them all.
@@ -19,7 +22,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class CallState(enum.Enum):
@@ -45,6 +48,16 @@ class IllegalTransition(ValueError):
     """A move the state machine does not allow (say COMPLETED -> RUNNING)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CallMove:
+    """A call left ``from_engine`` for ``to_engine`` after ``num_sent_tokens`` tokens."""
+
+    from_engine: str
+    to_engine: str
+    num_sent_tokens: int
+    at: float
+
+
 @dataclass(slots=True)
 class CallRecord:
     request_id: str
@@ -58,6 +71,7 @@ class CallRecord:
     num_output_tokens: int = 0
     error: str | None = None
     client_id: str = ""  # the client's request id (X-Request-Id); the call's own when none
+    moves: list[CallMove] = field(default_factory=list)  # engines it left, oldest first
 
     @property
     def waiting_time(self) -> float | None:
@@ -140,6 +154,17 @@ class LifecycleTracker:
             del self._live[request_id]
             self._finished[request_id] = record
             self.expire()
+        return record
+
+    def record_move(
+        self, request_id: str, from_engine: str, to_engine: str, num_sent_tokens: int
+    ) -> CallRecord:
+        """A live call moved to another engine; its state does not change."""
+        record = self._live.get(request_id)
+        if record is None:
+            raise IllegalTransition(f"request {request_id!r} cannot move: it is not live")
+        record.moves.append(CallMove(from_engine, to_engine, num_sent_tokens, self._clock()))
+        record.engine_id = to_engine
         return record
 
     def get(self, request_id: str) -> CallRecord | None:

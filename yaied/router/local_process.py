@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,6 +41,7 @@ _STABLE_SECONDS = 60.0  # a process that lived this long resets the restart back
 
 class LocalProcessHandle(EngineHandle):
     kind = "local"
+    resumes = True
 
     def __init__(
         self,
@@ -249,11 +251,13 @@ class LocalProcessHandle(EngineHandle):
         session_id: str | None,
         priority: int,
         sink: CallSink,
+        output_ids: Sequence[int] = (),
     ) -> None:
         if self.health is not Health.UP or self._submit is None:
             raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
         self._sinks[request_id] = sink
-        self._submit.put(("submit", request_id, prompt_ids, params, session_id, priority))
+        message = ("submit", request_id, prompt_ids, params, session_id, priority, output_ids)
+        self._submit.put(message)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._sinks and self._aborts is not None:

@@ -8,10 +8,12 @@ The manager owns the router-side view: outstanding calls and tokens per engine (
 policy reads), the session pins and hit rates (kv_coordinator.py), and each call's lifecycle. All
 of it is mutated on the event loop only, so it needs no locks.
 
-A call whose engine is lost before it streamed a token is retried once on another engine; one
-that had streamed ends FAILED with an error event. Engines join, drain and leave while calls
-run (pool.py); a removed engine's calls take that same path. The single-engine daemon is this
-same code with one in-process engine.
+A call whose engine goes (lost, its process dead, removed or drained past its timeout: pool.py)
+moves to another engine, streamed tokens or not: the next engine recomputes the prompt plus the
+tokens the caller has and goes on from there with the same sampling state (preemption across
+engines), so the caller reads one stream. At most MAX_MOVES moves; with no engine to move to,
+or after them, the call ends FAILED with an error event. The single-engine daemon is this same
+code with one in-process engine.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, EventStream
-from yaied.router.calls import Call, RequestHandle
+from yaied.router.calls import MAX_MOVES, Call, RequestHandle
 from yaied.router.config import RouterConfig
 from yaied.router.front import front_inputs
 from yaied.router.handle import (
@@ -76,6 +78,9 @@ class EngineManager(ManagerStatus, EnginePool):
         self._turn = 0  # calls routed so far (round_robin's counter)
         self._background: set[asyncio.Task] = set()
         self._step_observer: StepObserver | None = None
+        # Calls moved off an engine ("moved"), and those that could not be ("failed": no engine
+        # to take them, or moved MAX_MOVES times): yaied:call_migrations_total{outcome}.
+        self.migrations = {"moved": 0, "failed": 0}
         self._init_pool()
 
     @classmethod
@@ -209,9 +214,12 @@ class EngineManager(ManagerStatus, EnginePool):
         """Hand the call to ``engine``; one that cannot take it passes it on (see _give_up_on)."""
         while engine is not None:
             sink = CallSink(
-                functools.partial(self._deliver_from, engine.engine_id, call),
-                functools.partial(self._lost, call, engine.engine_id),
+                functools.partial(self._deliver_from, engine.engine_id, call.num_moves, call),
+                functools.partial(self._lost, call, engine.engine_id, call.num_moves),
             )
+            # A moved call resumes after what its caller has (only on engines that resume:
+            # _route picked one); a copy, since a handle may send it from another thread.
+            resume = {"output_ids": list(call.output_ids)} if call.output_ids else {}
             try:
                 engine.submit(
                     call.request_id,
@@ -220,34 +228,50 @@ class EngineManager(ManagerStatus, EnginePool):
                     session_id=call.session_id,
                     priority=call.priority,
                     sink=sink,
+                    **resume,
                 )
                 return
             except EngineUnavailable as exc:
                 engine = self._give_up_on(call, engine.engine_id, str(exc))
 
-    def _deliver_from(self, engine_id: str, call: Call, event: TokenEvent) -> None:
-        """An engine's event for a call that is still that engine's: a call moved off a
-        removed engine may hear from it until it stops, and that is dropped here."""
-        if call.engine_id == engine_id:
+    def _deliver_from(self, engine_id: str, move: int, call: Call, event: TokenEvent) -> None:
+        """An engine's event for a call that is still that engine's (``move`` tells a return
+        to an engine it left from the first visit): a call moved off a removed engine may hear
+        from it until it stops, and that is dropped here."""
+        if call.engine_id == engine_id and call.num_moves == move:
             self._deliver(call, event)
 
-    def _lost(self, call: Call, engine_id: str, reason: str) -> None:
+    def _lost(self, call: Call, engine_id: str, move: int, reason: str) -> None:
         """The engine running the call was lost before its final event."""
-        if call.finished or call.engine_id != engine_id:
-            return  # already retried elsewhere, or finished
+        if call.finished or call.engine_id != engine_id or call.num_moves != move:
+            return  # already moved elsewhere, or finished
         self._dispatch(call, self._give_up_on(call, engine_id, reason))
 
     def _give_up_on(self, call: Call, engine_id: str, reason: str) -> EngineHandle | None:
-        """The engine cannot run the call: another engine for it (a call that streamed nothing
-        is retried once), or None after failing it with an error event."""
+        """The engine cannot run the call: another engine to move it to, or None after
+        failing it with an error event (it was cancelled, it moved MAX_MOVES times, or no
+        other engine can take it now)."""
         self._outstanding[engine_id].pop(call.request_id, None)
-        retry = not (call.streamed or call.retried or call.cancelled)
-        next_engine = self._route(call, {engine_id}) if retry else None
+        if call.num_moves >= MAX_MOVES:
+            reason = f"{reason} (the call had moved {call.num_moves} times already)"
+        movable = not call.cancelled and call.num_moves < MAX_MOVES
+        next_engine = self._route(call, {engine_id}) if movable else None
         if next_engine is None:
+            if not call.cancelled:
+                self.migrations["failed"] += 1
             self._deliver(call, call.final_event(FinishReason.ERROR, reason))
             return None
-        log.warning("%s: %s; retrying on engine %s", call.request_id, reason, next_engine.engine_id)
-        call.retried = True
+        num_sent = len(call.output_ids)
+        log.warning(
+            "%s: %s; moving it to engine %s after %d sent tokens",
+            call.request_id,
+            reason,
+            next_engine.engine_id,
+            num_sent,
+        )
+        call.num_moves += 1
+        self.migrations["moved"] += 1
+        self.lifecycle.record_move(call.request_id, engine_id, next_engine.engine_id, num_sent)
         return next_engine
 
     def _route(self, call: Call, exclude: set[str]) -> EngineHandle | None:
@@ -258,7 +282,8 @@ class EngineManager(ManagerStatus, EnginePool):
                 sum(self._outstanding[engine_id].values()),
                 self.routable(engine_id)
                 and engine_id not in exclude
-                and handle.supports(call.params),
+                and handle.supports(call.params)
+                and (handle.resumes or not call.output_ids),
             )
             for engine_id, handle in self.handles.items()
         ]
@@ -287,7 +312,9 @@ class EngineManager(ManagerStatus, EnginePool):
         state = CallState.RUNNING if event.finish_reason is None else _STATE_OF[event.finish_reason]
         if record.state is CallState.PENDING and state in (CallState.RUNNING, CallState.COMPLETED):
             self.lifecycle.transition(call.request_id, CallState.RUNNING, engine_id=call.engine_id)
-        call.streamed |= bool(event.token_ids)
+        if event.token_ids:
+            call.streamed = True
+            call.output_ids.extend(event.token_ids)
         call.num_output_tokens = event.num_output_tokens or call.num_output_tokens
         if event.finished:
             call.finished = True

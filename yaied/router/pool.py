@@ -7,8 +7,8 @@ life in the pool, as ``GET /v1/engines`` shows it:
                                             |
                                  drain_engine: draining (no new calls; in-flight calls finish)
                                             |
-         remove_engine: calls left at the timeout retried elsewhere (nothing streamed yet)
-                        or ended with an error event --> the engine stopped --> removed
+         remove_engine: calls left at the timeout move to other engines, resumed after the
+                        tokens sent (manager.py) --> the engine stopped --> removed
 
 Ids are "0", "1", ... in the order added and never reused, so a log line or a lifecycle record
 names one engine for the daemon's whole life. Names are what operators and the config use: an
@@ -221,8 +221,8 @@ class EnginePool:
 
     async def remove_engine(self, engine_id: str, timeout: float = 30.0) -> None:
         """Drain the engine, give its calls up to ``timeout`` seconds to finish, then stop it
-        (within ENGINE_STOP_SECONDS more). A call still running then is retried on another
-        engine if it streamed nothing, else it ends with an error event."""
+        (within ENGINE_STOP_SECONDS more). A call still running then moves to another engine
+        and goes on after the tokens it sent (an error event when none can take it)."""
         await asyncio.shield(self.start_removal(engine_id, timeout))
 
     async def _remove(self, engine_id: str, timeout: float) -> None:
@@ -243,8 +243,8 @@ class EnginePool:
                 len(left),
                 timeout,
             )
-        for call in left:  # the same path as an engine lost: retry once, else an error event
-            self._lost(call, engine_id, f"engine {engine_id} ({name}) was removed")
+        for call in left:  # the same path as an engine lost: move it, else an error event
+            self._lost(call, engine_id, call.num_moves, f"engine {engine_id} ({name}) was removed")
         await handle.stop(ENGINE_STOP_SECONDS)  # events it still sends are dropped (stale)
         self._retire(engine_id)
 

@@ -18,11 +18,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from yaied.core.metric_names import (
+    CALL_MIGRATIONS,
+    CALL_MIGRATIONS_DOC,
     ENGINE_AVERAGED,
     ENGINE_COUNTERS,
     ENGINE_GAUGES,
     INFERENCE_EXTENSION_NAMES,
     LORA_REQUESTS_INFO,
+    MIGRATION_OUTCOMES,
     PREFIX,
     RESTARTS,
     RESTARTS_DOC,
@@ -48,8 +51,9 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A small schema compiles in milliseconds, a large one in a second or more (the timeout is 10 s).
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# The pool: engines per state, and the autoscaler's events per direction; None before loading.
-PoolStatsFn = Callable[[], tuple[dict[str, int], dict[str, int]] | None]
+# The pool: engines per state, the autoscaler's events per direction and the calls' migrations
+# per outcome; None before loading.
+PoolStatsFn = Callable[[], tuple[dict[str, int], dict[str, int], dict[str, int]] | None]
 
 
 class EngineStatsCollector:
@@ -150,8 +154,9 @@ class GrammarStatsCollector:
 
 
 class PoolCollector:
-    """``yaied:engines{state}`` and ``yaied:autoscale_events_total{direction}``, read from the
-    manager at scrape time (router/pool.py, router/autoscale.py)."""
+    """``yaied:engines{state}``, ``yaied:autoscale_events_total{direction}`` and
+    ``yaied:call_migrations_total{outcome}``, read from the manager at scrape time
+    (router/pool.py, router/autoscale.py, router/manager.py)."""
 
     def __init__(self, pool_stats: PoolStatsFn, model_name: str) -> None:
         self._pool_stats = pool_stats
@@ -161,7 +166,7 @@ class PoolCollector:
         stats = self._pool_stats()
         if stats is None:
             return
-        states, events = stats
+        states, events, migrations = stats
         engines = GaugeMetricFamily(
             "yaied:engines",
             "Engines behind the router, by state (starting, up, draining, down, removed).",
@@ -176,8 +181,14 @@ class PoolCollector:
         )
         for direction, count in events.items():
             scaling.add_metric([self._model_name, direction], count)
+        moves = CounterMetricFamily(
+            f"{PREFIX}{CALL_MIGRATIONS}", CALL_MIGRATIONS_DOC, labels=["model_name", "outcome"]
+        )
+        for outcome in MIGRATION_OUTCOMES:
+            moves.add_metric([self._model_name, outcome], migrations.get(outcome, 0))
         yield engines
         yield scaling
+        yield moves
 
 
 class ServerMetrics:

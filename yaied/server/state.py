@@ -62,9 +62,11 @@ class ServerState:
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
 
-    def _pool_stats(self) -> tuple[dict[str, int], dict[str, int]] | None:
+    def _pool_stats(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]] | None:
         manager = self.manager
-        return None if manager is None else (manager.engine_counts(), manager.autoscale_events())
+        if manager is None:
+            return None
+        return manager.engine_counts(), manager.autoscale_events(), dict(manager.migrations)
 
     def _grammar_stats(self) -> dict[str, int | float] | None:
         inputs = None if self.manager is None else self.manager.inputs
