@@ -1,0 +1,110 @@
+"""The issue's case over HTTP: 8 streams open on the daemon's in-process engine 0, a second engine
+added over the API, then ``DELETE /v1/engines/0``. Every stream moves to the new engine and
+finishes with ``length``, its tokens those greedy decoding gives without the move (fp32), its
+usage counting the original prompt; /health answers 200 throughout."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.server.conftest import start_server, stop_server
+from yaied.core.config import load_config
+from yaied.engine.async_engine import AsyncEngine
+from yaied.router.config import RouterConfig
+from yaied.router.manager import EngineManager
+from yaied.server.config import ServerConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # an engine process
+ADMIN = {"Authorization": "Bearer admin-secret"}
+KEYS = ("admin-secret name=ops admin=true",)
+PROMPT = list(range(5, 25))  # longer than the long-call threshold: it follows its session's pin
+MAX_TOKENS = 800
+
+
+def body(stream: bool) -> dict:
+    return {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "return_token_ids": True,  # the tiny model has no tokenizer
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+
+
+def stream(url: str) -> list[dict]:
+    headers = {**ADMIN, "X-Session-Id": "s"}
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json=body(True), headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(orjson.loads(line[6:]))
+    return chunks
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_removing_an_engine_with_8_streams_open_moves_every_stream(tiny_model_dirs):
+    config = load_config(
+        env={},
+        overrides={
+            "model": str(tiny_model_dirs["llama"]),
+            "dtype": "float32",
+            "kv_cache_gib": 0.02,
+            "threads": 1,
+        },
+    )
+    router = RouterConfig(long_call_threshold=8)
+    live = start_server(
+        ServerConfig(api_keys=KEYS),
+        lambda: EngineManager.single(AsyncEngine(config, show_progress=False), router),
+        "tiny",
+    )
+    try:
+        url, manager = live.url, live.server.config.app.state.server.manager
+        # The session's first call pins it to engine 0, and is the reference.
+        headers = {**ADMIN, "X-Session-Id": "s"}
+        first = httpx.post(url + "/v1/completions", json=body(False), headers=headers, timeout=60)
+        reference = first.json()["choices"][0]["token_ids"]
+        assert len(reference) == MAX_TOKENS
+        added = httpx.post(
+            url + "/v1/engines", json={"kind": "local", "threads": 1}, headers=ADMIN
+        ).json()
+        wait_for(lambda: manager.engine_state(added["id"]) == "up", timeout=120)
+        health: set[int] = set()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, url) for _ in range(8)]
+            wait_for(lambda: len(manager._calls) == 8 and manager.num_calls_waiting == 0)
+            assert {call.engine_id for call in manager._calls.values()} == {"0"}
+            removed = httpx.delete(url + "/v1/engines/0?timeout=0.2", headers=ADMIN)
+            assert removed.status_code in (200, 202), removed.text
+            while not all(f.done() for f in futures):
+                health.add(httpx.get(url + "/health").status_code)
+                time.sleep(0.05)
+            results = [f.result() for f in futures]
+        assert health == {200}
+        for chunks in results:
+            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+            assert [r for r in reasons if r is not None] == ["length"]
+            tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+            assert tokens == reference
+            usage = chunks[-1]["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (20, MAX_TOKENS)
+        assert manager.migrations == {"moved": 8, "failed": 0}
+        metrics = httpx.get(url + "/metrics").text
+        assert 'yaied:call_migrations_total{model_name="tiny",outcome="moved"} 8.0' in metrics
+        wait_for(lambda: manager.engine_state("0") == "removed")
+    finally:
+        stop_server(live)
