@@ -1,7 +1,8 @@
 """An engine process whose engine stops for good (here: a step that hangs past
-engine.step_timeout_s) sends every call its error event and exits non-zero, so the router sees
-its pipe close and starts a new process (test_manager/test_integration cover the restart),
-instead of staying alive with a dead loop and taking more calls."""
+engine.step_timeout_s) tells the router every call is lost (the router moves them elsewhere)
+and exits non-zero, so the router sees its pipe close and starts a new process
+(test_manager/test_integration cover the restart), instead of staying alive with a dead loop
+and taking more calls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from yaied.core.config import load_config
-from yaied.core.request import FinishReason, SamplingParams
+from yaied.core.request import SamplingParams
 from yaied.router.child import EXIT_ENGINE_DEAD, ChildSpec, child_main
 
 
@@ -56,10 +57,10 @@ def test_an_engine_process_exits_when_its_engine_dies(tiny_model_dirs):
         while not finals and time.monotonic() < deadline:
             if event_r.poll(1):
                 message = event_r.recv()
-                if message[0] == "event" and message[1].finished:
-                    finals.append(message[1])
-        assert finals and finals[0].finish_reason is FinishReason.ERROR
-        assert "step_timeout_s" in finals[0].error
+                if message[0] == "lost" or (message[0] == "event" and message[1].finished):
+                    finals.append(message)
+        assert finals and finals[0][:2] == ("lost", "call-1")
+        assert "step_timeout_s" in finals[0][2]
         proc.join(20)  # well before the hung step's 30 s
         assert proc.exitcode == EXIT_ENGINE_DEAD
     finally:

@@ -157,9 +157,14 @@ class ChildServer:
         self._live.add(request_id)
 
     def _send(self, event: TokenEvent) -> None:
-        """The engine's sink for every call: straight onto the event pipe."""
+        """The engine's sink for every call: straight onto the event pipe. A call ended by
+        the engine's death goes as "lost" (the router moves it to another engine; the process
+        exits after)."""
         if event.finished:
             self._live.discard(event.request_id)
+            if event.finish_reason is FinishReason.ERROR and self.engine.dead is not None:
+                self.sender.put(("lost", event.request_id, event.error or "the engine stopped"))
+                return
         self.sender.put(("event", event))
 
     def _on_abort(self, request_id: str | None) -> None:

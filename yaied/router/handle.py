@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.model_info import ModelInfo
-from yaied.core.request import SamplingParams
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, LostSink, StepObserver
 
 if TYPE_CHECKING:
@@ -196,17 +197,23 @@ class InProcessHandle(EngineHandle):
     ) -> None:
         if self.engine.dead is not None:
             raise EngineUnavailable(f"engine {self.engine_id} has stopped: {self.engine.dead}")
-        # The engine calls the sink itself: nothing in between. Its death fails each call with
-        # a final error event, so `lost` is never needed here.
         self.engine.add_request(
             prompt_ids,
             params,
-            sink=sink.deliver,
+            sink=functools.partial(self._deliver, sink),
             request_id=request_id,
             session_id=session_id,
             priority=priority,
             output_ids=output_ids,
         )
+
+    def _deliver(self, sink: CallSink, event: TokenEvent) -> None:
+        # The engine's death fails each call with a final error event: the call is lost (the
+        # manager moves it to another engine), as from a dead engine process.
+        if event.finish_reason is FinishReason.ERROR and self.engine.dead is not None:
+            sink.lost(f"engine {self.engine_id}: {event.error}")
+        else:
+            sink.deliver(event)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

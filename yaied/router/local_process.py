@@ -163,6 +163,10 @@ class LocalProcessHandle(EngineHandle):
                 if event.finished:
                     del self._sinks[event.request_id]
                 sink.deliver(event)
+        elif kind == "lost":  # its engine died: the process exits next
+            sink = self._sinks.pop(message[1], None)
+            if sink is not None:
+                sink.lost(f"engine {self.engine_id}: {message[2]}")
         elif kind == "stats":
             self._stats = message[1]
             if self.step_observer is not None:
