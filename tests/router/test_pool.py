@@ -114,7 +114,7 @@ async def test_calls_left_at_the_timeout_are_retried_or_ended_with_an_error():
     engines[0].tick = 0.05
     streaming = await manager.submit_request(prompt=[1], sampling_params=params(200))
     assert streaming.engine_id == "0"
-    await async_wait_until(  # it has streamed a token: no retry elsewhere for it
+    await async_wait_until(  # it has streamed a token: a fake engine cannot resume it
         lambda: manager.lifecycle.get(streaming.request_id).state is CallState.RUNNING,
         timeout=10,
         what="the first token",

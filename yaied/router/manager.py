@@ -22,6 +22,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.model_info import ModelInfo
@@ -187,6 +188,7 @@ class EngineManager(ManagerStatus, EnginePool):
         priority: int = 0,
         request_id: str | None = None,
         client_id: str | None = None,
+        output_ids: Sequence[int] = (),
     ) -> Call:
         """Route and start one call whose prompt and parameters have been through
         ``self.inputs`` (the one input path: they are not checked again). Its events go to
@@ -194,7 +196,9 @@ class EngineManager(ManagerStatus, EnginePool):
         NoEngineAvailable, before anything started. ``request_id`` is the call's key (unique
         among live calls; a new uuid when not given). ``client_id`` is the caller's name for it
         (an HTTP request's X-Request-Id, shared by its choices and by any other request that sent
-        the same id), which ``cancel_client_request`` matches exactly; it defaults to the key."""
+        the same id), which ``cancel_client_request`` matches exactly; it defaults to the key.
+        ``output_ids``: tokens its caller has already (a router that moved the call here sent
+        them): it resumes after them, on an engine that resumes."""
         if self.inputs is None:
             raise NoEngineAvailable("the engines have not started")
         request_id = request_id or uuid.uuid4().hex
@@ -202,6 +206,7 @@ class EngineManager(ManagerStatus, EnginePool):
             raise ValueError(f"request id {request_id!r} is already in use")
         client_id = request_id if client_id is None else client_id
         call = Call(request_id, session_id, prompt_ids, params, priority, sink, client_id)
+        call.output_ids, call.streamed = list(output_ids), bool(output_ids)
         engine = self._route(call, exclude=set())
         if engine is None:
             raise NoEngineAvailable("no healthy engine can take the request")

@@ -5,7 +5,9 @@ Each call is a streaming POST /v1/completions with the prompt as token ids, the 
 ``X-Request-Id``, ``return_token_ids`` for the sampled ids and ``stream_options.include_usage``
 for the cached tokens (``usage.prompt_tokens_details``). The stream is read by a task of its
 own; aborting cancels that task, which closes the connection, and the remote daemon aborts the
-call within one step as for any client that leaves.
+call within one step as for any client that leaves. A call moved here from another engine
+carries the tokens its caller has as ``resume_token_ids`` (yaied's own field): the remote
+resumes after them, as an engine of its own would.
 
 Health: a circuit breaker over /health probes and the calls themselves. ``failure_threshold``
 failures in a row mark the engine down (its pins are cleared); it is then probed every
@@ -15,8 +17,8 @@ Whatever goes wrong in a call's reader ends that call, and only the engine's fau
 the engine:
 
 - the engine's fault (it cannot be reached, it stopped talking for ``remote_read_timeout_seconds``,
-  it answered 5xx or something that is not our stream): a failure, and ``sink.lost``, so a call
-  that streamed nothing is retried elsewhere;
+  it answered 5xx or something that is not our stream): a failure, and ``sink.lost``, so the
+  call moves to another engine;
 - the call's own (a header or body httpx refuses to send, a 4xx, a bug here): an error event;
 - waiting for one of the ``remote_max_connections`` connections is back-pressure: calls queue
   there as they would in the remote's own queue. Probes use a client of their own, so a pool full
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +94,7 @@ class CircuitBreaker:
 
 class RemoteHandle(EngineHandle):
     kind = "remote"
+    resumes = True  # a yaied daemon takes resume_token_ids
 
     def __init__(
         self,
@@ -198,15 +202,16 @@ class RemoteHandle(EngineHandle):
         session_id: str | None,
         priority: int,
         sink: CallSink,
+        output_ids: Sequence[int] = (),
     ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
         headers = {"X-Request-Id": header_safe(request_id)}
         if session_id is not None:  # may be any string (the OpenAI `user`): encoded
             headers["X-Session-Id"] = header_safe(session_id)
-        body = request_body(prompt_ids, params, priority)
+        body = request_body(prompt_ids, params, priority, output_ids)
         reader = asyncio.get_running_loop().create_task(
-            self._read(request_id, len(prompt_ids), body, headers, sink)
+            self._read(request_id, (len(prompt_ids), len(output_ids)), body, headers, sink)
         )
         self._readers[request_id] = reader
         reader.add_done_callback(lambda _: self._readers.pop(request_id, None))
@@ -219,7 +224,7 @@ class RemoteHandle(EngineHandle):
     async def _read(
         self,
         request_id: str,
-        num_prompt_tokens: int,
+        num_tokens: tuple[int, int],  # the prompt's, and the output's sent before
         body: dict[str, Any],
         headers: dict[str, str],
         sink: CallSink,
@@ -239,7 +244,7 @@ class RemoteHandle(EngineHandle):
                         sink.deliver(refused)
                     return
                 self._record(True)
-                async for event in sse_events(response, request_id, num_prompt_tokens):
+                async for event in sse_events(response, request_id, *num_tokens):
                     sink.deliver(event)
         except asyncio.CancelledError:
             sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))

@@ -8,7 +8,7 @@ RemoteStreamError, which the handle counts against the remote, never leaving the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,16 @@ class RemoteStreamError(Exception):
     """The remote answered with something that is not a yaied completion stream."""
 
 
-def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -> dict[str, Any]:
+def request_body(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    output_ids: Sequence[int] = (),
+) -> dict[str, Any]:
     """The OpenAI body that asks the remote daemon for exactly these parameters: every sampling
     field the table sends a remote engine, under its completions name, defaults included (the
-    remote's model defaults must not replace ours)."""
+    remote's model defaults must not replace ours). ``output_ids``: a moved call's tokens sent
+    already, as yaied's ``resume_token_ids`` (the remote resumes after them)."""
     body: dict[str, Any] = {
         "prompt": prompt_ids,
         "stream": True,
@@ -41,16 +47,18 @@ def request_body(prompt_ids: list[int], params: SamplingParams, priority: int) -
             body[spec.names("completion")[0]] = spec.to_json(getattr(params, spec.name))
     if params.structured is not None:  # the remote daemon compiles it again, in its own cache
         body["structured_outputs"] = request_field(params.structured)
+    if output_ids:
+        body["resume_token_ids"] = list(output_ids)
     return body
 
 
 async def sse_events(
-    response: httpx.Response, request_id: str, num_prompt_tokens: int
+    response: httpx.Response, request_id: str, num_prompt_tokens: int, num_sent: int = 0
 ) -> AsyncIterator[TokenEvent]:
     """The remote's SSE chunks as TokenEvents. The final event waits for the usage chunk that
     follows it, which carries the cached tokens. A chunk that is not what a yaied daemon sends
-    raises RemoteStreamError."""
-    stream = _StreamState(request_id, num_prompt_tokens)
+    raises RemoteStreamError. ``num_sent``: output tokens of a resumed call sent before."""
+    stream = _StreamState(request_id, num_prompt_tokens, num_sent)
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue  # blank separators and keep-alive comments

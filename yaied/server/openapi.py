@@ -109,6 +109,7 @@ _COMPLETION = {
     },
     "echo": {"type": "boolean"},
     "return_token_ids": {"type": "boolean"},
+    "resume_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
 }
 _MESSAGES = {
     "type": "array",

@@ -44,7 +44,7 @@ COMPLETION_FIELDS = frozenset(
     {
         *_COMMON_FIELDS,
         *request_names("completion"),
-        *("prompt", "echo", "best_of", "suffix", "return_token_ids"),
+        *("prompt", "echo", "best_of", "suffix", "return_token_ids", "resume_token_ids"),
     }
 )
 # OpenAI chat fields that cannot change the output: accepted (their JSON type checked), ignored.
@@ -124,6 +124,9 @@ class ParsedRequest:
     priority: int = 0
     user: str | None = None
     return_token_ids: bool = False  # completions: each choice carries its sampled token ids
+    # completions, yaied's own: output a router already sent for this call on another engine;
+    # the call resumes after it (router/manager.py), and streams only what follows.
+    resume_token_ids: list[int] = field(default_factory=list)
     add_generation_prompt: bool = True  # chat
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
     structured: GrammarSpec | None = None  # the output constraint; None: free text
@@ -247,6 +250,13 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     parsed.prompts = parse_prompts(body.get("prompt"))
     parsed.echo = _get(body, "echo", (bool,), False)
     parsed.return_token_ids = _get(body, "return_token_ids", (bool,), False)
+    parsed.resume_token_ids = _get(body, "resume_token_ids", (list,), [])
+    if not all(_is_token_id(t) for t in parsed.resume_token_ids):
+        raise APIError(400, "resume_token_ids must be token ids", param="resume_token_ids")
+    if parsed.resume_token_ids and (parsed.n != 1 or parsed.echo or len(parsed.prompts) != 1):
+        raise APIError(
+            400, "resume_token_ids needs one prompt, n 1 and no echo", param="resume_token_ids"
+        )
     return parsed
 
 

@@ -63,6 +63,7 @@ class Job:
     params: SamplingParams
     drop_generated: bool = False  # max_tokens 0: run one token, report none (echo scoring)
     prompt_offsets: list[int] | None = None  # echo's text offsets, found off the loop if large
+    output_ids: list[int] = field(default_factory=list)  # resume_token_ids: sent already
 
 
 @dataclass(slots=True)
@@ -147,12 +148,24 @@ def build_jobs(
                 index = len(jobs)
                 own = params if params.seed is None else _with_seed(params, params.seed + k)
                 jobs.append(Job(index, prompt_index, base_id, ids, text, own, drop))
+        if parsed.resume_token_ids:  # protocol.py allows it with one prompt and n 1 only
+            jobs[0].output_ids = _resumed(manager, parsed.resume_token_ids, jobs[0].params)
     except ValueError as exc:
         raise from_value_error(exc, aliases) from None
     if len(jobs) > 1:
         for job in jobs:
             job.request_id = f"{base_id}-{job.index}"
     return jobs
+
+
+def _resumed(manager: EngineManager, ids: list[int], params: SamplingParams) -> list[int]:
+    """A router's resume_token_ids, checked: token ids, fewer than max_tokens."""
+    vocab = manager.info.vocab_size
+    if not all(0 <= token < vocab for token in ids):
+        raise ValueError(f"resume_token_ids must be token ids in [0, {vocab})")
+    if len(ids) >= params.max_tokens:
+        raise ValueError(f"resume_token_ids must be fewer than max_tokens ({params.max_tokens})")
+    return list(ids)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
@@ -283,6 +296,7 @@ def submit_jobs(
                 priority=priority,
                 request_id=job.request_id,
                 client_id=client_id,
+                output_ids=job.output_ids,
             )
             submitted.calls.append((job, sink.call, timer))
     except BaseException as exc:
