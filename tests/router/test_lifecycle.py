@@ -126,3 +126,18 @@ def test_an_id_can_be_reused_after_its_call_ended(clock):
     tracker.add("a", None, 1)
     tracker.transition("a", CallState.CANCELLED)
     assert tracker.add("a", None, 2).state is CallState.PENDING
+
+
+def test_a_move_is_recorded_and_keeps_the_state(clock):
+    tracker = LifecycleTracker(clock=clock)
+    record = tracker.add("a", None, 10)
+    tracker.transition("a", CallState.RUNNING, engine_id="0")
+    clock.now = 102.0
+    tracker.record_move("a", "0", "1", 12)
+    assert record.state is CallState.RUNNING and record.engine_id == "1"
+    assert [(m.from_engine, m.to_engine, m.num_sent_tokens, m.at) for m in record.moves] == [
+        ("0", "1", 12, 102.0)
+    ]
+    tracker.transition("a", CallState.COMPLETED)
+    with pytest.raises(IllegalTransition, match="not live"):
+        tracker.record_move("a", "1", "2", 20)  # an ended call never moves
