@@ -13,6 +13,7 @@ from tests.server.conftest import in_process_server
 from yaied.core.model_info import ModelInfo
 from yaied.engine.inputs import InputProcessor
 from yaied.router.config import RouterConfig
+from yaied.router.handle import Health
 from yaied.router.manager import EngineManager
 from yaied.server.config import ServerConfig
 
@@ -104,3 +105,16 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+def test_with_every_engine_down_calls_get_503_with_retry_after_and_serve_again_later():
+    with serve() as client:
+        manager = client.app.state.server.manager
+        engine = manager.handles["0"]
+        body = {"prompt": [1, 2], "max_tokens": 2}
+        engine.health = Health.DOWN
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert client.get("/health").status_code == 503
+        engine.health = Health.UP  # a restarted process, a remote probed back
+        assert client.post("/v1/completions", json=body).status_code == 200

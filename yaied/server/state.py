@@ -114,8 +114,13 @@ class ServerState:
             reason = "failed to load" if self.load_error is not None else "is still loading"
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
         dead = self.manager.dead
-        if dead is not None:
-            raise APIError(503, f"the engine has stopped: {dead}", code="engine_dead")
+        if dead is not None:  # an engine may come back (restarted, probed, added): retry
+            raise APIError(
+                503,
+                f"the engine has stopped: {dead}",
+                code="engine_dead",
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
         if self.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         return self.manager
