@@ -1,11 +1,14 @@
-"""The issue's case over HTTP: 8 streams open on the daemon's in-process engine 0, a second engine
-added over the API, then ``DELETE /v1/engines/0``. Every stream moves to the new engine and
+"""The issue's cases over HTTP, on a daemon with its in-process engine 0 and an engine process
+added over the API: 16 streams on the engine process when it is killed, then 8 streams on
+engine 0 when ``DELETE /v1/engines/0`` removes it. Every stream moves to the other engine and
 finishes with ``length``, its tokens those greedy decoding gives without the move (fp32), its
 usage counting the original prompt; /health answers 200 throughout."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 
 import httpx
@@ -38,8 +41,8 @@ def body(stream: bool) -> dict:
     }
 
 
-def stream(url: str) -> list[dict]:
-    headers = {**ADMIN, "X-Session-Id": "s"}
+def stream(url: str, session: str) -> list[dict]:
+    headers = {**ADMIN, "X-Session-Id": session}
     chunks = []
     with httpx.stream("POST", url + "/v1/completions", json=body(True), headers=headers) as r:
         assert r.status_code == 200, r.read()
@@ -56,7 +59,10 @@ def wait_for(predicate, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_removing_an_engine_with_8_streams_open_moves_every_stream(tiny_model_dirs):
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dirs):
+    """A daemon serving the tiny model on its in-process engine 0, plus a local engine process
+    added over the API; and the session's greedy reference output (from engine 0)."""
     config = load_config(
         env={},
         overrides={
@@ -66,7 +72,7 @@ def test_removing_an_engine_with_8_streams_open_moves_every_stream(tiny_model_di
             "threads": 1,
         },
     )
-    router = RouterConfig(long_call_threshold=8)
+    router = RouterConfig(long_call_threshold=8, restart_backoff_seconds=0.2)
     live = start_server(
         ServerConfig(api_keys=KEYS),
         lambda: EngineManager.single(AsyncEngine(config, show_progress=False), router),
@@ -83,28 +89,69 @@ def test_removing_an_engine_with_8_streams_open_moves_every_stream(tiny_model_di
             url + "/v1/engines", json={"kind": "local", "threads": 1}, headers=ADMIN
         ).json()
         wait_for(lambda: manager.engine_state(added["id"]) == "up", timeout=120)
-        health: set[int] = set()
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(stream, url) for _ in range(8)]
-            wait_for(lambda: len(manager._calls) == 8 and manager.num_calls_waiting == 0)
-            assert {call.engine_id for call in manager._calls.values()} == {"0"}
-            removed = httpx.delete(url + "/v1/engines/0?timeout=0.2", headers=ADMIN)
-            assert removed.status_code in (200, 202), removed.text
-            while not all(f.done() for f in futures):
-                health.add(httpx.get(url + "/health").status_code)
-                time.sleep(0.05)
-            results = [f.result() for f in futures]
-        assert health == {200}
-        for chunks in results:
-            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-            assert [r for r in reasons if r is not None] == ["length"]
-            tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
-            assert tokens == reference
-            usage = chunks[-1]["usage"]
-            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (20, MAX_TOKENS)
-        assert manager.migrations == {"moved": 8, "failed": 0}
-        metrics = httpx.get(url + "/metrics").text
-        assert 'yaied:call_migrations_total{model_name="tiny",outcome="moved"} 8.0' in metrics
-        wait_for(lambda: manager.engine_state("0") == "removed")
+        yield live, manager, added["id"], reference
     finally:
         stop_server(live)
+
+
+def check_streams(results: list[list[dict]], reference: list[int]) -> None:
+    for chunks in results:
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert [r for r in reasons if r is not None] == ["length"]
+        tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+        assert tokens == reference
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (20, MAX_TOKENS)
+
+
+def open_streams(live, manager, n: int, session: str, then) -> tuple[list, set[int]]:
+    """``n`` streams of ``session``; once all stream, ``then()``; their chunks, and every
+    /health status seen until they ended."""
+    health: set[int] = set()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stream, live.url, session) for _ in range(n)]
+        wait_for(lambda: len(manager._calls) == n and manager.num_calls_waiting == 0)
+        then()
+        while not all(f.done() for f in futures):
+            health.add(httpx.get(live.url + "/health").status_code)
+            time.sleep(0.05)
+        return [f.result() for f in futures], health
+
+
+def test_a_killed_engine_process_moves_its_16_streams(daemon):
+    live, manager, added, reference = daemon
+    # The session's calls go to the engine process (its id as the router sees it: scoped by the
+    # key's name, server/keys.py).
+    manager.coordinator.set_pin("ops:k", added)
+    moved_before = manager.migrations["moved"]
+    handle = manager.handles[added]
+    pid = handle.pid
+
+    def kill() -> None:
+        assert {call.engine_id for call in manager._calls.values()} == {added}
+        os.kill(pid, signal.SIGKILL)
+
+    results, health = open_streams(live, manager, 16, "k", kill)
+    assert health == {200}
+    check_streams(results, reference)
+    assert manager.migrations["moved"] - moved_before == 16
+    wait_for(lambda: handle.health.value == "up" and handle.pid != pid, timeout=60)
+
+
+def test_removing_an_engine_with_8_streams_open_moves_every_stream(daemon):
+    live, manager, added, reference = daemon
+    moved_before = manager.migrations["moved"]
+
+    def remove() -> None:
+        assert {call.engine_id for call in manager._calls.values()} == {"0"}
+        removed = httpx.delete(live.url + "/v1/engines/0?timeout=0.2", headers=ADMIN)
+        assert removed.status_code == 202, removed.text
+
+    results, health = open_streams(live, manager, 8, "s", remove)
+    assert health == {200}
+    check_streams(results, reference)
+    assert manager.migrations == {"moved": moved_before + 8, "failed": 0}
+    metrics = httpx.get(live.url + "/metrics").text
+    moved = f'yaied:call_migrations_total{{model_name="tiny",outcome="moved"}} {moved_before + 8}.0'
+    assert moved in metrics
+    wait_for(lambda: manager.engine_state("0") == "removed", timeout=20)

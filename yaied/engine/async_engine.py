@@ -293,11 +293,15 @@ class AsyncEngine(Recovery, OutputPhase):
         return time.monotonic() - self._last_progress < self.config.engine.step_timeout_s
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            # Again until it ends: on Python 3.11 a cancel that lands as a step finishes is
+            # swallowed by asyncio.wait_for (_execute), and the loop would wait for work forever
+            # (an engine removed while it runs calls).
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+        if task is not None and not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("the engine loop ended with %r", exc)
         for request_id in list(self._streams):
             self._finish_stream(request_id, FinishReason.ABORT, error=None)
         self._executor.shutdown(wait=self.dead is None)  # a dead engine's may hang: no wait
