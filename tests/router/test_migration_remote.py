@@ -43,6 +43,8 @@ def test_a_daemon_resumes_after_the_tokens_sent(daemons):
     assert rest["choices"][0]["token_ids"] == reference[15:]
     assert rest["choices"][0]["finish_reason"] == "length"
     assert (rest["usage"]["prompt_tokens"], rest["usage"]["completion_tokens"]) == (20, 40)
+    generated = 'yaied:generation_tokens_total{engine="0",model_name="tiny"} 25.0'
+    assert generated in httpx.get(daemons[1].url + "/metrics").text  # not the 15 sent before
     for bad in ([-1], list(range(40)), "x"):
         assert completion(daemons[1].url, resume_token_ids=bad).status_code == 400
     assert completion(daemons[1].url, resume_token_ids=[1], n=2).status_code == 400

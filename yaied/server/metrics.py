@@ -271,6 +271,8 @@ class RequestTimer:
     first: float | None = None
     last: float | None = None
     finished: bool = False
+    # A call resumed here (resume_token_ids): its tokens generated elsewhere, not counted here.
+    num_generated_before: int = 0
 
     def on_event(self, event: TokenEvent) -> None:
         now = time.monotonic()
@@ -294,5 +296,5 @@ class RequestTimer:
         m, labels = self.metrics, self.metrics.engine_labels(self.engine)
         m.e2e.labels(**labels).observe(time.monotonic() - self.start)
         m.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
-        m.generation_tokens.labels(**labels).inc(num_output_tokens)
+        m.generation_tokens.labels(**labels).inc(num_output_tokens - self.num_generated_before)
         m.request_success.labels(**labels, finished_reason=reason).inc()

@@ -287,6 +287,7 @@ def submit_jobs(
     try:
         for job in jobs:
             timer = metrics.timer()
+            timer.num_generated_before = len(job.output_ids)
             sink = _JobSink(job, timer, client_id, submitted.events.sink(job))
             sink.call = manager.start_call(
                 job.prompt_ids,
