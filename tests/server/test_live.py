@@ -11,7 +11,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MODEL
-from yaied.core.metric_names import INFERENCE_EXTENSION_NAMES, LORA_REQUESTS_INFO
+from yaied.core.metric_names import (
+    CALL_MIGRATIONS,
+    INFERENCE_EXTENSION_NAMES,
+    LORA_REQUESTS_INFO,
+)
 
 DESIGN_METRICS = [
     "num_requests_running",
@@ -30,11 +34,13 @@ DESIGN_METRICS = [
     "iteration_tokens_total",
 ]
 CHAT = [{"role": "user", "content": "Say hi."}]
-# Whole-pod families, without an engine label: the pool's own gauges (engines by state) and the
+# Whole-pod families, without an engine label: the pool's own (engines by state, calls moved
+# between engines) and the
 # Inference Extension's names, one series for the pod.
 POOL_FAMILIES = {
     "yaied:engines",
     "yaied:autoscale_events",
+    f"yaied:{CALL_MIGRATIONS}",
     LORA_REQUESTS_INFO,
     *(name for names in INFERENCE_EXTENSION_NAMES.values() for name in names),
 }

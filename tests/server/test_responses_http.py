@@ -99,10 +99,16 @@ def test_parse_into_a_pydantic_model(client):
 
     class City(BaseModel):
         name: str = Field(max_length=30)
-        population: int = Field(ge=0)
+        # Bounded, so the grammar ends the number: unbounded, a sampled one can run past
+        # max_output_tokens.
+        population: int = Field(ge=0, le=100_000_000)
 
     response = client.responses.parse(
-        model=MODEL, input="Describe Paris as JSON.", text_format=City, max_output_tokens=80
+        model=MODEL,
+        input="Describe Paris as JSON.",
+        text_format=City,
+        max_output_tokens=80,
+        temperature=0,
     )
     assert isinstance(response.output_parsed, City)
 
