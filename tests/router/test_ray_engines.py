@@ -1,0 +1,131 @@
+"""Engines placed by Ray, on a real local Ray cluster of two worker nodes (a head with no CPUs,
+nodes "a" and "b" with one CPU each and a custom resource naming them), serving a tiny
+random-weight model: engines land on the nodes their label names, a node removed with streams
+open ends each of them (the calls that streamed nothing run again elsewhere, the others end with
+one error event) and its engine comes back on a node that returns, and the stop leaves no
+actor. Skipped where Ray is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from yaied.core.config import load_config  # noqa: E402
+from yaied.core.request import FinishReason, SamplingParams  # noqa: E402
+from yaied.router.build import build_manager  # noqa: E402
+from yaied.router.config import EngineEntry, RouterConfig, parse_engine_entry  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = {
+        name: cluster.add_node(num_cpus=1, resources={f"node-{name}": 1}) for name in ("a", "b")
+    }
+    ray.init(address=cluster.address, logging_level="WARNING")
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_model_dirs):
+    return load_config(
+        env={}, overrides={"model": str(tiny_model_dirs["llama"]), "kv_cache_gib": 0.01}
+    )
+
+
+def ray_entry(node: str, **fields) -> EngineEntry:
+    return EngineEntry(kind="ray", node=f"node-{node}", resources=(("CPU", 1.0),), **fields)
+
+
+async def wait_for(predicate, timeout: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.05)
+
+
+def cpus_in_use() -> float:
+    return ray.cluster_resources().get("CPU", 0.0) - ray.available_resources().get("CPU", 0.0)
+
+
+async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, engine_config):
+    cluster, nodes = cluster
+    router = RouterConfig(restart_backoff_seconds=0.2)
+    manager = build_manager(engine_config, router, (ray_entry("a"), ray_entry("b")))
+    await manager.start()
+    try:
+        handles = manager.handles
+        assert handles["0"].node_id == nodes["a"].node_id
+        assert handles["1"].node_id == nodes["b"].node_id
+        assert [manager.pool[i].name for i in handles] == ["ray-node-a", "ray-node-b"]
+
+        # Parity: the same greedy tokens from both engines, and cancel works through Ray.
+        params = SamplingParams(max_tokens=8, **GREEDY)
+        outs = []
+        for _ in range(2):
+            call = await manager.submit_request(prompt=[1, 2, 3, 4], sampling_params=params)
+            outs.append(await call.result())
+        assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 8
+        long = await manager.submit_request(
+            prompt=[5, 6], sampling_params=SamplingParams(max_tokens=400, **GREEDY)
+        )
+        await wait_for(lambda: manager.num_calls_waiting == 0)
+        assert await manager.cancel_request(long.request_id)
+        assert (await long.result()).finish_reason is FinishReason.ABORT
+
+        # Node a leaves with 6 streams open: each finishes or ends with one error event.
+        params = SamplingParams(max_tokens=300, **GREEDY)
+        streams = [
+            await manager.submit_request(prompt=[7, i + 1, 9], sampling_params=params)
+            for i in range(6)
+        ]
+        await wait_for(lambda: manager.num_calls_waiting == 0)
+        cluster.remove_node(nodes["a"])
+        outputs = await asyncio.wait_for(asyncio.gather(*(s.result() for s in streams)), 90)
+        reasons = [o.finish_reason for o in outputs]
+        assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ERROR}
+        assert FinishReason.ERROR in reasons  # node a's calls had streamed: they end with one
+        await wait_for(lambda: manager.engine_state("0") == "down")
+        assert manager.engine_state("1") == "up"  # the other engine serves on
+        call = await manager.submit_request(prompt=[1, 2, 3, 4], sampling_params=params)
+        assert (await call.result()).finish_reason is FinishReason.LENGTH
+
+        # A node with label a returns: Ray restarts engine 0's actor there.
+        nodes["a"] = cluster.add_node(num_cpus=1, resources={"node-a": 1})
+        await wait_for(lambda: manager.engine_state("0") == "up", 90)
+        assert handles["0"].node_id == nodes["a"].node_id and handles["0"].num_restarts == 1
+    finally:
+        await manager.stop(20)
+    await wait_for(lambda: cpus_in_use() == 0.0, 30)  # every actor gone with the stop
+
+
+def test_bad_input_is_one_line(cluster, engine_config):
+    router = RouterConfig()
+    with pytest.raises(ValueError, match=r"^no Ray node can hold an engine of \{CPU = 64"):
+        build_manager(engine_config, router, (EngineEntry(kind="ray", resources=(("CPU", 64),)),))
+    with pytest.raises(ValueError, match="no Ray node can hold"):
+        build_manager(engine_config, router, (ray_entry("nowhere"),))
+    with pytest.raises(ValueError, match="STRICT_PACK"):
+        EngineEntry(kind="ray", tensor_parallel_size=2, placement_strategy="SPREAD")
+    entry = parse_engine_entry({"kind": "ray", "resources": {"CPU": 2}, "num_engines": 2})
+    assert entry.resources == (("CPU", 2.0),)
+    with pytest.raises(ValueError, match='is for kind = "ray"'):
+        parse_engine_entry({"kind": "local", "num_engines": 2})
+
+
+def test_num_engines_expands_by_name():
+    from yaied.router.config import expand_engines
+
+    entry = dataclasses.replace(ray_entry("a"), num_engines=3, name="gpu")
+    assert [e.name for e in expand_engines([entry])] == ["gpu-1", "gpu-2", "gpu-3"]

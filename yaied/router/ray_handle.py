@@ -1,0 +1,268 @@
+"""An engine placed by Ray: a Ray actor running the engine (router/ray_actor.py), reached
+through Ray calls rather than a second HTTP hop. To the manager it is one more EngineHandle, so
+routing, session pins, PLAS, cancel and the KV coordinator do not know the difference.
+
+    RayHandle (router's event loop)                      EngineActor (a node Ray picked)
+    start:  actor created (its resources; the node label; a placement group of N bundles for
+            a tensor-parallel engine, STRICT_PACK) -> await actor.load() -> UP
+    submit: actor.generate(...) streaming --------------> add_request; one list of events/step
+            a task per call: async for ref in stream -> sink.deliver(each event)
+    abort:  actor.abort(id)                                    engine.abort
+    watch:  actor.stats() every STATS_INTERVAL -> stats(), the step observer
+
+Loss. A call's stream that raises a Ray error other than its own task's (the actor died, its
+node left) or a stats poll that fails means the engine is lost: every call in flight is told
+``sink.lost`` (the manager retries those that streamed nothing, as for a dead local process),
+pins go (``on_lost``), and the handle is DOWN until ``load`` answers again. Ray restarts the
+actor itself (``max_restarts``) on any node that can hold it, the nodes left included; one
+Ray has given up on is created anew here, after a backoff that doubles. With no node left the
+call to ``load`` waits until one returns, and the daemon answers 503 meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+from yaied.core.config import EngineConfig
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
+from yaied.router.ray_actor import EngineActor
+from yaied.router.ray_cluster import check_feasible, connect, engine_bundle, engine_threads
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL = 0.2  # seconds between stats polls, as a local engine process reports them
+_MAX_CONCURRENCY = 100_000  # calls at once in one actor: its streams are coroutines, not threads
+
+
+class RayHandle(EngineHandle):
+    kind = "ray"
+
+    def __init__(
+        self,
+        engine_id: str,
+        entry: EngineEntry,
+        engine_config: EngineConfig,
+        router_config: RouterConfig,
+    ) -> None:
+        super().__init__(engine_id)
+        self.entry = entry
+        self.router_config = router_config
+        self.world_size = entry.tensor_parallel_size or engine_config.engine.tensor_parallel_size
+        self.ray = connect(router_config.ray_address)  # a ValueError stops the start here
+        check_feasible(self.ray, entry, self.world_size)
+        self.engine_config = self._engine_config(engine_config)
+        self.num_restarts = 0
+        self.node_id: str | None = None
+        self._actor: Any = None
+        self._group: Any = None  # the placement group of a tensor-parallel engine
+        self._sinks: dict[str, CallSink] = {}
+        self._streams: dict[str, asyncio.Task] = {}
+        self._stats: Stats | None = None
+        self._stopping = False
+        self._watch: asyncio.Task | None = None
+        self._revive: asyncio.Task | None = None
+
+    def _engine_config(self, config: EngineConfig) -> EngineConfig:
+        bundle = engine_bundle(self.entry)
+        device = "cuda" if bundle.get("GPU", 0) > 0 else "cpu"
+        if self.entry.device != "auto":
+            device = self.entry.device
+        threads = engine_threads(self.entry) * self.world_size
+        return dataclasses.replace(
+            config,
+            device=dataclasses.replace(config.device, device=device, threads=threads),
+            engine=dataclasses.replace(config.engine, tensor_parallel_size=self.world_size),
+        )
+
+    # -- the actor's life --------------------------------------------------------------------
+
+    def _create_actor(self) -> None:
+        ray, bundle = self.ray, engine_bundle(self.entry)
+        options: dict[str, Any] = {
+            "max_restarts": self.entry.max_restarts,
+            "max_task_retries": 0,  # a call is never run twice: the manager decides retries
+            "max_concurrency": _MAX_CONCURRENCY,
+        }
+        if self.world_size > 1:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundles = [dict(bundle) for _ in range(self.world_size)]
+            self._group = placement_group(bundles, strategy=self.entry.placement_strategy)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=0
+            )
+        options["num_cpus"] = bundle.pop("CPU", 0.0)
+        options["num_gpus"] = bundle.pop("GPU", 0.0)
+        options["resources"] = bundle
+        threads = self.engine_config.device.threads
+        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        remote = ray.remote(EngineActor).options(**options)
+        self._actor = remote.remote(self.engine_id, self.engine_config, threads)
+
+    async def start(self) -> None:
+        self._stopping = False
+        self.health = Health.STARTING
+        self._create_actor()
+        await self._load()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_stats())
+
+    async def _load(self) -> None:
+        """Wait for the actor to be placed and its engine built (a restarted actor builds a
+        new one); raises what the load raised."""
+        try:
+            self.info = await self._actor.load.remote()
+            self.node_id = await self._actor.node_id.remote()
+        except self.ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"engine {self.engine_id}: {exc.cause or exc}") from None
+        self.health = Health.UP
+        log.info("engine %s: ray actor up on node %s", self.engine_id, self.node_id)
+
+    async def _watch_stats(self) -> None:
+        timeout = self.router_config.remote_read_timeout_seconds
+        while not self._stopping:
+            try:
+                stats, steps = await asyncio.wait_for(self._actor.stats.remote(), timeout)
+            except (self.ray.exceptions.RayError, TimeoutError) as exc:
+                self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
+                return
+            self._stats = stats
+            if self.step_observer is not None:
+                for num_tokens in steps:
+                    self.step_observer(self.engine_id, num_tokens)
+            await asyncio.sleep(STATS_INTERVAL)
+
+    def _engine_lost(self, reason: str) -> None:
+        """Every call in flight is lost; the engine is DOWN until its actor answers again."""
+        if self.health is not Health.UP or self._stopping:
+            return
+        self.health = Health.DOWN
+        self._stats = None
+        lost, self._sinks = self._sinks, {}
+        for task in self._streams.values():
+            task.cancel()
+        self._streams = {}
+        log.error("%s; %d calls lost", reason, len(lost))
+        for sink in lost.values():
+            sink.lost(reason)
+        self._lost()
+        if self._watch is not None:
+            self._watch.cancel()
+        self._revive = asyncio.get_running_loop().create_task(self._come_back())
+
+    async def _come_back(self) -> None:
+        """Wait for Ray's restart of the actor (on whichever node can hold it, whenever one
+        can); an actor Ray gave up on is created anew, after a backoff that doubles."""
+        config, failures = self.router_config, 0
+        while not self._stopping:
+            try:
+                await self._load()
+            except (self.ray.exceptions.RayError, RuntimeError) as exc:
+                failures += 1
+                delay = config.restart_backoff_seconds * 2 ** (failures - 1)
+                delay = min(delay, config.max_restart_backoff_seconds)
+                log.warning("engine %s: not back (%s); again in %.1f s", self.engine_id, exc, delay)
+                await asyncio.sleep(delay)
+                if isinstance(exc, self.ray.exceptions.ActorDiedError):
+                    self._kill()
+                    self._create_actor()
+                continue
+            self.num_restarts += 1
+            self._watch = asyncio.get_running_loop().create_task(self._watch_stats())
+            return
+
+    async def stop(self, timeout: float = 15.0) -> None:
+        """Ask the actor to abort its calls and stop its engine, up to ``timeout`` less a
+        second, then kill it (no restart) and free its placement group."""
+        self._stopping = True
+        for task in (self._watch, self._revive):
+            if task is not None:
+                task.cancel()
+        if self._actor is not None and self.health is Health.UP:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._actor.shutdown.remote(), max(0.0, timeout - 1.0))
+        for task in list(self._streams.values()):
+            task.cancel()
+        self._kill()
+        self.health = Health.STOPPED
+
+    def _kill(self) -> None:
+        if self._actor is not None:
+            with contextlib.suppress(Exception):
+                self.ray.kill(self._actor, no_restart=True)
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._group)
+            self._group = None
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None,
+        priority: int,
+        sink: CallSink,
+    ) -> None:
+        if self.health is not Health.UP or self._actor is None:
+            raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
+        generate = self._actor.generate.options(num_returns="streaming")
+        stream = generate.remote(request_id, prompt_ids, params, session_id, priority)
+        self._sinks[request_id] = sink
+        task = asyncio.get_running_loop().create_task(self._read(request_id, stream, sink))
+        self._streams[request_id] = task
+
+    async def _read(self, request_id: str, stream: Any, sink: CallSink) -> None:
+        """One call's events, from its stream to its sink. Its own task's failure is an error
+        event for this call alone; any other Ray error means the engine was lost."""
+        try:
+            async for ref in stream:
+                events: list[TokenEvent] = await ref
+                for event in events:
+                    if event.finished:
+                        self._sinks.pop(request_id, None)
+                    sink.deliver(event)
+                if events and events[-1].finished:
+                    return
+            reason = f"engine {self.engine_id} (ray): the stream ended without a final event"
+            self._engine_lost(reason)
+        except self.ray.exceptions.RayTaskError as exc:
+            if self._sinks.pop(request_id, None) is not None:
+                error = f"engine {self.engine_id} (ray): {_brief(exc.cause or exc)}"
+                sink.deliver(TokenEvent(request_id, [], "", FinishReason.ERROR, error=error))
+        except self.ray.exceptions.RayError as exc:
+            self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
+        finally:
+            if self._streams.get(request_id) is asyncio.current_task():
+                del self._streams[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._sinks and self._actor is not None:
+            self._actor.abort.remote(request_id)  # its final event comes down the stream
+
+    def stats(self) -> Stats | None:
+        return self._stats
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "node": self.entry.node or None,
+            "node_id": self.node_id,
+            "resources": engine_bundle(self.entry),
+            "restarts": self.num_restarts,
+            "tensor_parallel_size": self.world_size,
+        }
+
+
+def _brief(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
