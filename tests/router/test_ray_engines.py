@@ -2,8 +2,9 @@
 nodes "a" and "b" with one CPU each and a custom resource naming them), serving a tiny
 random-weight model: engines land on the nodes their label names, a node removed with streams
 open ends each of them (the calls that streamed nothing run again elsewhere, the others end with
-one error event) and its engine comes back on a node that returns, and the stop leaves no
-actor. Skipped where Ray is not installed."""
+one error event) and its engine comes back on a node that returns, a cluster with no node left
+answers 503 with Retry-After until one returns, and the stop leaves no actor. Skipped where Ray
+is not installed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from yaied.core.config import load_config  # noqa: E402
 from yaied.core.request import FinishReason, SamplingParams  # noqa: E402
 from yaied.router.build import build_manager  # noqa: E402
 from yaied.router.config import EngineEntry, RouterConfig, parse_engine_entry  # noqa: E402
+from yaied.server.config import ServerConfig  # noqa: E402
+from yaied.server.errors import APIError  # noqa: E402
+from yaied.server.state import ServerState  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -41,6 +45,41 @@ def engine_config(tiny_model_dirs):
     return load_config(
         env={}, overrides={"model": str(tiny_model_dirs["llama"]), "kv_cache_gib": 0.01}
     )
+
+
+def serve_refuses(tmp_path, capsys, toml: str, *flags: str) -> str:
+    """``yaied serve`` with this config: it exits non-zero with one line on stderr, which is
+    returned."""
+    from yaied import cli
+
+    path = tmp_path / "yaied.toml"
+    path.write_text(toml)
+    assert cli.main(["serve", "--config", str(path), *flags]) != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+RAY_ENGINE = '[[engines]]\nkind = "ray"\nresources = {CPU = 1}\n'
+
+
+def test_serve_refuses_an_unreachable_ray_address(tmp_path, capsys, tiny_model_dirs):
+    assert not ray.is_initialized()  # before the cluster's tests: nothing joined yet
+    toml = f'[model]\nmodel = "{tiny_model_dirs["llama"]}"\n{RAY_ENGINE}'
+    line = serve_refuses(tmp_path, capsys, toml, "--ray-address", "127.0.0.1:1")
+    assert line == "yaied: error: cannot reach the Ray cluster at 127.0.0.1:1: Connection refused"
+
+
+def test_serve_refuses_ray_engines_without_ray(tmp_path, capsys, tiny_model_dirs, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a)
+    )
+    toml = f'[model]\nmodel = "{tiny_model_dirs["llama"]}"\n{RAY_ENGINE}'
+    line = serve_refuses(tmp_path, capsys, toml)
+    assert line.endswith('kind = "ray" engines need Ray: pip install "yaied[ray]"'), line
 
 
 def ray_entry(node: str, **fields) -> EngineEntry:
@@ -105,6 +144,21 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         nodes["a"] = cluster.add_node(num_cpus=1, resources={"node-a": 1})
         await wait_for(lambda: manager.engine_state("0") == "up", 90)
         assert handles["0"].node_id == nodes["a"].node_id and handles["0"].num_restarts == 1
+
+        # Every node leaves: the daemon answers 503 with Retry-After, and serves again when one
+        # returns.
+        state = ServerState(ServerConfig(retry_after_seconds=2), "tiny", manager=manager)
+        for name in ("a", "b"):
+            cluster.remove_node(nodes[name])
+        await wait_for(lambda: manager.dead is not None)
+        with pytest.raises(APIError) as refused:
+            state.ready_manager()
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "2"}
+        nodes["b"] = cluster.add_node(num_cpus=1, resources={"node-b": 1})
+        await wait_for(lambda: manager.dead is None, 90)
+        assert state.ready_manager() is manager
+        call = await manager.submit_request(prompt=[1, 2, 3, 4], sampling_params=params)
+        assert (await call.result()).finish_reason is FinishReason.LENGTH
     finally:
         await manager.stop(20)
     await wait_for(lambda: cpus_in_use() == 0.0, 30)  # every actor gone with the stop

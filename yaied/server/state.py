@@ -113,7 +113,13 @@ class ServerState:
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
         dead = self.manager.dead
         if dead is not None:
-            raise APIError(503, f"the engine has stopped: {dead}", code="engine_dead")
+            # Engines that restart (a process, a Ray actor waiting for a node) may be back soon.
+            raise APIError(
+                503,
+                f"the engine has stopped: {dead}",
+                code="engine_dead",
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
         if self.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         return self.manager
