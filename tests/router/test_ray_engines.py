@@ -1,10 +1,10 @@
-"""Engines placed by Ray, on a real local Ray cluster of two worker nodes (a head with no CPUs,
-nodes "a" and "b" with one CPU each and a custom resource naming them), serving a tiny
-random-weight model: engines land on the nodes their label names, a node removed with streams
-open ends each of them (the calls that streamed nothing run again elsewhere, the others end with
-one error event) and its engine comes back on a node that returns, a cluster with no node left
-answers 503 with Retry-After until one returns, and the stop leaves no actor. Skipped where Ray
-is not installed."""
+"""Engines placed by Ray, on a real local Ray cluster of three worker nodes (a head with no
+CPUs, nodes "a" and "b" with one CPU each and "c" with two, each with a custom resource naming
+it), serving a tiny random-weight model: a tensor-parallel engine on one node equals TP=1;
+engines land on the nodes their label names; a node removed with streams open ends each of them
+(the calls that streamed nothing run again elsewhere, the others end with one error event) and
+its engine comes back on a node that returns; a cluster with no node left answers 503 with
+Retry-After until one returns; the stop leaves no actor. Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = {
-        name: cluster.add_node(num_cpus=1, resources={f"node-{name}": 1}) for name in ("a", "b")
+        name: cluster.add_node(num_cpus=cpus, resources={f"node-{name}": 1})
+        for name, cpus in (("a", 1), ("b", 1), ("c", 2))
     }
     ray.init(address=cluster.address, logging_level="WARNING")
     yield cluster, nodes
@@ -162,6 +163,28 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
     finally:
         await manager.stop(20)
     await wait_for(lambda: cpus_in_use() == 0.0, 30)  # every actor gone with the stop
+
+
+async def test_a_tensor_parallel_engine_on_one_node_equals_tp1(cluster, engine_config):
+    """TP=2 as a STRICT_PACK placement group of two bundles on node c: the actor holds the
+    first and spawns its second rank there; greedy tokens equal a TP=1 engine's (fp32)."""
+    config = dataclasses.replace(
+        engine_config, model=dataclasses.replace(engine_config.model, dtype="float32")
+    )
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    tokens = {}
+    for size in (1, 2):
+        entry = ray_entry("c", tensor_parallel_size=size)
+        manager = build_manager(config, RouterConfig(), (entry,))
+        await manager.start()
+        try:
+            assert manager.handles["0"].describe()["tensor_parallel_size"] == size
+            call = await manager.submit_request(prompt=[3, 1, 4, 1, 5, 9], sampling_params=params)
+            tokens[size] = (await call.result()).token_ids
+        finally:
+            await manager.stop(20)
+    assert tokens[2] == tokens[1] and len(tokens[1]) == 12
+    await wait_for(lambda: cpus_in_use() == 0.0, 30)  # the placement group is gone too
 
 
 def test_bad_input_is_one_line(cluster, engine_config):

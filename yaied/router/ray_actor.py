@@ -1,15 +1,17 @@
 """The Ray actor's side of router/ray_handle.py: one AsyncEngine inside a Ray actor.
 
-    router process (RayHandle)                       engine actor (async, one event loop)
-    actor.load()                   ---------------->  AsyncEngine built in a thread -> ModelInfo
-    actor.generate(id, prompt, ...) (a streaming     engine.add_request(sink=queue.put_nowait)
-      generator) <--- lists of TokenEvents ---------  yields what the queue holds, each time
-    actor.abort(id)                ---------------->  engine.abort(id)
-    actor.stats()  (polled)        <----------------  engine.stats(), the steps' token counts
+    router process (RayHandle)                     engine actor (async, one event loop)
+    actor.load()                 ---------------->  AsyncEngine built in a thread -> ModelInfo
+    actor.events() (a streaming  <-- (events, stats, steps) --  every call's events, as the
+      generator, one per life)                      engine's sink puts them in the outbox
+    actor.submit(id, prompt, ...) -------------->  engine.add_request(sink=outbox)
+    actor.abort(id)              ---------------->  engine.abort(id)
 
-The same engine code as a local engine process (router/child.py): the actor only replaces the
-pipes with Ray calls. Each ``generate`` yields every event its queue holds at once, so a busy
-engine sends one Ray message per call per step, not one per token. An engine that died (a hung
+The same engine code as a local engine process (router/child.py), with the three pipes
+replaced by Ray calls, and the event pipe by one streaming generator: each item holds every
+event the outbox held, for all calls, so a busy engine sends one Ray message per step, not one
+per call or per token, and the stats ride along every STATS_INTERVAL (the router's watch: a
+stream silent for long means the actor is gone). An engine that died (a hung
 step, a CUDA error) has failed its calls with error events; the actor then exits with status
 3, and Ray restarts it (``max_restarts``) on a node that can hold it, where ``load`` builds a
 fresh engine. This module imports neither torch nor Ray at the top: the actor sets the thread
@@ -19,6 +21,7 @@ count first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from yaied.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
+Stats = dict[str, int | float]
+STATS_INTERVAL = 0.2  # seconds between the stats the actor sends, as a local engine process
 EXIT_ENGINE_DEAD = 3  # as router/child.py: the engine stopped for good; Ray restarts the actor
 _EXIT_DELAY_SECONDS = 1.0  # the dead engine's error events leave before the actor exits
 _MAX_EARLY_ABORTS = 4096  # aborts that overtook their generate call (an async actor's order)
@@ -49,7 +54,9 @@ class EngineActor:
         self.config = config
         self.engine: AsyncEngine | None = None
         self._loading: asyncio.Future[ModelInfo] | None = None
-        self._live: set[str] = set()  # calls in the engine whose stream is still open
+        self._live: set[str] = set()  # calls in the engine whose final event is not sent yet
+        self._outbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._stream_gen = 0  # which ``events`` call reads the outbox
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._steps: list[int] = []
 
@@ -73,63 +80,71 @@ class EngineActor:
         log.error("engine %s died: %s; the actor exits for Ray to restart it", self.engine_id, exc)
         threading.Timer(_EXIT_DELAY_SECONDS, os._exit, args=(EXIT_ENGINE_DEAD,)).start()
 
-    async def generate(
+    async def events(self) -> AsyncIterator[tuple[list[TokenEvent], Stats | None, list[int]]]:
+        """The engine's one outgoing stream (a Ray streaming generator, read by the router for
+        as long as the actor lives): every call's events as the engine sends them, a list at a
+        time, and every STATS_INTERVAL its counters and the token counts of its steps since."""
+        loop = asyncio.get_running_loop()
+        next_stats = 0.0
+        self._stream_gen += 1  # a new reader (the router came back after a silence) replaces
+        ours = self._stream_gen  # the old one, which must not take events from the outbox
+        while ours == self._stream_gen:
+            events: list[TokenEvent] = []
+            with contextlib.suppress(TimeoutError):
+                wait = max(0.0, next_stats - loop.time())
+                events.append(await asyncio.wait_for(self._outbox.get(), wait))
+            while not self._outbox.empty():
+                events.append(self._outbox.get_nowait())
+            stats, steps = None, []
+            if loop.time() >= next_stats:
+                next_stats = loop.time() + STATS_INTERVAL
+                steps, self._steps = self._steps, []
+                if self.engine is not None:
+                    self.engine.step_observer = self._steps.append
+                    stats = self.engine.stats()
+            yield events, stats, steps
+
+    def submit(
         self,
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         session_id: str | None,
         priority: int,
-    ) -> AsyncIterator[list[TokenEvent]]:
-        """One call's events, a list at a time, the last list ending with the final event. A
-        consumer that goes away (the router cancelled the stream) aborts the call."""
+    ) -> None:
+        """Start a call; its events go out on ``events``. A failure to start it (a duplicate
+        id, a dead engine) is its final error event, never the actor's."""
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
-            yield [_final(request_id, FinishReason.ABORT, None)]
+            self._send(_final(request_id, FinishReason.ABORT, None))
             return
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         try:
             assert self.engine is not None, "the engine is not loaded"
             self.engine.add_request(
                 prompt_ids,
                 params,
-                sink=queue.put_nowait,
+                sink=self._send,
                 request_id=request_id,
                 session_id=session_id,
                 priority=priority,
             )
-        except Exception as exc:  # a duplicate id, a dead engine: this call fails, not the actor
-            yield [_final(request_id, FinishReason.ERROR, str(exc))]
+        except Exception as exc:
+            self._send(_final(request_id, FinishReason.ERROR, str(exc)))
             return
-        finished = False
         self._live.add(request_id)
-        try:
-            while not finished:
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                finished = events[-1].finished
-                yield events
-        finally:
-            self._live.discard(request_id)
-            if not finished and self.engine is not None:
-                self.engine.abort(request_id)
+
+    def _send(self, event: TokenEvent) -> None:
+        if event.finished:
+            self._live.discard(event.request_id)
+        self._outbox.put_nowait(event)
 
     def abort(self, request_id: str) -> None:
         if self.engine is not None and request_id in self._live:
             self.engine.abort(request_id)
             return
-        self._early_aborts[request_id] = None  # it overtook its generate call
+        self._early_aborts[request_id] = None  # it overtook its submit (an async actor's order)
         while len(self._early_aborts) > _MAX_EARLY_ABORTS:
             self._early_aborts.popitem(last=False)
-
-    def stats(self) -> tuple[dict[str, int | float] | None, list[int]]:
-        """The engine's counters, and the token counts of the steps since the last call."""
-        steps, self._steps = self._steps, []
-        if self.engine is None:
-            return None, steps
-        self.engine.step_observer = self._steps.append
-        return self.engine.stats(), steps
 
     def node_id(self) -> str:
         import ray
@@ -137,10 +152,16 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     async def shutdown(self) -> None:
-        """Abort every call (each stream gets its final event) and stop the engine."""
-        if self.engine is not None:
-            self.engine.abort_all()
-            await self.engine.shutdown()
+        """Abort every call (each gets its final event, sent on ``events``) and stop the
+        engine."""
+        if self.engine is None:
+            return
+        self.engine.abort_all()
+        for _ in range(500):  # each abort ends its call with a final event within a step
+            if not self._live:
+                break
+            await asyncio.sleep(0.01)
+        await self.engine.shutdown()
 
 
 def _final(request_id: str, reason: FinishReason, error: str | None) -> TokenEvent:

@@ -5,13 +5,13 @@ routing, session pins, PLAS, cancel and the KV coordinator do not know the diffe
     RayHandle (router's event loop)                      EngineActor (a node Ray picked)
     start:  actor created (its resources; the node label; a placement group of N bundles for
             a tensor-parallel engine, STRICT_PACK) -> await actor.load() -> UP
-    submit: actor.generate(...) streaming --------------> add_request; one list of events/step
-            a task per call: async for ref in stream -> sink.deliver(each event)
-    abort:  actor.abort(id)                                    engine.abort
-    watch:  actor.stats() every STATS_INTERVAL -> stats(), the step observer
+    events: one task reads actor.events() (streaming) <--- every call's events, a list per
+            step; stats every 0.2 s -> each event to its call's sink, stats(), step observer
+    submit: actor.submit(...)  ------------------------->  engine.add_request
+    abort:  actor.abort(id)    ------------------------->  engine.abort
 
-Loss. A call's stream that raises a Ray error other than its own task's (the actor died, its
-node left) or a stats poll that fails means the engine is lost: every call in flight is told
+Loss. The event stream raising a Ray error (the actor died, its node left) or falling silent
+past ``router.remote_read_timeout_seconds`` means the engine is lost: every call in flight is told
 ``sink.lost`` (the manager retries those that streamed nothing, as for a dead local process),
 pins go (``on_lost``), and the handle is DOWN until ``load`` answers again. Ray restarts the
 actor itself (``max_restarts``) on any node that can hold it, the nodes left included; one
@@ -28,15 +28,14 @@ import logging
 from typing import Any
 
 from yaied.core.config import EngineConfig
-from yaied.core.request import FinishReason, SamplingParams, TokenEvent
+from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.ray_actor import EngineActor
 from yaied.router.ray_cluster import check_feasible, connect, engine_bundle, engine_threads
 
 log = logging.getLogger(__name__)
-STATS_INTERVAL = 0.2  # seconds between stats polls, as a local engine process reports them
-_MAX_CONCURRENCY = 100_000  # calls at once in one actor: its streams are coroutines, not threads
+_MAX_CONCURRENCY = 1000  # actor calls running at once (submits, aborts, the stream)
 
 
 class RayHandle(EngineHandle):
@@ -61,10 +60,9 @@ class RayHandle(EngineHandle):
         self._actor: Any = None
         self._group: Any = None  # the placement group of a tensor-parallel engine
         self._sinks: dict[str, CallSink] = {}
-        self._streams: dict[str, asyncio.Task] = {}
         self._stats: Stats | None = None
         self._stopping = False
-        self._watch: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # reads the event stream
         self._revive: asyncio.Task | None = None
 
     def _engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -110,7 +108,7 @@ class RayHandle(EngineHandle):
         self.health = Health.STARTING
         self._create_actor()
         await self._load()
-        self._watch = asyncio.get_running_loop().create_task(self._watch_stats())
+        self._watch = asyncio.get_running_loop().create_task(self._read_events())
 
     async def _load(self) -> None:
         """Wait for the actor to be placed and its engine built (a restarted actor builds a
@@ -123,19 +121,32 @@ class RayHandle(EngineHandle):
         self.health = Health.UP
         log.info("engine %s: ray actor up on node %s", self.engine_id, self.node_id)
 
-    async def _watch_stats(self) -> None:
+    async def _read_events(self) -> None:
+        """The actor's one event stream, for as long as it lives: each call's events to its
+        sink, the stats to ``stats()`` and the step observer. A Ray error here, or a stream
+        silent past the read timeout (the stats come every 0.2 s), means the engine was lost."""
         timeout = self.router_config.remote_read_timeout_seconds
-        while not self._stopping:
-            try:
-                stats, steps = await asyncio.wait_for(self._actor.stats.remote(), timeout)
-            except (self.ray.exceptions.RayError, TimeoutError) as exc:
-                self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
-                return
-            self._stats = stats
-            if self.step_observer is not None:
-                for num_tokens in steps:
-                    self.step_observer(self.engine_id, num_tokens)
-            await asyncio.sleep(STATS_INTERVAL)
+        stream = self._actor.events.options(num_returns="streaming").remote()
+        try:
+            while True:
+                ref = await asyncio.wait_for(stream.__anext__(), timeout)
+                events, stats, steps = await ref
+                for event in events:
+                    self._deliver(event)
+                if stats is not None:
+                    self._stats = stats
+                if self.step_observer is not None:
+                    for num_tokens in steps:
+                        self.step_observer(self.engine_id, num_tokens)
+        except (self.ray.exceptions.RayError, TimeoutError, StopAsyncIteration) as exc:
+            self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
+
+    def _deliver(self, event: TokenEvent) -> None:
+        sink = self._sinks.get(event.request_id)
+        if sink is not None:
+            if event.finished:
+                del self._sinks[event.request_id]
+            sink.deliver(event)
 
     def _engine_lost(self, reason: str) -> None:
         """Every call in flight is lost; the engine is DOWN until its actor answers again."""
@@ -144,15 +155,10 @@ class RayHandle(EngineHandle):
         self.health = Health.DOWN
         self._stats = None
         lost, self._sinks = self._sinks, {}
-        for task in self._streams.values():
-            task.cancel()
-        self._streams = {}
         log.error("%s; %d calls lost", reason, len(lost))
         for sink in lost.values():
             sink.lost(reason)
         self._lost()
-        if self._watch is not None:
-            self._watch.cancel()
         self._revive = asyncio.get_running_loop().create_task(self._come_back())
 
     async def _come_back(self) -> None:
@@ -173,21 +179,24 @@ class RayHandle(EngineHandle):
                     self._create_actor()
                 continue
             self.num_restarts += 1
-            self._watch = asyncio.get_running_loop().create_task(self._watch_stats())
+            self._watch = asyncio.get_running_loop().create_task(self._read_events())
             return
 
     async def stop(self, timeout: float = 15.0) -> None:
         """Ask the actor to abort its calls and stop its engine, up to ``timeout`` less a
         second, then kill it (no restart) and free its placement group."""
         self._stopping = True
-        for task in (self._watch, self._revive):
-            if task is not None:
-                task.cancel()
+        if self._revive is not None:
+            self._revive.cancel()
         if self._actor is not None and self.health is Health.UP:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + max(0.0, timeout - 1.0)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._actor.shutdown.remote(), max(0.0, timeout - 1.0))
-        for task in list(self._streams.values()):
-            task.cancel()
+                await asyncio.wait_for(self._actor.shutdown.remote(), deadline - loop.time())
+            while self._sinks and loop.time() < deadline:  # the final events, on their way
+                await asyncio.sleep(0.01)
+        if self._watch is not None:
+            self._watch.cancel()
         self._kill()
         self.health = Health.STOPPED
 
@@ -216,39 +225,12 @@ class RayHandle(EngineHandle):
     ) -> None:
         if self.health is not Health.UP or self._actor is None:
             raise EngineUnavailable(f"engine {self.engine_id} is {self.health.value}")
-        generate = self._actor.generate.options(num_returns="streaming")
-        stream = generate.remote(request_id, prompt_ids, params, session_id, priority)
         self._sinks[request_id] = sink
-        task = asyncio.get_running_loop().create_task(self._read(request_id, stream, sink))
-        self._streams[request_id] = task
-
-    async def _read(self, request_id: str, stream: Any, sink: CallSink) -> None:
-        """One call's events, from its stream to its sink. Its own task's failure is an error
-        event for this call alone; any other Ray error means the engine was lost."""
-        try:
-            async for ref in stream:
-                events: list[TokenEvent] = await ref
-                for event in events:
-                    if event.finished:
-                        self._sinks.pop(request_id, None)
-                    sink.deliver(event)
-                if events and events[-1].finished:
-                    return
-            reason = f"engine {self.engine_id} (ray): the stream ended without a final event"
-            self._engine_lost(reason)
-        except self.ray.exceptions.RayTaskError as exc:
-            if self._sinks.pop(request_id, None) is not None:
-                error = f"engine {self.engine_id} (ray): {_brief(exc.cause or exc)}"
-                sink.deliver(TokenEvent(request_id, [], "", FinishReason.ERROR, error=error))
-        except self.ray.exceptions.RayError as exc:
-            self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
-        finally:
-            if self._streams.get(request_id) is asyncio.current_task():
-                del self._streams[request_id]
+        self._actor.submit.remote(request_id, prompt_ids, params, session_id, priority)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._sinks and self._actor is not None:
-            self._actor.abort.remote(request_id)  # its final event comes down the stream
+            self._actor.abort.remote(request_id)  # its final event comes on the event stream
 
     def stats(self) -> Stats | None:
         return self._stats
