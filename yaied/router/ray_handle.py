@@ -129,7 +129,8 @@ class RayHandle(EngineHandle):
         stream = self._actor.events.options(num_returns="streaming").remote()
         try:
             while True:
-                ref = await asyncio.wait_for(stream.__anext__(), timeout)
+                async with asyncio.timeout(timeout):  # no task per item, as wait_for makes
+                    ref = await stream.__anext__()
                 events, stats, steps = await ref
                 for event in events:
                     self._deliver(event)
