@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 from yaied.core.config import EngineConfig
@@ -62,7 +63,9 @@ class RayHandle(EngineHandle):
         self._sinks: dict[str, CallSink] = {}
         self._stats: Stats | None = None
         self._stopping = False
-        self._watch: asyncio.Task | None = None  # reads the event stream
+        self._watch: asyncio.Task | None = None  # watches the event stream
+        self._stream_gen = 0  # items of older streams (an earlier life) are dropped
+        self._last_item = 0.0
         self._revive: asyncio.Task | None = None
 
     def _engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -122,25 +125,48 @@ class RayHandle(EngineHandle):
         log.info("engine %s: ray actor up on node %s", self.engine_id, self.node_id)
 
     async def _read_events(self) -> None:
-        """The actor's one event stream, for as long as it lives: each call's events to its
-        sink, the stats to ``stats()`` and the step observer. A Ray error here, or a stream
-        silent past the read timeout (the stats come every 0.2 s), means the engine was lost."""
-        timeout = self.router_config.remote_read_timeout_seconds
+        """The actor's one event stream, for as long as it lives, read by a thread of its own
+        (one hop onto the loop per item, as a local engine's event pipe): each call's events
+        to its sink, the stats to ``stats()`` and the step observer. A Ray error on it, or a
+        silence past the read timeout (the stats come every 0.2 s), means the engine was lost."""
+        loop = asyncio.get_running_loop()
+        self._stream_gen += 1
         stream = self._actor.events.options(num_returns="streaming").remote()
+        ended: asyncio.Future[BaseException] = loop.create_future()
+        self._last_item = loop.time()
+        args = (stream, loop, ended, self._stream_gen)
+        name = f"yaied-ray-events-{self.engine_id}"
+        threading.Thread(target=self._pump, args=args, name=name, daemon=True).start()
+        timeout = self.router_config.remote_read_timeout_seconds
+        while not ended.done():
+            await asyncio.wait([ended], timeout=1.0)
+            if not ended.done() and loop.time() - self._last_item > timeout:
+                ended.set_result(TimeoutError(f"no word for {timeout:.0f} s"))
+        self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(ended.result())}")
+
+    def _pump(self, stream: Any, loop: asyncio.AbstractEventLoop, ended: Any, gen: int) -> None:
+        """The reader thread: each item onto the loop; an error or the end, to ``ended``."""
+        reason: BaseException = EOFError("the event stream ended")
         try:
-            while True:
-                async with asyncio.timeout(timeout):  # no task per item, as wait_for makes
-                    ref = await stream.__anext__()
-                events, stats, steps = await ref
-                for event in events:
-                    self._deliver(event)
-                if stats is not None:
-                    self._stats = stats
-                if self.step_observer is not None:
-                    for num_tokens in steps:
-                        self.step_observer(self.engine_id, num_tokens)
-        except (self.ray.exceptions.RayError, TimeoutError, StopAsyncIteration) as exc:
-            self._engine_lost(f"engine {self.engine_id} (ray) was lost: {_brief(exc)}")
+            for ref in stream:
+                loop.call_soon_threadsafe(self._on_item, gen, self.ray.get(ref))
+        except Exception as exc:
+            reason = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody to tell
+            loop.call_soon_threadsafe(_settle, ended, reason)
+
+    def _on_item(self, gen: int, item: tuple[list[TokenEvent], Stats | None, list[int]]) -> None:
+        if gen != self._stream_gen:
+            return  # from a stream of an earlier life
+        self._last_item = asyncio.get_running_loop().time()
+        events, stats, steps = item
+        for event in events:
+            self._deliver(event)
+        if stats is not None:
+            self._stats = stats
+        if self.step_observer is not None:
+            for num_tokens in steps:
+                self.step_observer(self.engine_id, num_tokens)
 
     def _deliver(self, event: TokenEvent) -> None:
         sink = self._sinks.get(event.request_id)
@@ -244,6 +270,11 @@ class RayHandle(EngineHandle):
             "restarts": self.num_restarts,
             "tensor_parallel_size": self.world_size,
         }
+
+
+def _settle(future: asyncio.Future, reason: BaseException) -> None:
+    if not future.done():
+        future.set_result(reason)
 
 
 def _brief(exc: BaseException) -> str:
