@@ -206,3 +206,13 @@ def test_num_engines_expands_by_name():
 
     entry = dataclasses.replace(ray_entry("a"), num_engines=3, name="gpu")
     assert [e.name for e in expand_engines([entry])] == ["gpu-1", "gpu-2", "gpu-3"]
+
+
+def test_the_autoscaler_asks_ray_for_engines():
+    from yaied.router.autoscale import AutoscaleConfig
+
+    entry = AutoscaleConfig(kind="ray", threads=2, node="node-a").new_entry()
+    assert (entry.kind, entry.resources, entry.node) == ("ray", (("CPU", 2.0),), "node-a")
+    assert AutoscaleConfig(kind="ray", device="cuda").new_entry().resources == (("GPU", 1.0),)
+    with pytest.raises(ValueError, match='engines.node is for kind = "ray"'):
+        AutoscaleConfig(node="node-a")
