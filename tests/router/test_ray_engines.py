@@ -26,15 +26,20 @@ from yaied.server.state import ServerState  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 GREEDY = dict(temperature=0, ignore_eos=True)
+STORE = 80 * 1024**2  # bytes of object store per node (Ray's least is 75 MiB)
+
+
+def add_node(cluster, name: str, cpus: int = 1):
+    return cluster.add_node(num_cpus=cpus, resources={f"node-{name}": 1}, object_store_memory=STORE)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = {
-        name: cluster.add_node(num_cpus=cpus, resources={f"node-{name}": 1})
-        for name, cpus in (("a", 1), ("b", 1), ("c", 2))
-    }
+    # Small object stores: four nodes on one machine would each reserve 30% of its memory.
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE}
+    )
+    nodes = {name: add_node(cluster, name, cpus) for name, cpus in (("a", 1), ("b", 1), ("c", 2))}
     ray.init(address=cluster.address, logging_level="WARNING")
     yield cluster, nodes
     ray.shutdown()
@@ -142,7 +147,7 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         assert (await call.result()).finish_reason is FinishReason.LENGTH
 
         # A node with label a returns: Ray restarts engine 0's actor there.
-        nodes["a"] = cluster.add_node(num_cpus=1, resources={"node-a": 1})
+        nodes["a"] = add_node(cluster, "a")
         await wait_for(lambda: manager.engine_state("0") == "up", 90)
         assert handles["0"].node_id == nodes["a"].node_id and handles["0"].num_restarts == 1
 
@@ -155,7 +160,7 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         with pytest.raises(APIError) as refused:
             state.ready_manager()
         assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "2"}
-        nodes["b"] = cluster.add_node(num_cpus=1, resources={"node-b": 1})
+        nodes["b"] = add_node(cluster, "b")
         await wait_for(lambda: manager.dead is None, 90)
         assert state.ready_manager() is manager
         call = await manager.submit_request(prompt=[1, 2, 3, 4], sampling_params=params)
