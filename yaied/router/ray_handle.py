@@ -5,8 +5,9 @@ routing, session pins, PLAS, cancel and the KV coordinator do not know the diffe
     RayHandle (router's event loop)                      EngineActor (a node Ray picked)
     start:  actor created (its resources; the node label; a placement group of N bundles for
             a tensor-parallel engine, STRICT_PACK) -> await actor.load() -> UP
-    events: one task reads actor.events() (streaming) <--- every call's events, a list per
-            step; stats every 0.2 s -> each event to its call's sink, stats(), step observer
+    events: a thread reads actor.events() (streaming) <--- every call's events, a list per
+            step; stats every 0.2 s -> on the loop: each event to its call's sink, stats(),
+            the step observer (a task watches the stream's silence)
     submit: actor.submit(...)  ------------------------->  engine.add_request
     abort:  actor.abort(id)    ------------------------->  engine.abort
 
