@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -129,15 +130,18 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         assert await manager.cancel_request(long.request_id)
         assert (await long.result()).finish_reason is FinishReason.ABORT
 
-        # Node a leaves with 6 streams open: each finishes or ends with one error event.
+        # Node a leaves with 16 streams open: each finishes or ends with one error event
+        # within the read timeout, and the daemon serves on (what /health reads stays None).
         params = SamplingParams(max_tokens=300, **GREEDY)
         streams = [
             await manager.submit_request(prompt=[7, i + 1, 9], sampling_params=params)
-            for i in range(6)
+            for i in range(16)
         ]
         await wait_for(lambda: manager.num_calls_waiting == 0)
         cluster.remove_node(nodes["a"])
-        outputs = await asyncio.wait_for(asyncio.gather(*(s.result() for s in streams)), 90)
+        results = asyncio.gather(*(s.result() for s in streams))
+        outputs = await asyncio.wait_for(results, router.remote_read_timeout_seconds)
+        assert manager.dead is None
         reasons = [o.finish_reason for o in outputs]
         assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ERROR}
         assert FinishReason.ERROR in reasons  # node a's calls had streamed: they end with one
@@ -221,3 +225,44 @@ def test_the_autoscaler_asks_ray_for_engines():
     assert AutoscaleConfig(kind="ray", device="cuda").new_entry().resources == (("GPU", 1.0),)
     with pytest.raises(ValueError, match='engines.node is for kind = "ray"'):
         AutoscaleConfig(node="node-a")
+
+
+def test_the_daemon_joins_the_cluster_and_its_stop_leaves_no_actor(
+    cluster, tiny_model_dirs, tmp_path
+):
+    """`yaied serve --ray-address HOST:PORT` with two ray engines: it serves over HTTP, and
+    after SIGTERM it exits 0 with none of its actors left on the cluster."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.test_daemon import free_port, serve_command, wait_healthy
+
+    cluster, _ = cluster
+    config = tmp_path / "yaied.toml"
+    config.write_text('[[engines]]\nkind = "ray"\nnum_engines = 2\nresources = {CPU = 1}\n')
+    port, log_path = free_port(), tmp_path / "daemon.log"
+    extra = ("--config", str(config), "--ray-address", cluster.address)
+    code = serve_command(tiny_model_dirs["llama"], port, *extra)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base, log_path, timeout=90)
+        engines = httpx.get(f"{base}/v1/engines", timeout=5).json()["data"]
+        assert [(e["kind"], e["state"]) for e in engines] == [("ray", "up")] * 2
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        assert cpus_in_use() == 2.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while cpus_in_use() > 0.0:
+        assert time.monotonic() < deadline, "the daemon's actors outlived it"
+        time.sleep(0.1)
