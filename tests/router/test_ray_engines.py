@@ -174,25 +174,32 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
     await wait_for(lambda: cpus_in_use() == 0.0, 30)  # every actor gone with the stop
 
 
-async def test_a_tensor_parallel_engine_on_one_node_equals_tp1(cluster, engine_config):
-    """TP=2 as a STRICT_PACK placement group of two bundles on node c: the actor holds the
-    first and spawns its second rank there; greedy tokens equal a TP=1 engine's (fp32)."""
+async def test_a_tensor_parallel_engine_across_two_nodes_equals_tp1(cluster, engine_config):
+    """TP=2 as a placement group of two bundles spread over two nodes, the engine actor rank 0
+    in the first and a rank actor in the second, gloo between them: greedy tokens equal a TP=1
+    engine's (fp32)."""
     config = dataclasses.replace(
         engine_config, model=dataclasses.replace(engine_config.model, dtype="float32")
     )
     params = SamplingParams(max_tokens=12, **GREEDY)
+    spread = EngineEntry(
+        kind="ray",
+        resources=(("CPU", 1.0),),
+        tensor_parallel_size=2,
+        placement_strategy="STRICT_SPREAD",
+    )
+    engines = {"tp1": ray_entry("c"), "tp2 on two nodes": spread}
     tokens = {}
-    for size in (1, 2):
-        entry = ray_entry("c", tensor_parallel_size=size)
+    for name, entry in engines.items():
         manager = build_manager(config, RouterConfig(), (entry,))
         await manager.start()
         try:
-            assert manager.handles["0"].describe()["tensor_parallel_size"] == size
             call = await manager.submit_request(prompt=[3, 1, 4, 1, 5, 9], sampling_params=params)
-            tokens[size] = (await call.result()).token_ids
+            tokens[name] = (await call.result()).token_ids
         finally:
             await manager.stop(20)
-    assert tokens[2] == tokens[1] and len(tokens[1]) == 12
+    assert len(tokens["tp1"]) == 12
+    assert tokens["tp2 on two nodes"] == tokens["tp1"]
     await wait_for(lambda: cpus_in_use() == 0.0, 30)  # the placement group is gone too
 
 
@@ -202,8 +209,8 @@ def test_bad_input_is_one_line(cluster, engine_config):
         build_manager(engine_config, router, (EngineEntry(kind="ray", resources=(("CPU", 64),)),))
     with pytest.raises(ValueError, match="no Ray node can hold"):
         build_manager(engine_config, router, (ray_entry("nowhere"),))
-    with pytest.raises(ValueError, match="STRICT_PACK"):
-        EngineEntry(kind="ray", tensor_parallel_size=2, placement_strategy="SPREAD")
+    with pytest.raises(ValueError, match=r"\(2 ranks, STRICT_PACK\)"):
+        build_manager(engine_config, router, (ray_entry("a", tensor_parallel_size=2),))
     entry = parse_engine_entry({"kind": "ray", "resources": {"CPU": 2}, "num_engines": 2})
     assert entry.resources == (("CPU", 2.0),)
     with pytest.raises(ValueError, match='is for kind = "ray"'):

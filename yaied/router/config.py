@@ -164,11 +164,6 @@ class EngineEntry:
         for name, amount in self.resources:
             if not amount > 0:
                 raise ValueError(f"engines.resources.{name} must be > 0, got {amount}")
-        if self.tensor_parallel_size > 1 and self.placement_strategy != "STRICT_PACK":
-            raise ValueError(
-                "a ray engine's tensor-parallel ranks must share a node (placement_strategy = "
-                '"STRICT_PACK"): they join over a TCP store on 127.0.0.1 (yaied/worker/parallel)'
-            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError('a ray engine\'s device is "auto", "cpu" or "cuda": Ray picks the GPU')
 

@@ -27,7 +27,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
@@ -48,10 +48,19 @@ class EngineActor:
     """Wrapped by ``ray.remote`` in router/ray_handle.py; every method runs on the actor's one
     event loop, as the engine's task does, so nothing here needs a lock."""
 
-    def __init__(self, engine_id: str, config: EngineConfig, threads: int) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        config: EngineConfig,
+        threads: int,
+        group: Any = None,  # a tensor-parallel engine's placement group: its ranks go there
+        bundle: dict[str, float] | None = None,  # what each rank holds
+    ) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         self.engine_id = engine_id
         self.config = config
+        self.group = group
+        self.bundle = bundle or {}
         self.engine: AsyncEngine | None = None
         self._loading: asyncio.Future[ModelInfo] | None = None
         self._live: set[str] = set()  # calls in the engine whose final event is not sent yet
@@ -69,7 +78,14 @@ class EngineActor:
     async def _build(self) -> ModelInfo:
         from yaied.engine.async_engine import AsyncEngine  # torch starts here
 
-        engine = await asyncio.to_thread(AsyncEngine, self.config, show_progress=False)
+        launcher = None
+        if self.group is not None:
+            from yaied.router.ray_ranks import RayRankLauncher
+
+            launcher = RayRankLauncher(self.group, self.bundle)
+        engine = await asyncio.to_thread(
+            AsyncEngine, self.config, show_progress=False, rank_launcher=launcher
+        )
         engine.keep_this_thread_serial()  # the actor's loop: no OpenMP team of its own
         engine.step_observer = self._steps.append
         engine.on_dead = self._die

@@ -77,17 +77,34 @@ def engine_threads(entry: EngineEntry) -> int:
 
 
 def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
-    """A ValueError unless some live node could hold the engine (all its ranks: they share a
-    node), resources in use or not; a busy cluster only makes the engine wait."""
-    need = {k: v * world_size for k, v in engine_bundle(entry).items()}
-    need = {k: (NODE_LABEL_AMOUNT if k == entry.node else v) for k, v in need.items()}
+    """A ValueError unless the live nodes could hold the engine, resources in use or not (a
+    busy cluster only makes the engine wait): one bundle per rank, all on one node under
+    STRICT_PACK (or with one rank), each on a node of its own under STRICT_SPREAD."""
+    bundle = engine_bundle(entry)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for node in nodes:
-        have = node.get("Resources", {})
-        if all(have.get(k, 0.0) >= v for k, v in need.items()):
+    fits = [n for n in nodes if _holds(n, bundle, 1)]
+    if world_size == 1 or entry.placement_strategy == "STRICT_PACK":
+        if any(_holds(n, bundle, world_size) for n in nodes):
             return
+    elif entry.placement_strategy == "STRICT_SPREAD":
+        if len(fits) >= world_size:
+            return
+    elif sum(_copies(n, bundle) for n in fits) >= world_size:
+        return
+    need = {k: (v if k == entry.node else v * world_size) for k, v in bundle.items()}
+    how = "" if world_size == 1 else f" ({world_size} ranks, {entry.placement_strategy})"
     listing = "; ".join(_node_summary(n) for n in nodes) or "none alive"
-    raise ValueError(f"no Ray node can hold an engine of {_format(need)} (nodes: {listing})")
+    raise ValueError(f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})")
+
+
+def _holds(node: dict[str, Any], bundle: dict[str, float], copies: int) -> bool:
+    return _copies(node, bundle) >= copies
+
+
+def _copies(node: dict[str, Any], bundle: dict[str, float]) -> int:
+    """How many of ``bundle`` the node could hold at once (a node label holds about 1000)."""
+    have = node.get("Resources", {})
+    return min(int(have.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
 
 
 def _node_summary(node: dict[str, Any]) -> str:

@@ -3,8 +3,10 @@ through Ray calls rather than a second HTTP hop. To the manager it is one more E
 routing, session pins, PLAS, cancel and the KV coordinator do not know the difference.
 
     RayHandle (router's event loop)                      EngineActor (a node Ray picked)
-    start:  actor created (its resources; the node label; a placement group of N bundles for
-            a tensor-parallel engine, STRICT_PACK) -> await actor.load() -> UP
+    start:  actor created (its resources; the node label; for a tensor-parallel engine a
+            placement group of N bundles, ``placement_strategy``: the actor is rank 0 in
+            bundle 0, its ranks are actors in the others, router/ray_ranks.py)
+            -> await actor.load() -> UP
     events: a thread reads actor.events() (streaming) <--- every call's events, a list per
             step; stats every 0.2 s -> on the loop: each event to its call's sink, stats(),
             the step observer (a task watches the stream's silence)
@@ -102,10 +104,14 @@ class RayHandle(EngineHandle):
         options["num_cpus"] = bundle.pop("CPU", 0.0)
         options["num_gpus"] = bundle.pop("GPU", 0.0)
         options["resources"] = bundle
-        threads = self.engine_config.device.threads
-        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        # Rank 0's threads (device.threads counts every rank's), set by the actor before torch
+        # loads: no runtime_env, so Ray may hand the actor a worker process it started already.
+        threads = engine_threads(self.entry)
         remote = ray.remote(EngineActor).options(**options)
-        self._actor = remote.remote(self.engine_id, self.engine_config, threads)
+        rank_bundle = engine_bundle(self.entry)
+        self._actor = remote.remote(
+            self.engine_id, self.engine_config, threads, self._group, rank_bundle
+        )
 
     async def start(self) -> None:
         self._stopping = False
