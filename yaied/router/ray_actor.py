@@ -80,9 +80,9 @@ class EngineActor:
 
         launcher = None
         if self.group is not None:
-            from yaied.router.ray_ranks import RayRankLauncher
+            from yaied.engine.ranks import ray_rank_launcher
 
-            launcher = RayRankLauncher(self.group, self.bundle)
+            launcher = ray_rank_launcher(self.group, self.bundle)
         engine = await asyncio.to_thread(
             AsyncEngine, self.config, show_progress=False, rank_launcher=launcher
         )

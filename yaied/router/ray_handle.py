@@ -5,7 +5,7 @@ routing, session pins, PLAS, cancel and the KV coordinator do not know the diffe
     RayHandle (router's event loop)                      EngineActor (a node Ray picked)
     start:  actor created (its resources; the node label; for a tensor-parallel engine a
             placement group of N bundles, ``placement_strategy``: the actor is rank 0 in
-            bundle 0, its ranks are actors in the others, router/ray_ranks.py)
+            bundle 0, its ranks are actors in the others, worker/parallel/ray_ranks.py)
             -> await actor.load() -> UP
     events: a thread reads actor.events() (streaming) <--- every call's events, a list per
             step; stats every 0.2 s -> on the loop: each event to its call's sink, stats(),

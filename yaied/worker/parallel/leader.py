@@ -82,7 +82,7 @@ def _allow_children() -> None:
 
 class Rank(Protocol):
     """A started rank 1..N-1, as rank 0 sees it: a spawned process here (``ProcessRank``), or
-    whatever a ``RankLauncher`` made (a Ray actor on another node: router/ray_ranks.py)."""
+    whatever a ``RankLauncher`` made (a Ray actor on another node: worker/parallel/ray_ranks.py)."""
 
     name: str
     pid: int | None
