@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # Sourced by scripts/serve and scripts/test (never run directly): makes sure .venv exists and holds
-# the project with its dev extras (and ray, for the tests of kind = "ray" engines), then returns. Idempotent, and fast when nothing changed: the pip
-# work is skipped while .venv/.yaied-setup-stamp holds the hash of pyproject.toml, this file and
-# YAIED_TORCH_SPEC.
+# the project with its dev extras (and ray, which the tests of kind = "ray" engines need), then
+# returns. Idempotent, and fast when nothing changed: the pip work is skipped while
+# .venv/.yaied-setup-stamp holds the hash of pyproject.toml, this file and YAIED_TORCH_SPEC.
 #
 # Environment:
 #   YAIED_TORCH_SPEC  pip arguments for torch, installed before the project (default "torch==2.13.0":
