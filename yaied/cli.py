@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("autellix", "round_robin", "least_loaded"),
         help="how calls are spread over engines [router.policy, default autellix]",
     )
+    serve.add_argument(
+        "--ray-address",
+        metavar="auto|HOST:PORT",
+        help='the Ray cluster that kind = "ray" engines join (default: a Ray instance started '
+        "here, sized to this machine) [router.ray_address]",
+    )
     serve.set_defaults(run=_serve)
 
     chat = commands.add_parser(
@@ -217,13 +223,18 @@ def _serve_http(args: argparse.Namespace) -> int:
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
     }
-    router_flags = {"engines": args.engines, "policy": args.router_policy}
+    router_flags = {
+        "engines": args.engines,
+        "policy": args.router_policy,
+        "ray_address": args.ray_address,
+    }
     read_config = config_reader(  # again on SIGHUP
         args.config,
         {k: v for k, v in flags.items() if v is not None},
         {k: v for k, v in router_flags.items() if v is not None},
     )
     start = read_config()
+    _check_ray_engines(start.engines, start.router.ray_address)
     try:
         run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:
@@ -376,6 +387,20 @@ def _apply_cpu_cap() -> None:
     from yaied.kernels.cpu_isa import hold_torch_to_cap
 
     hold_torch_to_cap()
+
+
+def _check_ray_engines(engines, ray_address: str) -> None:
+    """Ray engines: join the cluster and check that a node could hold each of them before the
+    socket opens, so a missing Ray, an address that does not answer or resources no node has
+    stop the start with one line (a ValueError)."""
+    ray_entries = [e for e in engines if e.kind == "ray"]
+    if not ray_entries:
+        return
+    from yaied.router.ray_cluster import check_feasible, connect
+
+    ray = connect(ray_address)
+    for entry in ray_entries:
+        check_feasible(ray, entry, entry.tensor_parallel_size or 1)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -101,7 +101,7 @@ def test_router_config_from_toml_env_and_overrides(tmp_path):
         ("[router]\nfoo = 1\n", "unknown setting"),
         ('[router]\nengines = "2"\n', "router.engines must be a int"),
         ('[[engines]]\nkind = "remote"\n', "a remote engine needs url"),
-        ('[[engines]]\nkind = "gpu"\n', "engines.kind must be local or remote"),
+        ('[[engines]]\nkind = "gpu"\n', "engines.kind must be local, remote or ray"),
         ("[[engines]]\nport = 1\n", "unknown setting engines.port"),
     ],
 )

@@ -48,19 +48,26 @@ from yaied.engine.output import OutputPhase, RequestStream
 from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
 from yaied.engine.threads import run_torch_serially
+from yaied.worker.parallel.leader import RankLauncher
 from yaied.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine(Recovery, OutputPhase):
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        show_progress: bool = True,
+        rank_launcher: RankLauncher | None = None,  # tensor-parallel ranks started elsewhere
+    ) -> None:
         self.config = config
         # The one worker thread: it builds the worker, so model and KV tensors live with it.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yaied-worker")
         try:
             self.worker: Worker = self._executor.submit(
-                Worker, config, show_progress=show_progress
+                Worker, config, show_progress=show_progress, rank_launcher=rank_launcher
             ).result()
         except BaseException:
             self._executor.shutdown(wait=False)

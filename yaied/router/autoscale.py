@@ -53,6 +53,10 @@ class AutoscaleConfig:
     interval_seconds: float = 1.0  # how often the pool is sampled
     device: str = "auto"  # what new engines run on (as [[engines]] device)
     threads: int = 0  # CPU threads of a new engine; 0 = the cores shared among local engines
+    # local: a process on this machine; ray: an actor Ray places (its resources: {GPU = 1} on
+    # device "cuda", else {CPU = threads or 1}), so a Ray cluster's autoscaler adds nodes
+    kind: str = "local"
+    node: str = ""  # ray: the node label (a custom resource) new engines must run on
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_engines <= self.max_engines or self.max_engines < 1:
@@ -63,7 +67,18 @@ class AutoscaleConfig:
         for name in ("scale_up_window_seconds", "scale_down_idle_seconds", "cooldown_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"autoscale.{name} must be >= 0")
-        EngineEntry(device=self.device, threads=self.threads)  # checks both
+        if self.kind not in ("local", "ray"):
+            raise ValueError(f"autoscale.kind must be local or ray, got {self.kind!r}")
+        self.new_entry()  # checks device, threads and node (and that Ray is there)
+
+    def new_entry(self) -> EngineEntry:
+        """The [[engines]] entry of an engine the autoscaler adds."""
+        if self.kind == "local":
+            return EngineEntry(device=self.device, threads=self.threads, node=self.node)
+        gpu = self.device.startswith("cuda")
+        resources = (("GPU", 1.0),) if gpu else (("CPU", float(self.threads or 1)),)
+        device = "cuda" if gpu else self.device
+        return EngineEntry(kind="ray", device=device, resources=resources, node=self.node)
 
 
 def load_autoscale_config(
@@ -166,9 +181,7 @@ class Autoscaler:
         self.manager = manager
         self.config = config
         self.clock = clock
-        self.new_engine = new_engine or (
-            lambda: EngineEntry(device=config.device, threads=config.threads)
-        )
+        self.new_engine = new_engine or config.new_entry
         self.memory = Memory()
         self.events: Counter[str] = Counter({"up": 0, "down": 0})
         self._added = 0

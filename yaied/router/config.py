@@ -7,17 +7,21 @@ Precedence is the same: defaults < TOML < ``YAIED_ROUTER_<KEY>`` < explicit over
 Engines: with no `[[engines]]` entry and ``router.engines = 1`` the daemon runs one engine in its
 own process, as it always did. ``router.engines = N > 1`` starts N local engine processes (one per
 GPU where there are N, else N CPU processes sharing the cores). `[[engines]]` entries list the
-engines explicitly: ``kind = "local"`` with a ``device``, or ``kind = "remote"`` with the ``url``
-of another yaied daemon. A remote's key is best kept out of the TOML (installed world-readable):
+engines explicitly: ``kind = "local"`` with a ``device``, ``kind = "remote"`` with the ``url``
+of another yaied daemon, or ``kind = "ray"``: ``num_engines`` Ray actors, each holding
+``resources`` on a node Ray picks (or the one with the custom resource ``node``), reached from
+the router through Ray (router/ray_handle.py; ``router.ray_address`` or ``--ray-address`` names
+the cluster). A remote's key is best kept out of the TOML (installed world-readable):
 ``api_key_env`` names an environment variable (systemd's EnvironmentFile), ``api_key_file`` a file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,8 @@ from typing import Any
 from yaied.core.config import load_section, read_toml
 from yaied.router.policy import POLICIES, RoutingThresholds
 
-ENGINE_KINDS = ("local", "remote")
+ENGINE_KINDS = ("local", "remote", "ray")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray's names
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -47,6 +52,9 @@ class RouterConfig:
     remote_max_connections: int = 2048
     # A remote stream silent this long is dead: 3 of the remote's SSE pings (sse_ping_seconds 15).
     remote_read_timeout_seconds: float = 45.0
+    # The Ray cluster that kind = "ray" engines run on: "auto" (the one this machine belongs to),
+    # HOST:PORT (its GCS), or "" to start a Ray instance on this machine, sized to it.
+    ray_address: str = ""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -82,7 +90,8 @@ class RouterConfig:
 class EngineEntry:
     """One `[[engines]]` table."""
 
-    kind: str = "local"  # local (a process on this machine) | remote (another yaied daemon)
+    # local (a process on this machine) | remote (another yaied daemon) | ray (Ray actors)
+    kind: str = "local"
     name: str = ""  # stable, for reloads and logs; "" = made from kind and device or url
     device: str = "auto"  # local: auto | cpu | cuda | cuda:N
     threads: int = 0  # local on CPU: torch threads; 0 = the cores divided among local engines
@@ -94,12 +103,21 @@ class EngineEntry:
     api_key: str = field(default="", repr=False)  # remote: its Bearer key (better: the two below)
     api_key_env: str = ""  # remote: the environment variable that holds its key
     api_key_file: str = ""  # remote: a file that holds its key (its first line that is not a #)
+    # ray: engines of this entry (each an actor); the config's list holds one entry per engine
+    num_engines: int = 1
+    # ray: what each engine holds on its node, e.g. {CPU = 2} or {GPU = 1}; () = {CPU = 1}.
+    # Stored as sorted (name, amount) pairs, so the entry stays hashable.
+    resources: tuple[tuple[str, float], ...] = ()
+    node: str = ""  # ray: a custom resource naming the node(s) the engine must run on
+    placement_strategy: str = "STRICT_PACK"  # ray: how a tensor-parallel engine's bundles sit
+    max_restarts: int = 3  # ray: restarts Ray makes of a dead engine actor (-1: no limit)
     key: str = field(init=False, repr=False, compare=False)  # the key, from whichever is set
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", self._read_key())
         if self.kind not in ENGINE_KINDS:
-            raise ValueError(f"engines.kind must be local or remote, got {self.kind!r}")
+            raise ValueError(f"engines.kind must be local, remote or ray, got {self.kind!r}")
+        self._check_ray()
         if self.kind == "remote" and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"a remote engine needs url = http(s)://host:port, got {self.url!r}")
         if self.name and not _NAME.fullmatch(self.name):
@@ -122,6 +140,32 @@ class EngineEntry:
                 f"engines.device_ids {list(ids)} must name tensor_parallel_size ({size}) distinct "
                 'GPUs, with device = "cuda" (or "auto")'
             )
+
+    def _check_ray(self) -> None:
+        if self.kind != "ray":
+            ray_only = ("num_engines", "resources", "node")
+            if given := [
+                n
+                for n in ray_only
+                if getattr(self, n) != EngineEntry.__dataclass_fields__[n].default
+            ]:
+                raise ValueError(f'engines.{given[0]} is for kind = "ray" engines')
+            return
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError('kind = "ray" engines need Ray: pip install "yaied[ray]"')
+        if self.num_engines < 1:
+            raise ValueError(f"engines.num_engines must be >= 1, got {self.num_engines}")
+        if self.max_restarts < -1:
+            raise ValueError(f"engines.max_restarts must be >= -1, got {self.max_restarts}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"engines.placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}"
+            )
+        for name, amount in self.resources:
+            if not amount > 0:
+                raise ValueError(f"engines.resources.{name} must be > 0, got {amount}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError('a ray engine\'s device is "auto", "cpu" or "cuda": Ray picks the GPU')
 
     def _read_key(self) -> str:
         """The remote's key, read once at load: a missing variable or file stops the start."""
@@ -158,13 +202,31 @@ def load_router_config(
     entries = data.get("engines", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("engines must be an array of tables: [[engines]]")
-    return router, tuple(parse_engine_entry(e) for e in entries)
+    return router, expand_engines(parse_engine_entry(e) for e in entries)
+
+
+def expand_engines(entries: Iterable[EngineEntry]) -> tuple[EngineEntry, ...]:
+    """One entry per engine: a ray entry of ``num_engines`` N becomes N entries of one engine,
+    named ``<name>-1`` .. ``<name>-N`` where the entry has a name (unnamed ones are numbered by
+    the pool as alike entries are), so a reload diffs them by name as any other."""
+    out: list[EngineEntry] = []
+    for entry in entries:
+        if entry.num_engines == 1:
+            out.append(entry)
+            continue
+        for i in range(entry.num_engines):
+            name = f"{entry.name}-{i + 1}" if entry.name else ""
+            out.append(dataclasses.replace(entry, num_engines=1, name=name))
+    return tuple(out)
 
 
 def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
     known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry) if f.init}
     table = dict(table)
     for key, value in table.items():
+        if key == "resources" and isinstance(value, dict):  # resources = {CPU = 2}
+            table[key] = value = _resources(value)
+            continue
         if key not in known:
             raise ValueError(f"unknown setting engines.{key}; known: {', '.join(known)}")
         if known[key] is tuple and isinstance(value, list):  # device_ids = [2, 3]
@@ -174,3 +236,10 @@ def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
         if not isinstance(value, known[key]) or isinstance(value, bool):
             raise ValueError(f"engines.{key} must be a {known[key].__name__}, got {value!r}")
     return EngineEntry(**table)
+
+
+def _resources(table: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    for name, amount in table.items():
+        if not isinstance(amount, int | float) or isinstance(amount, bool):
+            raise ValueError(f"engines.resources.{name} must be a number, got {amount!r}")
+    return tuple(sorted((str(k), float(v)) for k, v in table.items()))

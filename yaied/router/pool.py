@@ -64,6 +64,8 @@ def base_name(entry: EngineEntry) -> str:
         return entry.name
     if entry.kind == "remote":
         return "remote-" + (urlsplit(entry.url).netloc or entry.url)
+    if entry.kind == "ray":
+        return f"ray-{entry.node}" if entry.node else "ray"
     return f"local-{entry.device}"
 
 
@@ -157,10 +159,14 @@ class EnginePool:
             from yaied.router.remote import RemoteHandle
 
             return RemoteHandle(engine_id, entry, self.config)
+        if self.engine_config is None:
+            raise ValueError(f"a {entry.kind} engine needs the manager's engine_config")
+        if entry.kind == "ray":  # Ray is imported only here, and joined once per process
+            from yaied.router.ray_handle import RayHandle
+
+            return RayHandle(engine_id, entry, self.engine_config, self.config)
         from yaied.router.local_process import LocalProcessHandle
 
-        if self.engine_config is None:
-            raise ValueError("a local engine needs the manager's engine_config")
         return LocalProcessHandle(engine_id, entry, self.engine_config, self.config)
 
     def _share_threads(self) -> None:
@@ -293,8 +299,8 @@ class EnginePool:
         taken = self._names_in_use() - set(current)
         if clash := sorted(set(wanted) & taken):
             raise ValueError(f"engine names {clash} are held by engines not from the config")
-        if self.engine_config is None and any(e.kind == "local" for e in entries):
-            raise ValueError("local engines need the manager's engine_config")
+        if self.engine_config is None and any(e.kind in ("local", "ray") for e in entries):
+            raise ValueError("local and ray engines need the manager's engine_config")
         others = [i for i, e in self.pool.items() if e.origin != "config" and not e.draining]
         if not wanted and not others:
             raise ValueError("the config lists no engine: the daemon would have none")

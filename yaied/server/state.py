@@ -114,7 +114,9 @@ class ServerState:
             reason = "failed to load" if self.load_error is not None else "is still loading"
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
         dead = self.manager.dead
-        if dead is not None:  # an engine may come back (restarted, probed, added): retry
+        if dead is not None:
+            # An engine may come back (a process restarted, a Ray actor placed again when a node
+            # returns, one probed or added): retry.
             raise APIError(
                 503,
                 f"the engine has stopped: {dead}",

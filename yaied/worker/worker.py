@@ -34,7 +34,7 @@ from yaied.worker.model_runner import ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 from yaied.worker.parallel.group import RankFailure
-from yaied.worker.parallel.leader import LeaderRunner, TensorParallel
+from yaied.worker.parallel.leader import LeaderRunner, RankLauncher, TensorParallel
 from yaied.worker.runner_setup import KVCaches, allocate_kv, build_runner, capture_graphs
 
 if TYPE_CHECKING:
@@ -57,7 +57,13 @@ def kv_bytes_per_token(hf_shape, dtype: torch.dtype) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, *, show_progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        show_progress: bool = True,
+        rank_launcher: RankLauncher | None = None,  # tensor-parallel ranks started elsewhere
+    ) -> None:
         self.config = config
         self.device = pick_device(config.device.device)
         if self.device.type == "cuda":
@@ -77,7 +83,7 @@ class Worker:
         # Tensor parallelism: this thread is rank 0; the other ranks are processes it spawns.
         self.parallel: TensorParallel | None = None
         if config.engine.tensor_parallel_size > 1:
-            self.parallel, self.loaded = TensorParallel.start(config, self.device)
+            self.parallel, self.loaded = TensorParallel.start(config, self.device, rank_launcher)
         else:
             self.loaded = load_model(
                 config.model, self.device, show_progress=show_progress, level=self.isa

@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -79,64 +80,126 @@ def _allow_children() -> None:
         process.daemon = False
 
 
+class Rank(Protocol):
+    """A started rank 1..N-1, as rank 0 sees it: a spawned process here (``ProcessRank``), or
+    whatever a ``RankLauncher`` made (a Ray actor on another node: worker/parallel/ray_ranks.py)."""
+
+    name: str
+    pid: int | None
+
+    def wait_loaded(self) -> None:
+        """Block until the rank has loaded its shard; RuntimeError naming why it did not."""
+
+    def exit_reason(self) -> str | None:
+        """Why the rank is gone (checked before each step), or None while it runs."""
+
+    def kill(self) -> None:
+        """Stop the rank now and reap it; safe twice."""
+
+
+class RankLauncher(Protocol):
+    """Starts ranks elsewhere than as processes of this one. ``host`` is the address the
+    ranks reach rank 0's store at; ``cores`` False: each rank keeps the cores of its own
+    machine (rank 0's affinity means nothing there)."""
+
+    host: str
+    cores: bool
+
+    def __call__(self, spec: RankSpec) -> Rank: ...
+
+
 @dataclass(slots=True)
-class _Rank:
+class ProcessRank:
+    """A rank spawned as a process of this one, reporting over a pipe."""
+
     process: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
 
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def wait_loaded(self) -> None:
+        multiprocessing.connection.wait([self.conn, self.process.sentinel])
+        message = ("failed", f"exited with code {self.process.exitcode}")
+        if self.conn.poll():
+            with contextlib.suppress(EOFError):
+                message = self.conn.recv()
+        if message[0] != "loaded":
+            raise RuntimeError(f"tensor-parallel {self.name}: {message[1]}")
+
+    def exit_reason(self) -> str | None:
+        if self.process.is_alive():
+            return None
+        return f"tensor-parallel {self.name} exited (code {self.process.exitcode})"
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.process.is_alive():
+                self.process.kill()
+        with contextlib.suppress(Exception):
+            self.process.join(5)
+            self.conn.close()
+
+
+def spawn_rank(spec: RankSpec) -> ProcessRank:
+    """Rank ``spec.rank`` as a process of this one (multiprocessing spawn)."""
+    _allow_children()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    process = ctx.Process(
+        target=rank_main, args=(spec, theirs), name=f"yaied-rank-{spec.rank}", daemon=True
+    )
+    process.start()
+    theirs.close()
+    return ProcessRank(process, ours)
+
 
 class TensorParallel:
-    def __init__(self, group: RankGroup, ranks: list[_Rank]) -> None:
+    def __init__(self, group: RankGroup, ranks: list[Rank]) -> None:
         self.group = group
         self.ranks = ranks
 
     @classmethod
     def start(
-        cls, config: EngineConfig, device: torch.device
+        cls, config: EngineConfig, device: torch.device, launcher: RankLauncher | None = None
     ) -> tuple[TensorParallel, LoadedModel]:
-        """Spawn ranks 1..N-1, load rank 0's shard meanwhile, then join them all."""
+        """Start ranks 1..N-1 (spawned here, or by ``launcher``), load rank 0's shard
+        meanwhile, then join them all."""
         world_size = config.engine.tensor_parallel_size
         resolve_shape(config)  # refuse an unsplittable model before spawning anything
         group = RankGroup(0, world_size, device, config.engine.step_timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
+        # The store listens on every interface; ranks elsewhere reach it at launcher.host.
+        host = "127.0.0.1" if launcher is None else launcher.host
+        store = dist.TCPStore(host, 0, world_size, True, wait_for_workers=False)
         shares = core_shares(world_size, config.device.threads)
+        if launcher is not None and not launcher.cores:
+            shares = [(threads, ()) for threads, _ in shares]
         if device.type == "cpu":
             bind_cpu(*shares[0])  # the worker thread: this is the thread every step runs in
         devices = rank_devices(device, world_size)
-        _allow_children()
-        ctx = multiprocessing.get_context("spawn")
-        ranks: list[_Rank] = []
+        start_rank = launcher or spawn_rank
+        ranks: list[Rank] = []
         parallel = cls(group, ranks)
         try:
             for rank in range(1, world_size):
-                ours, theirs = ctx.Pipe(duplex=False)
-                spec = RankSpec(rank, world_size, store.port, config, devices[rank], *shares[rank])
-                process = ctx.Process(
-                    target=rank_main, args=(spec, theirs), name=f"yaied-rank-{rank}", daemon=True
+                spec = RankSpec(
+                    rank, world_size, store.port, config, devices[rank], *shares[rank], host=host
                 )
-                process.start()
-                theirs.close()
-                ranks.append(_Rank(process, ours))
+                ranks.append(start_rank(spec))
             loaded = load_shard(config, 0, group, device)
-            parallel._wait_loaded()
+            for started in ranks:  # they load side by side
+                started.wait_loaded()
             group.connect_store(store)
         except BaseException:
             parallel.close()
             raise
         log.info("tensor parallel: %d ranks on %s", world_size, ", ".join(devices))
         return parallel, loaded
-
-    def _wait_loaded(self) -> None:
-        """Wait for every rank's "loaded" (they load side by side), or raise with the first
-        failure or death found."""
-        for rank in self.ranks:
-            multiprocessing.connection.wait([rank.conn, rank.process.sentinel])
-            message = ("failed", f"exited with code {rank.process.exitcode}")
-            if rank.conn.poll():
-                with contextlib.suppress(EOFError):
-                    message = rank.conn.recv()
-            if message[0] != "loaded":
-                raise RuntimeError(f"tensor-parallel {rank.process.name}: {message[1]}")
 
     def send_step(self, seqs: list[ScheduledSeq]) -> None:
         payload = encode_step(seqs)
@@ -152,22 +215,15 @@ class TensorParallel:
         """Before each step: a rank that died fails the step at once (fatal), without waiting
         for a collective to notice."""
         for rank in self.ranks:
-            if not rank.process.is_alive():
-                code = rank.process.exitcode
-                raise RankFailure(f"tensor-parallel {rank.process.name} exited (code {code})")
+            if (reason := rank.exit_reason()) is not None:
+                raise RankFailure(reason)
 
     @property
     def pids(self) -> list[int]:
-        return [r.process.pid for r in self.ranks if r.process.pid is not None]
+        return [r.pid for r in self.ranks if r.pid is not None]
 
     def close(self) -> None:
         """Kill the ranks (they hold nothing worth a goodbye) and reap them. Safe from any
         thread, twice, and while the worker thread waits in a collective (it then raises)."""
         for rank in self.ranks:
-            with contextlib.suppress(Exception):
-                if rank.process.is_alive():
-                    rank.process.kill()
-        for rank in self.ranks:
-            with contextlib.suppress(Exception):
-                rank.process.join(5)
-                rank.conn.close()
+            rank.kill()

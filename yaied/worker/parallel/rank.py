@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 class RankSpec:
     rank: int
     world_size: int
-    port: int  # rank 0's TCP store on 127.0.0.1
+    port: int  # rank 0's TCP store, at host
     config: EngineConfig
     device: str  # "cpu" or "cuda:N"
     threads: int  # torch threads on CPU
     cores: tuple[int, ...]  # CPU cores to bind to; () = leave the affinity alone
+    host: str = "127.0.0.1"  # where rank 0's store listens (its node, for ranks placed by Ray)
 
 
 def bind_cpu(threads: int, cores: tuple[int, ...]) -> None:
@@ -56,7 +57,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     # systemd signals every process of the service; rank 0's engine decides when ranks go.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        follower.group.connect("127.0.0.1", spec.port)
+        follower.group.connect(spec.host, spec.port)
         follower.serve()
     except BaseException as exc:
         log.error("stopping: %s: %s", type(exc).__name__, exc)

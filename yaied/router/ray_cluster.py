@@ -1,0 +1,126 @@
+"""Joining a Ray cluster, and what Ray needs to place one engine: its bundle of resources.
+
+Ray is optional (``pip install "yaied[ray]"``): nothing imports it until a ``kind = "ray"``
+engine exists, and every way it can be missing or unreachable is a ValueError of one line,
+which stops the start (the CLI prints it) or refuses ``POST /v1/engines`` (a 400).
+
+    router.ray_address   ""         a Ray instance started here, sized to this machine
+                         "auto"     the cluster this machine already belongs to (`ray start`)
+                         HOST:PORT  that cluster's GCS; checked with a plain connect first, since
+                                    ray.init retries an address that does not answer for minutes
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+from yaied.router.config import EngineEntry
+
+log = logging.getLogger(__name__)
+NODE_LABEL_AMOUNT = 0.001  # what an engine takes of its node's label resource: any node has 1
+_CONNECT_TIMEOUT_SECONDS = 5.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError('kind = "ray" engines need Ray: pip install "yaied[ray]"') from None
+    return ray
+
+
+def connect(address: str) -> Any:
+    """Join the cluster at ``address`` once per process (see the module's table); returns the
+    ``ray`` module."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    if address not in ("", "auto") and not address.startswith("ray://"):
+        _check_reachable(address)
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = address or "a local Ray instance"
+        raise ValueError(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None
+    log.info("ray: joined %s", address or "a Ray instance started here")
+    return ray
+
+
+def _check_reachable(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdecimal():
+        raise ValueError(f"--ray-address must be auto or HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_SECONDS).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"cannot reach the Ray cluster at {address}: {reason}") from None
+
+
+def engine_bundle(entry: EngineEntry) -> dict[str, float]:
+    """What one rank of the engine holds on its node: the entry's resources ({CPU: 1} when it
+    names none), plus a sliver of the node label's custom resource when it names a node."""
+    bundle = dict(entry.resources) or {"CPU": 1.0}
+    if entry.node:
+        bundle[entry.node] = NODE_LABEL_AMOUNT
+    return bundle
+
+
+def engine_threads(entry: EngineEntry) -> int:
+    """Torch threads of a CPU engine: the entry's own, else the CPUs its bundle holds."""
+    return entry.threads or max(1, int(dict(entry.resources).get("CPU", 1.0)))
+
+
+def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
+    """A ValueError unless the live nodes could hold the engine, resources in use or not (a
+    busy cluster only makes the engine wait): one bundle per rank, all on one node under
+    STRICT_PACK (or with one rank), each on a node of its own under STRICT_SPREAD."""
+    bundle = engine_bundle(entry)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fits = [n for n in nodes if _holds(n, bundle, 1)]
+    if world_size == 1 or entry.placement_strategy == "STRICT_PACK":
+        if any(_holds(n, bundle, world_size) for n in nodes):
+            return
+    elif entry.placement_strategy == "STRICT_SPREAD":
+        if len(fits) >= world_size:
+            return
+    elif sum(_copies(n, bundle) for n in fits) >= world_size:
+        return
+    need = {k: (v if k == entry.node else v * world_size) for k, v in bundle.items()}
+    how = "" if world_size == 1 else f" ({world_size} ranks, {entry.placement_strategy})"
+    listing = "; ".join(_node_summary(n) for n in nodes) or "none alive"
+    raise ValueError(f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})")
+
+
+def _holds(node: dict[str, Any], bundle: dict[str, float], copies: int) -> bool:
+    return _copies(node, bundle) >= copies
+
+
+def _copies(node: dict[str, Any], bundle: dict[str, float]) -> int:
+    """How many of ``bundle`` the node could hold at once (a node label holds about 1000)."""
+    have = node.get("Resources", {})
+    return min(int(have.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
+
+
+def _node_summary(node: dict[str, Any]) -> str:
+    have = {
+        k: v
+        for k, v in node.get("Resources", {}).items()
+        if not k.startswith(("node:", "memory", "object_store_memory", "accelerator_type"))
+    }
+    return f"{node.get('NodeManagerAddress', '?')} {_format(have)}"
+
+
+def _format(resources: dict[str, float]) -> str:
+    inner = ", ".join(f"{k} = {v:g}" for k, v in sorted(resources.items()))
+    return "{" + inner + "}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
