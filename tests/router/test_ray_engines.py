@@ -31,7 +31,16 @@ STORE = 80 * 1024**2  # bytes of object store per node (Ray's least is 75 MiB)
 
 
 def add_node(cluster, name: str, cpus: int = 1):
-    return cluster.add_node(num_cpus=cpus, resources={f"node-{name}": 1}, object_store_memory=STORE)
+    # Ray gives a starting node a fixed 30 s to register; on a loaded 2-core machine a raylet
+    # can miss that, so a node gets a second try.
+    for attempt in range(2):
+        try:
+            return cluster.add_node(
+                num_cpus=cpus, resources={f"node-{name}": 1}, object_store_memory=STORE
+            )
+        except Exception:
+            if attempt:
+                raise
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +117,11 @@ def cpus_in_use() -> float:
 async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, engine_config):
     cluster, nodes = cluster
     router = RouterConfig(restart_backoff_seconds=0.2)
-    manager = build_manager(engine_config, router, (ray_entry("a"), ray_entry("b")))
+    # fp32, so a call moved off the lost node recomputes its sent tokens to the same greedy path.
+    fp32 = dataclasses.replace(
+        engine_config, model=dataclasses.replace(engine_config.model, dtype="float32")
+    )
+    manager = build_manager(fp32, router, (ray_entry("a"), ray_entry("b")))
     await manager.start()
     try:
         handles = manager.handles
@@ -130,8 +143,10 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         assert await manager.cancel_request(long.request_id)
         assert (await long.result()).finish_reason is FinishReason.ABORT
 
-        # Node a leaves with 16 streams open: each finishes or ends with one error event
-        # within the read timeout, and the daemon serves on (what /health reads stays None).
+        # Node a leaves with 16 streams open: node a's move to engine 1 and go on after the
+        # tokens they had sent, so every stream finishes with the greedy tokens it would have
+        # had without the loss, within the read timeout, and the daemon serves on (what
+        # /health reads stays None).
         params = SamplingParams(max_tokens=300, **GREEDY)
         streams = [
             await manager.submit_request(prompt=[7, i + 1, 9], sampling_params=params)
@@ -142,11 +157,16 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         results = asyncio.gather(*(s.result() for s in streams))
         outputs = await asyncio.wait_for(results, router.remote_read_timeout_seconds)
         assert manager.dead is None
-        reasons = [o.finish_reason for o in outputs]
-        assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ERROR}
-        assert FinishReason.ERROR in reasons  # node a's calls had streamed: they end with one
+        assert [o.finish_reason for o in outputs] == [FinishReason.LENGTH] * 16
+        assert manager.migrations["moved"] >= 1 and manager.migrations["failed"] == 0
         await wait_for(lambda: manager.engine_state("0") == "down")
         assert manager.engine_state("1") == "up"  # the other engine serves on
+        references = [
+            await manager.submit_request(prompt=[7, i + 1, 9], sampling_params=params)
+            for i in range(16)
+        ]
+        for output, reference in zip(outputs, references, strict=True):
+            assert output.token_ids == (await reference.result()).token_ids
         call = await manager.submit_request(prompt=[1, 2, 3, 4], sampling_params=params)
         assert (await call.result()).finish_reason is FinishReason.LENGTH
 
