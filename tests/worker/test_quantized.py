@@ -182,10 +182,10 @@ ENGINE = dict(dtype="float32", kv_cache_gib=0.02, max_num_batched_tokens=64, sho
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_greedy_parity_with_the_weights_unpacked_in_fp32(tiny_model_dirs, tmp_path, qtype):
-    """Prefill runs on the unpacked weights (exact); a decode step's kernel rounds its
-    activations to int8 blocks, so a near-tie may go the other way. Expected: at least 14 of
-    16 prompts give the same 16 tokens (measured at every level: 15 of 16 for q8_0, 16 of 16
-    for q4_0)."""
+    """Prefill runs on the unpacked weights, a decode step on the kernel over the blocks, both
+    in fp32 over the same values (in another order of sums), so only a near-tie may go the
+    other way. Expected: at least 14 of 16 prompts give the same 16 tokens (measured: 16 of 16
+    for both types at every level)."""
     source = tiny_model_dirs["llama"]
     reference_folder = _dequantized_folder(source, qtype, tmp_path / "unpacked")
     prompts = _prompts(16, seed=1)
@@ -208,12 +208,10 @@ def test_greedy_parity_with_the_weights_unpacked_in_fp32(tiny_model_dirs, tmp_pa
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
 def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, kernels):
     """Prefix hits, preemption (a pool of a few pages) and speculative decoding run over
-    quantized weights: every request finishes and every page comes back. On the torch path
-    (every step unpacks the weights) the tokens are those of a plain run exactly. With the
-    kernels, a decode step rounds its activations to int8 where a recomputed or verified step
-    does not, so sequences may part after a near-tie: only the first token (a prefill's, exact
-    on both sides) must agree (whole sequences agreed for 2 to 4 of 8 prompts on this random
-    model, whose top logits are far closer than a trained model's)."""
+    quantized weights: every request finishes, every page comes back, and the tokens are those
+    of a plain run. The decode kernel computes in fp32 over the weights' exact values, like the
+    unpacked matmuls of recomputed and verified steps, so only a near-tie could part them: all
+    8 prompts agree (measured, on both paths); the test allows one."""
     if not kernels:
         monkeypatch.setenv("YAIED_DISABLE_CPU_KERNELS", "1")
     source = str(tiny_model_dirs["llama"])
@@ -238,8 +236,7 @@ def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, ke
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert all(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
     same = sum(o.token_ids == e for o, e in zip(outputs, expected, strict=True))
-    if not kernels:
-        assert same == 8, f"{same} of 8 prompts agree"
+    assert same >= 7, f"{same} of 8 prompts agree"
 
 
 def test_refusals(tiny_model_dirs, tmp_path, tiny_gguf):

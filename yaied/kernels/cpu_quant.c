@@ -1,17 +1,21 @@
 /* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K) for a few rows, and
  * the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
- * A decode step is a pass over the weights, so its floor is the weights' bytes over the memory
- * bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The weights stay in their blocks;
- * each call quantizes its few activation rows to int8 in blocks of 32 (one fp32 scale a block,
- * as Q8_0 does), and every (input row, weight row) pair is a sum over blocks of an integer dot
- * product times the two scales. The bodies, by the ISA level the file is built for
- * (yaied/kernels/cpu_isa.py):
+ * A decode step is a pass over the weights, so where memory is the bound its floor is the
+ * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
+ * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
+ * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
+ * -8 d, Q4_1's m, Q4_K's mins) through the activations' block sums. So the math is fp32 over the
+ * weights' exact values, as in the unpacked matmul of a prefill, up to the order of the sums: a
+ * prompt computes the same whether its prefix was cached or recomputed, and greedy output agrees
+ * with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
+ * dot products, llama.cpp's way, made this kernel about 1.5x faster at 4 bits, but the default
+ * model's greedy output then parted from fp32's within a few tokens on most prompts.) The bodies,
+ * by the ISA level the file is built for (yaied/kernels/cpu_isa.py):
  *
- *   avx512*      the avx2 body with VNNI's dpbusd for the u8 x s8 dot where the CPU has it
- *   avx2         32 weights a block in one register: maddubs (u8 x s8 -> s16 pairs) then madd to
- *                s32, converted and scaled into 8 fp32 lanes, summed once a row
- *   generic      plain C over the block's 32 integers, which the compiler vectorises
+ *   avx512*      16 weights a vector: bytes widened with vpmovzxbd / vpmovsxbd, 16-wide FMAs
+ *   avx2         the same 8 wide
+ *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -161,215 +165,250 @@ int dequantize_bf16(int64_t type, const uint8_t *blocks, uint16_t *out, int64_t 
     return failed ? -2 : 0;
 }
 
-/* ---- the activations: int8 blocks of 32, a scale and the scaled sum of each block ---- */
-typedef struct {
-    const int8_t *q; /* [K] */
-    const float *d;  /* [K / 32] the block's scale */
-    const float *s;  /* [K / 32] d * the sum of the block's q (for the mins of Q4_1 and Q4_K) */
-} qrow;
-
-static void quantize_activations(const float *x, int8_t *q, float *d, float *s, int64_t K) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        const float *v = x + b * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < QK; i++) {
-            int r = (int)nearbyintf(v[i] * inv);
-            q[b * QK + i] = (int8_t)r;
-            sum += r;
-        }
-        d[b] = scale;
-        s[b] = scale * (float)sum;
-    }
-}
-
-/* ---- one (input row, weight row) pair: a sum over the row's blocks ---- */
-#if defined(__AVX2__)
-static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 lanes of 4-product sums */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-static inline __m256i dot_s8s8(__m256i a, __m256i b) {
-    return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
-}
-static inline __m256i nibbles16(const uint8_t *p) { /* 16 bytes -> 32 weights, lows first */
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0xF);
-    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    return _mm256_set_m128i(hi, lo);
-}
-static inline float hsum(__m256 v) {
+/* ---- one (input row, weight row) pair: the row unpacked to fp32, then an fp32 dot ---- */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vec_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline float vec_sum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-#define XBLOCK(b) _mm256_loadu_si256((const __m256i *)(x.q + (b) * QK))
-#define SCALED(isum, scale, acc) _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), acc)
-
-static float dot_q8_0(const uint8_t *w, qrow x, int64_t blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 34;
-        __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2));
-        acc = SCALED(dot_s8s8(q, XBLOCK(b)), half_to_float(p) * x.d[b], acc);
-    }
-    return hsum(acc);
-}
-static float dot_q4_0(const uint8_t *w, qrow x, int64_t blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 18;
-        __m256i q = _mm256_sub_epi8(nibbles16(p + 2), _mm256_set1_epi8(8));
-        acc = SCALED(dot_s8s8(q, XBLOCK(b)), half_to_float(p) * x.d[b], acc);
-    }
-    return hsum(acc);
-}
-static float dot_q4_1(const uint8_t *w, qrow x, int64_t blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 20;
-        acc = SCALED(dot_u8s8(nibbles16(p + 4), XBLOCK(b)), half_to_float(p) * x.d[b], acc);
-        mins += half_to_float(p + 2) * x.s[b];
-    }
-    return hsum(acc) + mins;
-}
-static float dot_q4_k(const uint8_t *w, qrow x, int64_t blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    __m256i mask = _mm256_set1_epi8(0xF);
-    float mins = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 144, *scales = p + 4;
-        float d = half_to_float(p), dmin = half_to_float(p + 2), min_sum = 0.0f;
-        for (int c = 0; c < 4; c++) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
-            __m256i lo = _mm256_and_si256(bytes, mask);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-            int64_t j = 8 * b + 2 * c;
-            int sc0, m0, sc1, m1;
-            q4k_scale_min(scales, 2 * c, &sc0, &m0);
-            q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
-            acc = SCALED(dot_u8s8(lo, XBLOCK(j)), d * (float)sc0 * x.d[j], acc);
-            acc = SCALED(dot_u8s8(hi, XBLOCK(j + 1)), d * (float)sc1 * x.d[j + 1], acc);
-            min_sum += (float)m0 * x.s[j] + (float)m1 * x.s[j + 1];
-        }
-        mins += dmin * min_sum;
-    }
-    return hsum(acc) - mins;
-}
 #else
-static inline int32_t idot(const int8_t *a, const int8_t *b) {
-    int32_t sum = 0;
-    for (int i = 0; i < QK; i++) sum += (int32_t)a[i] * (int32_t)b[i];
-    return sum;
+#define LANES 8
+typedef struct {
+    float v[LANES];
+} vec;
+static inline vec vec_zero(void) { return (vec){{0}}; }
+static inline vec vec_fma(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
 }
-static inline void unpack_nibbles(const uint8_t *p, int8_t *q, int offset) {
-    for (int i = 0; i < 16; i++) {
-        q[i] = (int8_t)((p[i] & 0xF) - offset);
-        q[i + 16] = (int8_t)((p[i] >> 4) - offset);
-    }
+static inline vec vec_add(vec a, vec b) {
+    for (int i = 0; i < LANES; i++) a.v[i] += b.v[i];
+    return a;
 }
-static float dot_q8_0(const uint8_t *w, qrow x, int64_t blocks) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 34;
-        acc += (float)idot((const int8_t *)(p + 2), x.q + b * QK) * half_to_float(p) * x.d[b];
-    }
-    return acc;
+static inline vec vec_load(const float *p) {
+    vec r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
 }
-static float dot_q4_0(const uint8_t *w, qrow x, int64_t blocks) {
-    float acc = 0.0f;
-    int8_t q[QK];
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 18;
-        unpack_nibbles(p + 2, q, 8);
-        acc += (float)idot(q, x.q + b * QK) * half_to_float(p) * x.d[b];
-    }
-    return acc;
-}
-static float dot_q4_1(const uint8_t *w, qrow x, int64_t blocks) {
-    float acc = 0.0f, mins = 0.0f;
-    int8_t q[QK];
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 20;
-        unpack_nibbles(p + 4, q, 0);
-        acc += (float)idot(q, x.q + b * QK) * half_to_float(p) * x.d[b];
-        mins += half_to_float(p + 2) * x.s[b];
-    }
-    return acc + mins;
-}
-static float dot_q4_k(const uint8_t *w, qrow x, int64_t blocks) {
-    float acc = 0.0f, mins = 0.0f;
-    int8_t lo[QK], hi[QK];
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = w + b * 144, *scales = p + 4;
-        float d = half_to_float(p), dmin = half_to_float(p + 2), min_sum = 0.0f;
-        for (int c = 0; c < 4; c++) {
-            const uint8_t *q = p + 16 + 32 * c;
-            for (int i = 0; i < QK; i++) {
-                lo[i] = (int8_t)(q[i] & 0xF);
-                hi[i] = (int8_t)(q[i] >> 4);
-            }
-            int64_t j = 8 * b + 2 * c;
-            int sc0, m0, sc1, m1;
-            q4k_scale_min(scales, 2 * c, &sc0, &m0);
-            q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
-            acc += (float)idot(lo, x.q + j * QK) * d * (float)sc0 * x.d[j];
-            acc += (float)idot(hi, x.q + (j + 1) * QK) * d * (float)sc1 * x.d[j + 1];
-            min_sum += (float)m0 * x.s[j] + (float)m1 * x.s[j + 1];
-        }
-        mins += dmin * min_sum;
-    }
-    return acc - mins;
+static inline float vec_sum(vec v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v.v[i];
+    return s;
 }
 #endif
 
-typedef float (*dot_fn)(const uint8_t *, qrow, int64_t);
-
-static dot_fn dot_for(int64_t type) {
-    switch (type) {
-    case TYPE_Q8_0: return dot_q8_0;
-    case TYPE_Q4_0: return dot_q4_0;
-    case TYPE_Q4_1: return dot_q4_1;
-    case TYPE_Q4_K: return dot_q4_k;
-    default: return NULL;
+/* sum a[k] b[k], four accumulators (K is a multiple of 32). Not inlined: one compiled copy for
+ * every pair, so that a row's bits do not depend on how many rows came with it. */
+static __attribute__((noinline)) float dot_f32(const float *a, const float *b, int64_t K) {
+    vec s0 = vec_zero(), s1 = vec_zero(), s2 = vec_zero(), s3 = vec_zero();
+    int64_t k = 0;
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {
+        s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+        s1 = vec_fma(vec_load(a + k + LANES), vec_load(b + k + LANES), s1);
+        s2 = vec_fma(vec_load(a + k + 2 * LANES), vec_load(b + k + 2 * LANES), s2);
+        s3 = vec_fma(vec_load(a + k + 3 * LANES), vec_load(b + k + 3 * LANES), s3);
     }
+    for (; k + LANES <= K; k += LANES) s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+    float sum = vec_sum(vec_add(vec_add(s0, s1), vec_add(s2, s3)));
+    for (; k < K; k++) sum += a[k] * b[k];
+    return sum;
 }
 
-/* out [rows, N] = x @ w.T + bias for fp32 activations already in x (rows <= MAX_ROWS). */
+#if defined(__AVX2__)
+/* Fused unpack-and-dot per type: each block's weights widened to fp32 in registers and
+ * multiplied into the input row, the block's scale applied once to its partial sums and its
+ * offset (Q4_0's -8 d, Q4_1's m, Q4_K's mins) through the input block's sum. */
+#define GROUP (16 / LANES) /* vectors in 16 weights */
+static inline void widen_u8(__m128i b, vec *out) {
+#if defined(__AVX512F__)
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+#else
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+#endif
+}
+static inline void widen_s8(__m128i b, vec *out) {
+#if defined(__AVX512F__)
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#else
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#endif
+}
+static inline vec dot16(const vec *w, const float *x, vec acc) {
+    for (int g = 0; g < GROUP; g++) acc = vec_fma(w[g], vec_load(x + g * LANES), acc);
+    return acc;
+}
+#if defined(__AVX512F__)
+static inline vec vec_set1(float f) { return _mm512_set1_ps(f); }
+#else
+static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
+#endif
+static inline __m128i low_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0xF)); }
+static inline __m128i high_nibbles(__m128i b) {
+    return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0xF));
+}
+#define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
+
+static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float *x,
+                                                 const float *xsum, int64_t blocks) {
+    (void)xsum;
+    vec acc = vec_zero(), w[GROUP];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * 34;
+        const float *xb = x + b * QK;
+        widen_s8(LOAD16(p + 2), w);
+        vec t = dot16(w, xb, vec_zero());
+        widen_s8(LOAD16(p + 18), w);
+        t = dot16(w, xb + 16, t);
+        acc = vec_fma(t, vec_set1(half_to_float(p)), acc);
+    }
+    return vec_sum(acc);
+}
+
+static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *x,
+                                               const float *xsum, int64_t blocks, int with_min) {
+    vec acc = vec_zero(), w[GROUP];
+    float offset = 0.0f;
+    int64_t bytes = with_min ? 20 : 18;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * bytes;
+        const float *xb = x + b * QK;
+        __m128i q = LOAD16(p + (with_min ? 4 : 2));
+        widen_u8(low_nibbles(q), w);
+        vec t = dot16(w, xb, vec_zero());
+        widen_u8(high_nibbles(q), w);
+        t = dot16(w, xb + 16, t);
+        float d = half_to_float(p);
+        acc = vec_fma(t, vec_set1(d), acc);
+        offset += (with_min ? half_to_float(p + 2) : -8.0f * d) * xsum[b];
+    }
+    return vec_sum(acc) + offset;
+}
+
+static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float *x,
+                                                 const float *xsum, int64_t blocks) {
+    vec acc = vec_zero(), w[GROUP];
+    float offset = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * 144, *scales = p + 4;
+        float d = half_to_float(p), dmin = half_to_float(p + 2), mins = 0.0f;
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *q = p + 16 + 32 * c;
+            const float *xc = x + b * 256 + 64 * c;
+            __m128i h0 = LOAD16(q), h1 = LOAD16(q + 16);
+            int sc0, m0, sc1, m1;
+            q4k_scale_min(scales, 2 * c, &sc0, &m0);
+            q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
+            widen_u8(low_nibbles(h0), w);
+            vec t = dot16(w, xc, vec_zero());
+            widen_u8(low_nibbles(h1), w);
+            t = dot16(w, xc + 16, t);
+            acc = vec_fma(t, vec_set1(d * (float)sc0), acc);
+            widen_u8(high_nibbles(h0), w);
+            t = dot16(w, xc + 32, vec_zero());
+            widen_u8(high_nibbles(h1), w);
+            t = dot16(w, xc + 48, t);
+            acc = vec_fma(t, vec_set1(d * (float)sc1), acc);
+            int64_t j = 8 * b + 2 * c;
+            mins += (float)m0 * xsum[j] + (float)m1 * xsum[j + 1];
+        }
+        offset -= dmin * mins;
+    }
+    return vec_sum(acc) + offset;
+}
+
+static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
+                             float *scratch, int64_t K) {
+    (void)scratch;
+    switch (type) {
+    case TYPE_Q8_0: return fdot_q8_0(row, x, xsum, K / QK);
+    case TYPE_Q4_0: return fdot_q4(row, x, xsum, K / QK, 0);
+    case TYPE_Q4_1: return fdot_q4(row, x, xsum, K / QK, 1);
+    default: return fdot_q4_k(row, x, xsum, K / 256);
+    }
+}
+#else
+/* Plain C: the row unpacked into the thread's fp32 row, then an fp32 dot. */
+static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
+                             float *scratch, int64_t K) {
+    (void)xsum;
+    dequantize_row(type, row, scratch, K);
+    return dot_f32(scratch, x, K);
+}
+#endif
+
+/* out [rows, N] = x @ w.T + bias, x fp32 [rows, K] (rows <= MAX_ROWS), in fp32 over the
+ * weights' exact values (as the unpacked matmul computes, up to the order of the sums). */
+static int qlinear(const float *x, const qweight *w, const float *bias, float *out, int64_t rows,
+                   int64_t N, int64_t K, int64_t threads) {
+    if (quant_block_bytes(w->type) < 0) return -3;
+    int64_t row_bytes = K / quant_block_size(w->type) * quant_block_bytes(w->type);
+    int64_t blocks = K / QK;
+    float *xsum = thread_scratch(5, (size_t)(rows * blocks) * sizeof(float));
+    if (!xsum) return -2;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < QK; i++) s += x[m * K + b * QK + i];
+            xsum[m * blocks + b] = s;
+        }
+    const uint8_t *table = w->blocks;
+    int64_t type = w->type;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = thread_scratch(6, (size_t)K * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!scratch) continue;
+            const uint8_t *row = table + n * row_bytes;
+            if (n + 1 < N) __builtin_prefetch(row + row_bytes);
+            float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < rows; m++)
+                out[m * N + n] = pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+/* The activations' type T at the edges: bf16 rows are widened into fp32 scratch first, and the
+ * fp32 result rounded back. */
 #define DEFINE_LINEAR(T, SUFFIX)                                                                \
     static int qlinear_##SUFFIX(const T *x, const qweight *w, const T *bias, T *out,            \
                                 int64_t rows, int64_t N, int64_t K, int64_t threads) {          \
-        dot_fn dot = dot_for(w->type);                                                          \
-        if (!dot) return -3;                                                                    \
-        int64_t blocks = K / QK, wblocks = K / quant_block_size(w->type);                      \
-        int64_t row_bytes = wblocks * quant_block_bytes(w->type);                               \
-        int8_t *xq = thread_scratch(2, (size_t)(rows * K));                                     \
-        float *xd = thread_scratch(3, (size_t)(rows * blocks) * sizeof(float));                 \
-        float *xs = thread_scratch(4, (size_t)(rows * blocks) * sizeof(float));                 \
-        float *xf = thread_scratch(5, (size_t)K * sizeof(float));                               \
-        if (!xq || !xd || !xs || !xf) return -2;                                                \
-        qrow xr[MAX_ROWS];                                                                      \
-        for (int64_t m = 0; m < rows; m++) {                                                    \
-            for (int64_t k = 0; k < K; k++) xf[k] = ROW_LOAD_##SUFFIX(x[m * K + k]);            \
-            quantize_activations(xf, xq + m * K, xd + m * blocks, xs + m * blocks, K);          \
-            xr[m] = (qrow){xq + m * K, xd + m * blocks, xs + m * blocks};                       \
-        }                                                                                       \
-        const uint8_t *table = w->blocks;                                                       \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
-        for (int64_t n = 0; n < N; n++) {                                                       \
-            const uint8_t *row = table + n * row_bytes;                                         \
-            if (n + 1 < N) __builtin_prefetch(row + row_bytes);                                 \
-            float b = bias ? ROW_LOAD_##SUFFIX(bias[n]) : 0.0f;                                 \
-            for (int64_t m = 0; m < rows; m++)                                                  \
-                out[m * N + n] = ROW_STORE_##SUFFIX(dot(row, xr[m], wblocks) + b);              \
-        }                                                                                       \
-        return 0;                                                                               \
+        if (sizeof(T) == sizeof(float))                                                         \
+            return qlinear((const float *)x, w, (const float *)bias, (float *)out, rows, N, K,  \
+                           threads);                                                            \
+        float *xf = thread_scratch(2, (size_t)(rows * K) * sizeof(float));                      \
+        float *of = thread_scratch(3, (size_t)(rows * N) * sizeof(float));                      \
+        float *bf = bias ? thread_scratch(4, (size_t)N * sizeof(float)) : NULL;                 \
+        if (!xf || !of || (bias && !bf)) return -2;                                             \
+        for (int64_t i = 0; i < rows * K; i++) xf[i] = ROW_LOAD_##SUFFIX(x[i]);                 \
+        for (int64_t i = 0; bias && i < N; i++) bf[i] = ROW_LOAD_##SUFFIX(bias[i]);             \
+        int status = qlinear(xf, w, bf, of, rows, N, K, threads);                               \
+        for (int64_t i = 0; i < rows * N; i++) out[i] = ROW_STORE_##SUFFIX(of[i]);              \
+        return status;                                                                          \
     }                                                                                           \
                                                                                                 \
     /* cpu_gemv.c's few_rows_linear_* over a quantized weight: with norm_weight, the input is   \
