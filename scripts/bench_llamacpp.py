@@ -2,8 +2,7 @@
 
 llama.cpp runs through llama-cpp-python, built from PyPI's source package into a throw-away
 virtual environment (``--venv``, ``--build``; never a dependency of yaied): pip compiles
-llama.cpp with
-``--cmake-args`` (by default x86-64 up to AVX-512 BF16/VNNI without AMX, see
+llama.cpp with ``--cmake-args`` (by default x86-64 up to AVX-512 BF16/VNNI without AMX, see
 DEFAULT_CMAKE_ARGS). If it does not build, the script says so and reports yaied alone.
 
 Figures, one JSON line each:
