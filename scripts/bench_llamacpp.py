@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     python = llama_cpp_python(args.venv, args.build, args.build_timeout, args.cmake_args)
     machine = {"cpu": _cpu_name(), "threads": args.threads, "model": args.model}
     machine["file"] = str(gguf)
-    ours = yaied_batch1(gguf, args.threads, args.quantization)
+    ours = _in_fresh_process(gguf, args.threads, args.quantization)
     record: dict[str, Any] = {"figure": "batch1", **machine, "yaied": ours}
     if python is not None:
         theirs = llama_batch1(python, gguf, args.threads)
@@ -425,6 +425,25 @@ def main(argv: list[str] | None = None) -> int:
         record["ratio"] = round(ours["output_tok_s"] / theirs["output_tok_s"], 2)
     print(json.dumps(record), flush=True)
     return 0
+
+
+def _in_fresh_process(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+    """yaied_batch1 in a process of its own, so that its resident memory is the engine's alone
+    (not this script's, which may have just written a model file)."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); "
+        "from bench_llamacpp import yaied_batch1; torch.set_num_threads(int(sys.argv[3])); "
+        "print(json.dumps(yaied_batch1(__import__('pathlib').Path(sys.argv[2]), "
+        "int(sys.argv[3]), sys.argv[4])))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code, here, str(gguf), str(threads), quantization],
+        capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"yaied batch 1 failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _cpu_name() -> str:
