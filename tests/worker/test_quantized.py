@@ -255,3 +255,26 @@ def test_refusals(tiny_model_dirs, tmp_path, tiny_gguf):
     # auto on a model that is not a GGUF file, and on dummy weights, quantizes nothing
     assert _load(folder, "auto", tmp_path).quantization == "none"
     assert _load(tiny_gguf, "auto", tmp_path, load_format="dummy").quantization == "none"
+
+
+def test_tied_embeddings_read_the_heads_blocks(tiny_model_dirs, tmp_path):
+    """A tied LM head in blocks carries the embeddings too: no float copy of them, and a
+    lookup gives the head's rows unpacked."""
+    from yaied.worker.quantized import QuantizedEmbedding
+
+    loaded = _load(tiny_model_dirs["qwen2"], "q8_0", tmp_path)  # qwen2's head is tied
+    model = loaded.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert (
+        model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.numel() == 0
+    )
+    head = model.lm_head
+    ids = torch.tensor([[3, 0, 63], [5, 5, 1]])
+    expected = dequantize_reference(head.qtype, head.blocks, head.in_features)[ids]
+    assert torch.equal(model.embed_tokens(ids), expected)
+    llm = LLM(str(tiny_model_dirs["qwen2"]), quantization="q8_0", **ENGINE)
+    try:
+        out = llm.generate(_prompts(2, seed=9), SamplingParams(max_tokens=8, temperature=0.0))
+        assert all(len(o.token_ids) == 8 for o in out)
+    finally:
+        llm.close()

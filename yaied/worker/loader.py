@@ -157,8 +157,22 @@ def _load_native(
     if quantization != "none":
         quantize_model(model, quantization, gguf_path)
     model = model.to(dtype)
+    if quantization != "none":
+        _return_freed_memory()  # the fp32 weights the blocks replaced
     model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    tensors under glibc's mmap threshold stay in the heap after they are freed."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | None, object]:

@@ -120,6 +120,26 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.qtype.name}"
 
 
+class QuantizedEmbedding(nn.Module):
+    """The token embeddings read from a tied LM head's block table: a lookup unpacks the rows
+    it needs, so the embeddings cost no float copy. ``weight`` is an empty tensor that only
+    carries the math dtype (``model.to(dtype)`` casts it), which the model reads."""
+
+    def __init__(self, head: QuantizedLinear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so the model holds the head once
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        rows = head.blocks.index_select(0, ids.reshape(-1))
+        if head.kernel is not None:
+            values = head.kernel.dequantize(head.qtype, rows, head.in_features, torch.float32)
+        else:
+            values = dequantize_reference(head.qtype, rows, head.in_features)
+        return values.to(self.weight.dtype).reshape(*ids.shape, head.in_features)
+
+
 def resolve_quantization(setting: str, model: str, gguf_path: Path | None) -> str:
     """The quantization a model runs with: ``auto`` is ``gguf`` for a GGUF model, else none."""
     if setting == "auto":
@@ -162,8 +182,11 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
             replaced += 1
     head = _quantized_head(model, mode, tables)
     if head is not None:
+        tied = model.lm_head.weight is model.embed_tokens.weight
         model.lm_head = head
         replaced += 1
+        if tied and (tables is None or tables.get("lm_head_is_embedding")):
+            model.embed_tokens = QuantizedEmbedding(head)
     elif mode == "gguf":
         kept.append("the LM head")
     if kept:
@@ -220,7 +243,7 @@ def _gguf_tables(
     tensors = {t.name: t for t in reader.tensors}
     shape = model.shape
     heads = {"attn_q": shape.num_heads, "attn_k": shape.num_kv_heads}
-    tables: dict[str, tuple[QuantType, torch.Tensor] | str] = {}
+    tables: dict = {}
     for index, layer in enumerate(model.layers):
         for name, parts in _PARTS.items():
             linear = layer.get_submodule(name)
@@ -263,6 +286,7 @@ def _gguf_tables(
             check_table(qtype, merged, linear.out_features, k, f"blk.{index}.{'+'.join(parts)}")
             tables[f"layers.{index}.{name}"] = (qtype, merged)
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    tables["lm_head_is_embedding"] = "output.weight" not in tensors
     qtype = BY_GGML_ID.get(int(head.tensor_type)) if head is not None else None
     if qtype is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
         linear = model.lm_head
