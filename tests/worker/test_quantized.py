@@ -278,3 +278,19 @@ def test_tied_embeddings_read_the_heads_blocks(tiny_model_dirs, tmp_path):
         assert all(len(o.token_ids) == 8 for o in out)
     finally:
         llm.close()
+
+
+def test_unknown_tensor_type_names_the_tensor(tiny_gguf, tmp_path):
+    """A tensor whose type number no GGUF reader knows (a corrupt header) stops the load with
+    a message naming it, before any conversion."""
+    import struct
+
+    data = bytearray(tiny_gguf.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name)  # the tensor info: n_dims u32, dims u64 each, type u32
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_up\.weight' has type 99"):
+        _load(bad, "gguf", tmp_path / "cache")
