@@ -213,22 +213,6 @@ static inline float vec_sum(vec v) {
 }
 #endif
 
-/* sum a[k] b[k], four accumulators (K is a multiple of 32). Not inlined: one compiled copy for
- * every pair, so that a row's bits do not depend on how many rows came with it. */
-static __attribute__((noinline)) float dot_f32(const float *a, const float *b, int64_t K) {
-    vec s0 = vec_zero(), s1 = vec_zero(), s2 = vec_zero(), s3 = vec_zero();
-    int64_t k = 0;
-    for (; k + 4 * LANES <= K; k += 4 * LANES) {
-        s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
-        s1 = vec_fma(vec_load(a + k + LANES), vec_load(b + k + LANES), s1);
-        s2 = vec_fma(vec_load(a + k + 2 * LANES), vec_load(b + k + 2 * LANES), s2);
-        s3 = vec_fma(vec_load(a + k + 3 * LANES), vec_load(b + k + 3 * LANES), s3);
-    }
-    for (; k + LANES <= K; k += LANES) s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
-    float sum = vec_sum(vec_add(vec_add(s0, s1), vec_add(s2, s3)));
-    for (; k < K; k++) sum += a[k] * b[k];
-    return sum;
-}
 
 #if defined(__AVX2__)
 /* Fused unpack-and-dot per type: each block's weights widened to fp32 in registers and
@@ -346,6 +330,22 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 }
 #else
 /* Plain C: the row unpacked into the thread's fp32 row, then an fp32 dot. */
+/* sum a[k] b[k], four accumulators (K is a multiple of 32). Not inlined: one compiled copy for
+ * every pair, so that a row's bits do not depend on how many rows came with it. */
+static __attribute__((noinline)) float dot_f32(const float *a, const float *b, int64_t K) {
+    vec s0 = vec_zero(), s1 = vec_zero(), s2 = vec_zero(), s3 = vec_zero();
+    int64_t k = 0;
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {
+        s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+        s1 = vec_fma(vec_load(a + k + LANES), vec_load(b + k + LANES), s1);
+        s2 = vec_fma(vec_load(a + k + 2 * LANES), vec_load(b + k + 2 * LANES), s2);
+        s3 = vec_fma(vec_load(a + k + 3 * LANES), vec_load(b + k + 3 * LANES), s3);
+    }
+    for (; k + LANES <= K; k += LANES) s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+    float sum = vec_sum(vec_add(vec_add(s0, s1), vec_add(s2, s3)));
+    for (; k < K; k++) sum += a[k] * b[k];
+    return sum;
+}
 static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
                              float *scratch, int64_t K) {
     (void)xsum;
