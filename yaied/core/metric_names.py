@@ -63,3 +63,4 @@ INFERENCE_EXTENSION_NAMES: dict[str, tuple[str, ...]] = {
     "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+
