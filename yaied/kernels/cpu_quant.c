@@ -132,38 +132,6 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
     }
 }
 
-/* The block table [N, row bytes] unpacked to out [N, K] (fp32 or bf16). Returns -1 for a type
- * this file does not know, -2 without scratch memory. */
-int dequantize_f32(int64_t type, const uint8_t *blocks, float *out, int64_t N, int64_t K,
-                   int64_t threads) {
-    if (quant_block_bytes(type) < 0) return -1;
-    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) dequantize_row(type, blocks + n * row_bytes, out + n * K, K);
-    return 0;
-}
-
-int dequantize_bf16(int64_t type, const uint8_t *blocks, uint16_t *out, int64_t N, int64_t K,
-                    int64_t threads) {
-    if (quant_block_bytes(type) < 0) return -1;
-    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *row = thread_scratch(7, (size_t)K * sizeof(float));
-        if (!row) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            if (!row) continue;
-            dequantize_row(type, blocks + n * row_bytes, row, K);
-            for (int64_t k = 0; k < K; k++) out[n * K + k] = float_to_bf16(row[k]);
-        }
-    }
-    return failed ? -2 : 0;
-}
 
 /* ---- one (input row, weight row) pair: the row unpacked to fp32, then an fp32 dot ---- */
 #if defined(__AVX512F__)
@@ -484,3 +452,89 @@ static int qlinear(const float *x, const qweight *w, const float *bias, float *o
 
 DEFINE_LINEAR(float, f32)
 DEFINE_LINEAR(uint16_t, bf16)
+
+/* ---- unpacking for matmuls of many rows ---- */
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#else
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+/* One row, vectorised for the 32-weight types (each block widened and scaled in registers, as
+ * in the dot products); Q4_K through the plain loop. */
+static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    if (type == TYPE_Q4_K) {
+        dequantize_row(type, row, out, K);
+        return;
+    }
+    int64_t bytes = quant_block_bytes(type);
+    vec w[GROUP];
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *p = row + b * bytes;
+        float d = half_to_float(p), m = 0.0f;
+        float *o = out + b * QK;
+        if (type == TYPE_Q8_0) {
+            widen_s8(LOAD16(p + 2), w);
+            for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
+            widen_s8(LOAD16(p + 18), w);
+            for (int g = 0; g < GROUP; g++)
+                vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
+            continue;
+        }
+        m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
+        __m128i q = LOAD16(p + (type == TYPE_Q4_1 ? 4 : 2));
+        widen_u8(low_nibbles(q), w);
+        for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_set1(m)));
+        widen_u8(high_nibbles(q), w);
+        for (int g = 0; g < GROUP; g++)
+            vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_set1(m)));
+    }
+}
+#else
+static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    dequantize_row(type, row, out, K);
+}
+#endif
+
+/* fp32 to bf16, round to nearest even (as float_to_bf16). */
+static inline void store_bf16(const float *in, uint16_t *out, int64_t K) {
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + k)));
+#endif
+    for (; k < K; k++) out[k] = float_to_bf16(in[k]);
+}
+
+/* The block table [N, row bytes] unpacked to out [N, K] (fp32 or bf16). Returns -1 for a type
+ * this file does not know, -2 without scratch memory. */
+int dequantize_f32(int64_t type, const uint8_t *blocks, float *out, int64_t N, int64_t K,
+                   int64_t threads) {
+    if (quant_block_bytes(type) < 0) return -1;
+    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) unpack_row(type, blocks + n * row_bytes, out + n * K, K);
+    return 0;
+}
+
+int dequantize_bf16(int64_t type, const uint8_t *blocks, uint16_t *out, int64_t N, int64_t K,
+                    int64_t threads) {
+    if (quant_block_bytes(type) < 0) return -1;
+    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *row = thread_scratch(7, (size_t)K * sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!row) continue;
+            unpack_row(type, blocks + n * row_bytes, row, K);
+            store_bf16(row, out + n * K, K);
+        }
+    }
+    return failed ? -2 : 0;
+}
