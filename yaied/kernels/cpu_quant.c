@@ -187,14 +187,6 @@ static inline float vec_sum(vec v) {
  * multiplied into the input row, the block's scale applied once to its partial sums and its
  * offset (Q4_0's -8 d, Q4_1's m, Q4_K's mins) through the input block's sum. */
 #define GROUP (16 / LANES) /* vectors in 16 weights */
-static inline void widen_u8(__m128i b, vec *out) {
-#if defined(__AVX512F__)
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-#else
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-#endif
-}
 static inline void widen_s8(__m128i b, vec *out) {
 #if defined(__AVX512F__)
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
@@ -212,11 +204,25 @@ static inline vec vec_set1(float f) { return _mm512_set1_ps(f); }
 #else
 static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
 #endif
-static inline __m128i low_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0xF)); }
-static inline __m128i high_nibbles(__m128i b) {
-    return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0xF));
-}
 #define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
+
+/* 16 bytes of nibble pairs: each byte widened once to a 32-bit lane, both its nibbles taken
+ * from there (an and, a shift), so 32 weights cost one widening shuffle per vector of lanes
+ * instead of two. lo[g] holds the low nibbles of bytes [g LANES, (g + 1) LANES), hi[g] their
+ * high nibbles, as fp32. */
+static inline void widen_nibbles(__m128i b, vec *lo, vec *hi) {
+#if defined(__AVX512F__)
+    __m512i wide = _mm512_cvtepu8_epi32(b);
+    lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
+    hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+#else
+    for (int g = 0; g < GROUP; g++) {
+        __m256i wide = _mm256_cvtepu8_epi32(g ? _mm_srli_si128(b, 8) : b);
+        lo[g] = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
+        hi[g] = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+    }
+#endif
+}
 
 /* The fp16 scales (and Q4_1's mins, the next two bytes) of up to 16 blocks from `first` on, in
  * fp32, and the sum of the blocks' offsets times the activations' block sums (mins[j] xsum[j];
@@ -254,7 +260,7 @@ static inline float block_scales(const uint8_t *row, int64_t bytes, int64_t firs
 
 static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *x,
                                                const float *xsum, int64_t blocks, int with_min) {
-    vec acc = vec_zero(), w[GROUP];
+    vec acc = vec_zero();
     float offset = 0.0f, d[16];
     int64_t bytes = with_min ? 20 : 18;
     for (int64_t first = 0; first < blocks; first += 16) {
@@ -263,11 +269,9 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
         for (int64_t b = first; b < end; b++) {
             const uint8_t *p = row + b * bytes;
             const float *xb = x + b * QK;
-            __m128i q = LOAD16(p + (with_min ? 4 : 2));
-            widen_u8(low_nibbles(q), w);
-            vec t = dot16(w, xb, vec_zero());
-            widen_u8(high_nibbles(q), w);
-            t = dot16(w, xb + 16, t);
+            vec lo[GROUP], hi[GROUP];
+            widen_nibbles(LOAD16(p + (with_min ? 4 : 2)), lo, hi);
+            vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
             acc = vec_fma(t, vec_set1(d[b - first]), acc);
         }
     }
@@ -297,7 +301,7 @@ static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float
 
 static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float *x,
                                                  const float *xsum, int64_t blocks) {
-    vec acc = vec_zero(), w[GROUP];
+    vec acc = vec_zero();
     float offset = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * 144, *scales = p + 4;
@@ -305,19 +309,15 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = p + 16 + 32 * c;
             const float *xc = x + b * 256 + 64 * c;
-            __m128i h0 = LOAD16(q), h1 = LOAD16(q + 16);
+            vec lo0[GROUP], hi0[GROUP], lo1[GROUP], hi1[GROUP];
+            widen_nibbles(LOAD16(q), lo0, hi0);
+            widen_nibbles(LOAD16(q + 16), lo1, hi1);
             int sc0, m0, sc1, m1;
             q4k_scale_min(scales, 2 * c, &sc0, &m0);
             q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
-            widen_u8(low_nibbles(h0), w);
-            vec t = dot16(w, xc, vec_zero());
-            widen_u8(low_nibbles(h1), w);
-            t = dot16(w, xc + 16, t);
+            vec t = dot16(lo1, xc + 16, dot16(lo0, xc, vec_zero()));
             acc = vec_fma(t, vec_set1(d * (float)sc0), acc);
-            widen_u8(high_nibbles(h0), w);
-            t = dot16(w, xc + 32, vec_zero());
-            widen_u8(high_nibbles(h1), w);
-            t = dot16(w, xc + 48, t);
+            t = dot16(hi1, xc + 48, dot16(hi0, xc + 32, vec_zero()));
             acc = vec_fma(t, vec_set1(d * (float)sc1), acc);
             int64_t j = 8 * b + 2 * c;
             mins += (float)m0 * xsum[j] + (float)m1 * xsum[j + 1];
@@ -482,12 +482,12 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
             continue;
         }
         m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
-        __m128i q = LOAD16(p + (type == TYPE_Q4_1 ? 4 : 2));
-        widen_u8(low_nibbles(q), w);
-        for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_set1(m)));
-        widen_u8(high_nibbles(q), w);
-        for (int g = 0; g < GROUP; g++)
-            vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_set1(m)));
+        vec lo[GROUP], hi[GROUP];
+        widen_nibbles(LOAD16(p + (type == TYPE_Q4_1 ? 4 : 2)), lo, hi);
+        for (int g = 0; g < GROUP; g++) {
+            vec_store(o + g * LANES, vec_fma(lo[g], vec_set1(d), vec_set1(m)));
+            vec_store(o + 16 + g * LANES, vec_fma(hi[g], vec_set1(d), vec_set1(m)));
+        }
     }
 }
 #else
