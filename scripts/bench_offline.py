@@ -128,6 +128,7 @@ def machine_record(llm: Any, bandwidth: float) -> dict[str, Any]:
         "cpu_isa": info.cpu_isa or None,
         "math_dtype": info.dtype,
         "weight_dtype": info.weight_dtype or info.dtype,
+        "quantization": info.quantization or None,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
     }
 
@@ -179,6 +180,7 @@ def engine_overrides(
 ) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         "load_format": args.load_format,
+        "quantization": args.quantization,
         "threads": threads,
         "model_impl": args.model_impl,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -246,6 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers' dtype; fastest: bf16 and fp32 each time a probe, the faster runs",
     )
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "auto", "gguf", "q8_0", "q4_0"),
+        help="model.quantization: the projections kept in blocks (README, Quantized weights)",
+    )
     parser.add_argument(
         "--model-impl",
         default="native",
@@ -422,6 +430,7 @@ def _run_once(
         "model": args.model,
         "dtype": args.dtype,
         "load_format": args.load_format,
+        "quantization": args.quantization,
         "model_impl": args.model_impl,
         "device": str(device),
         "threads": torch.get_num_threads(),

@@ -57,6 +57,18 @@ def _engine_seconds(llm: Any, prompt: list[int], max_tokens: int) -> float:
     return elapsed
 
 
+def decode_weight_bytes(llm: Any, weight_params: int, weight_dtype: torch.dtype) -> int:
+    """The bytes of the weights a decode step reads: quantized projections by their block
+    tables (model.quantization), the rest at ``weight_dtype``."""
+    from yaied.worker.quantized import QuantizedLinear
+
+    model = llm.engine.worker.loaded.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    blocks = sum(m.blocks.numel() for m in quantized)
+    rest = weight_params - sum(m.in_features * m.out_features for m in quantized)
+    return blocks + rest * torch.tensor([], dtype=weight_dtype).element_size()
+
+
 def single_stream_record(
     llm: Any,
     hf_model: Any,
@@ -80,7 +92,7 @@ def single_stream_record(
     total = _engine_seconds(llm, prompt, OUTPUT_TOKENS)
     decode_tok_s = (OUTPUT_TOKENS - 1) / (total - ttft)
     weight_dtype, kv_dtype = dtypes
-    weight_bytes = weight_params * torch.tensor([], dtype=weight_dtype).element_size()
+    weight_bytes = decode_weight_bytes(llm, weight_params, weight_dtype)
     kv_per_token = kv_bytes_per_token(llm.hf_config, kv_dtype)
     mean_context = PROMPT_TOKENS + OUTPUT_TOKENS / 2
     bandwidth = on_reference_thread(copy_bandwidth)

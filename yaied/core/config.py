@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "auto", "gguf", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +30,14 @@ class ModelConfig:
     trust_remote_code: bool = False  # never runs code shipped with a model unless set
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
     cache_dir: str = ""  # where converted GGUF models go; "" = $YAIED_CACHE_DIR or ~/.cache/yaied
+    # none: linear weights dequantized (bf16/fp32) | gguf: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K
+    # linears kept in their blocks (other types dequantized) | auto: gguf for a GGUF model, else
+    # none | q8_0, q4_0: linears packed at load (safetensors, dummy or GGUF); CPU, native only
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _one_of("model.dtype", self.dtype, DTYPES)
+        _one_of("model.quantization", self.quantization, QUANTIZATIONS)
         _one_of("model.load_format", self.load_format, ("auto", "dummy"))
         _one_of("model.model_impl", self.model_impl, ("native", "transformers", "auto"))
         _at_least("model.max_model_len", self.max_model_len, 0)
@@ -145,6 +151,14 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     engine: LoopConfig = field(default_factory=LoopConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        quantized = self.model.quantization not in ("none", "auto")
+        if quantized and self.engine.tensor_parallel_size > 1:
+            raise ValueError(
+                f"model.quantization = {self.model.quantization} does not run with "
+                "tensor parallelism (engine.tensor_parallel_size > 1); use one of them"
+            )
 
 
 T = TypeVar("T")

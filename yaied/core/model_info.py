@@ -19,3 +19,4 @@ class ModelInfo:
     device: str = ""
     weight_dtype: str = ""  # linear weights as stored (bfloat16 under fp32 math on most CPUs)
     cpu_isa: str = ""  # the ISA level the CPU kernels run at (yaied/kernels/cpu_isa.py)
+    quantization: str = ""  # the block types of quantized projections ("q4_1"), "" for none

@@ -14,7 +14,8 @@
  */
 #include "cpu_common.h"
 
-/* The loop for activations (and norms, biases, KV pools) of type T over bf16 linear weights:
+/* The loop for activations (and norms, biases, KV pools) of type T over bf16 linear weights (or
+ * quantized ones: `linear` is then cpu_quant.c's entry and each weight its `qweight` descriptor):
  * `_bf16` for bf16 models, `_f32` for fp32 math over bf16 weights. */
 #define DEFINE_LOOP(T, SUFFIX)                                                                  \
     typedef int (*few_rows_linear_##SUFFIX##_fn)(                                               \

@@ -1,7 +1,8 @@
 """Launcher for the decoder-layer loop (cpu_decode_loop.c): every layer of a decode step of a few
 rows in one C call, over the few-row linear kernel and the decode step kernel, which the caller
 hands over (``BoundLinear.address``, ``CpuDecodeKernel.step_address``). Its torch reference is
-the same layers run one call at a time (yaied/worker/models/llama.py). Linear weights are bf16;
+the same layers run one call at a time (yaied/worker/models/llama.py). Linear weights are bf16
+(or, for cpu_quant.c's entry, a quantized weight's int64 descriptor);
 the activations, norms, biases and KV pools are bf16 or fp32 (fp32 math over bf16 weights)."""
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class CpuDecodeLoop:
                 if tensor is None:
                     continue
                 want = torch.bfloat16 if name in _WEIGHTS else dtype
+                if name in _WEIGHTS and tensor.dtype == torch.int64 and tensor.shape == (2,):
+                    want = torch.int64  # a quantized weight's descriptor (cpu_quant.py)
                 if tensor.dtype != want or not tensor.is_contiguous():
                     raise ValueError(f"the decode loop takes contiguous {want} for {name}")
                 setattr(entry, name, tensor.data_ptr())

@@ -8,7 +8,7 @@ What llama.cpp's converter changed, and what is undone here:
 - tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`);
 - for arch `llama` only, the rows of Q and K are reordered inside each head. GGML's llama RoPE
   rotates adjacent pairs (2i, 2i+1) while Hugging Face rotates (i, i + head_dim/2) (`rotate_half`),
-  so the converter interleaves the two halves of each head; `_unpermute_rotary` puts them back.
+  so the converter interleaves the two halves of each head; `unpermute_rotary` puts them back.
   Qwen2/3 use GGML's NEOX RoPE, which already rotates halves, so their Q/K rows are untouched.
 """
 
@@ -73,6 +73,45 @@ _SAMPLING_KEYS: dict[str, str] = {
 }
 
 
+class _CheckedReader(gguf.GGUFReader):
+    """gguf-py's reader, with each tensor's block table checked against the file before it is
+    mapped: a truncated or corrupt table stops the load with a message naming the tensor
+    (gguf-py's own error is a bare numpy reshape message)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+            name = str(bytes(name_data), encoding="utf-8", errors="replace")
+            try:
+                kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise ValueError(
+                    f"GGUF tensor {name!r} has type {int(raw_dtype[0])}, which gguf-py does not "
+                    "know: corrupt file, or a type newer than this yaied"
+                ) from None
+            block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+            elements = int(np.prod(dims, dtype=np.int64))
+            if elements % block_size or (len(dims) and int(dims[0]) % block_size):
+                raise ValueError(
+                    f"GGUF tensor {name!r}: {list(map(int, dims))} is not a whole number of "
+                    f"{kind.name} blocks of {block_size}: corrupt block table"
+                )
+            start = start_offs + int(offset[0])
+            end = start + elements // block_size * type_size
+            if end > size:
+                raise ValueError(
+                    f"GGUF tensor {name!r}: its {kind.name} block table ends at byte {end}, past "
+                    f"the end of the file ({size} bytes): truncated or corrupt"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """A reader over ``path`` whose tensors' tables lie inside the file (_CheckedReader)."""
+    return _CheckedReader(path)
+
+
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
@@ -97,7 +136,7 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str:
     return f"model.layers.{layer}.{modules[kind]}.{suffix}"
 
 
-def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head interleave of Q/K rows (weights or biases).
 
     llama.cpp wrote rows as reshape(heads, 2, head_dim/2).swapaxes(1, 2); the inverse reads them as
@@ -263,8 +302,14 @@ def _tensor_entries(
         permute_heads = heads.get(match.group(2)) if match and arch == "llama" else None
 
         def produce(tensor: Any = tensor, permute_heads: int | None = permute_heads) -> np.ndarray:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            return weights if permute_heads is None else _unpermute_rotary(weights, permute_heads)
+            try:
+                weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except (ValueError, NotImplementedError) as exc:
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be "
+                    f"dequantized: {exc}"
+                ) from exc
+            return weights if permute_heads is None else unpermute_rotary(weights, permute_heads)
 
         # GGUF lists dims fastest-first (ne order); numpy and torch list them slowest-first.
         shape = [int(dim) for dim in reversed(tensor.shape.tolist())]
@@ -304,7 +349,7 @@ def convert_gguf_to_hf_folder(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it to convert again")
-    reader = gguf.GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in _HF_ARCHS:
         raise ValueError(

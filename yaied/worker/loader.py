@@ -17,6 +17,7 @@ from yaied.kernels.cpu_isa import has_bf16_math, selected_level
 from yaied.worker import model_files
 from yaied.worker.models import build_model, check_supported
 from yaied.worker.models.transformers_backend import build_transformers_model, check_remote_code
+from yaied.worker.quantized import quantize_model, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class LoadedModel:
     # Linear layers' weights as stored: bf16 under dtype auto on a CPU without bf16 math (the
     # worker wraps them, worker/cpu_linear.py), else ``dtype``.
     weight_dtype: torch.dtype | None = None
+    # The decoder layers' projections: "none" (float, as weight_dtype says), or kept in blocks
+    # ("gguf": the file's types; "q8_0", "q4_0": packed at load; worker/quantized.py).
+    quantization: str = "none"
 
 
 def resolve_dtype(name: str, device: torch.device, level: str | None = None) -> torch.dtype:
@@ -64,7 +68,14 @@ def load_model(
     folder, hf_config = _resolve_config(config, show_progress)
     max_len = max_model_len_of(hf_config, config.max_model_len)
     torch.manual_seed(config.seed)
-    if pick_impl(config, hf_config) == "transformers":
+    quantization, gguf_path = quantization_of(config, device)
+    impl = pick_impl(config, hf_config)
+    if quantization != "none" and impl == "transformers":
+        raise ValueError(
+            f"model.quantization = {config.quantization} runs on the native models only; "
+            "transformers' model classes take dequantized weights (model.quantization = none)"
+        )
+    if impl == "transformers":
         model = build_transformers_model(
             config.model,
             hf_config,
@@ -76,16 +87,34 @@ def load_model(
             max_model_len=max_len,
         )
     else:
-        model = _load_native(config, folder, hf_config, device, dtype, show_progress)
+        model = _load_native(
+            config, folder, hf_config, device, dtype, show_progress, quantization, gguf_path
+        )
     log.info(
-        "loaded %s (%s, %s) in %.1fs",
+        "loaded %s (%s, %s%s) in %.1fs",
         config.model,
         type(model).__name__,
         dtype,
+        "" if quantization == "none" else f", linears {quantization}",
         time.perf_counter() - started,
     )
     weight_dtype = resolve_weight_dtype(config.dtype, device, level)
-    return LoadedModel(model, hf_config, folder, dtype, max_len, weight_dtype)
+    return LoadedModel(model, hf_config, folder, dtype, max_len, weight_dtype, quantization)
+
+
+def quantization_of(config: ModelConfig, device: torch.device) -> tuple[str, Path | None]:
+    """The quantization the model loads with (worker/quantized.py) and the GGUF file whose
+    blocks it keeps (None unless "gguf"). ``auto`` keeps a GGUF file's blocks on CPU and is
+    "none" elsewhere; the others are refused off CPU and, for "gguf", without a GGUF file."""
+    gguf_path = None if config.load_format == "dummy" else model_files.gguf_file_of(config.model)
+    if config.quantization == "auto" and device.type != "cpu":
+        return "none", None
+    mode = resolve_quantization(config.quantization, config.model, gguf_path)
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(
+            f"model.quantization = {mode} runs on CPU only (device {device.type}); use none"
+        )
+    return mode, gguf_path if mode == "gguf" else None
 
 
 def pick_impl(config: ModelConfig, hf_config) -> str:
@@ -114,17 +143,36 @@ def _load_native(
     device: torch.device,
     dtype: torch.dtype,
     show_progress: bool,
+    quantization: str = "none",
+    gguf_path: Path | None = None,
 ) -> nn.Module:
-    model = build_model(hf_config, device, dtype)
+    # Quantized projections are packed from (or replace) fp32 weights: one rounding, not two.
+    model = build_model(hf_config, device, torch.float32 if quantization != "none" else dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         model.load_weights(
             model_files.iter_safetensors_weights(folder, show_progress=show_progress)
         )
+    if quantization != "none":
+        quantize_model(model, quantization, gguf_path)
     model = model.to(dtype)
+    if quantization != "none":
+        _return_freed_memory()  # the fp32 weights the blocks replaced
     model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    tensors under glibc's mmap threshold stay in the heap after they are freed."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | None, object]:

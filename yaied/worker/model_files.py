@@ -72,6 +72,16 @@ def find_default_model_gguf() -> Path:
     return path
 
 
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file a model reference names (a .gguf path, or the default model's), else None."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.resolve() if path.suffix.lower() == ".gguf" else None
+    if not path.exists() and model.strip().lower() == DEFAULT_MODEL_NAME:
+        return find_default_model_gguf()
+    return None
+
+
 def gguf_cache_key(gguf_path: Path) -> str:
     """12 hex chars naming one version of a GGUF file: its path, size and mtime, and our converter.
 

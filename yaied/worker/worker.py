@@ -22,6 +22,7 @@ from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
+from yaied.kernels.cpu_quant import CpuQuant
 from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears, store_linears_bf16
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -35,6 +36,7 @@ from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 from yaied.worker.parallel.group import RankFailure
 from yaied.worker.parallel.leader import LeaderRunner, RankLauncher, TensorParallel
+from yaied.worker.quantized import bind_quantized, quantized_types
 from yaied.worker.runner_setup import KVCaches, allocate_kv, build_runner, capture_graphs
 
 if TYPE_CHECKING:
@@ -128,15 +130,17 @@ class Worker:
             device=str(self.device),
             weight_dtype=str(self.loaded.weight_dtype or self.loaded.dtype).removeprefix("torch."),
             cpu_isa=self._kernel_level(),
+            quantization=quantized_types(self.loaded.model),
         )
         if self.isa is not None:
             log.info(
-                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s",
+                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s",
                 self.info.cpu_isa or "none (torch paths)",
                 detected_level(),
                 self.isa,
                 self.info.dtype,
                 self.info.weight_dtype,
+                f", projections {self.info.quantization}" if self.info.quantization else "",
             )
 
     def _prepare_cpu_model(self, batch_hint: int) -> None:
@@ -144,14 +148,19 @@ class Worker:
         CPU has bf16 dot products; fp32 over bf16-stored weights under dtype auto elsewhere
         (worker/cpu_linear.py); a decode loop over the few-row kernel either way."""
         model, dtype = self.loaded.model, self.loaded.dtype
+        if self.loaded.quantization != "none":  # the projections; the LM head goes on below
+            quant = CpuQuant.load(self.isa)
+            bind_quantized(model, quant, dtype)
+            if quant is not None:
+                self._kernels.append(quant)
         if dtype == torch.float32 and self.loaded.weight_dtype == torch.bfloat16:
-            self._kernels = [CpuGemv.load(self.isa)]
-            store_linears_bf16(model, self._kernels[0])
+            self._kernels.append(CpuGemv.load(self.isa))
+            store_linears_bf16(model, self._kernels[-1])
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
             # Unpacked, the kernel shares the plain weight; packed, it needs a second copy.
-            self._kernels = [CpuGemv.load(self.isa) if not pack or gemv_fits(model) else None]
-            pack_linears(model, batch_hint, self._kernels[0], pack)
+            self._kernels.append(CpuGemv.load(self.isa) if not pack or gemv_fits(model) else None)
+            pack_linears(model, batch_hint, self._kernels[-1], pack)
         if isinstance(model, LlamaForCausalLM):
             fused, loop = CpuFusedOps.load(self.isa), CpuDecodeLoop.load(self.isa)
             if model.use_fused_ops(fused):

@@ -51,6 +51,7 @@ class LlamaDecodeLoop:
         dtype = model.embed_tokens.weight.dtype
         if not loop.supports(dtype):
             return False
+        addresses = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -58,7 +59,9 @@ class LlamaDecodeLoop:
                 getattr(getattr(m, "few_rows", None), "dtype", None) != dtype for m in linears
             ):
                 return False
-        return True
+            addresses.update(m.few_rows.address for m in linears)
+        # One kernel entry for every projection: all bf16, or all quantized (whatever types)
+        return len(addresses) == 1
 
     def __call__(
         self,
@@ -103,13 +106,13 @@ class LlamaDecodeLoop:
                     LayerTensors(
                         layer.input_layernorm.weight.detach(),
                         layer.post_attention_layernorm.weight.detach(),
-                        attn.qkv_proj.weight,
+                        _weight(attn.qkv_proj),
                         attn.qkv_proj.bias,
-                        attn.o_proj.weight,
+                        _weight(attn.o_proj),
                         attn.o_proj.bias,
-                        mlp.gate_up_proj.weight,
+                        _weight(mlp.gate_up_proj),
                         mlp.gate_up_proj.bias,
-                        mlp.down_proj.weight,
+                        _weight(mlp.down_proj),
                         mlp.down_proj.bias,
                         k_cache,
                         v_cache,
@@ -117,3 +120,10 @@ class LlamaDecodeLoop:
                 )
             self._layers = (key, self.loop.layers(tensors, self.dtype))
         return self._layers[1]
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    """What the few-row kernel takes as the layer's weight: the bf16 weight, or a quantized
+    layer's descriptor (worker/quantized.py)."""
+    descriptor = getattr(linear, "kernel_weight", None)
+    return linear.weight if descriptor is None else descriptor

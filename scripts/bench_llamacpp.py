@@ -1,0 +1,457 @@
+"""yaied against llama.cpp on the same GGUF file, the same threads, the same machine (issue 31).
+
+llama.cpp runs through llama-cpp-python, built from PyPI's source package into a throw-away
+virtual environment (``--venv``, ``--build``; never a dependency of yaied): pip compiles
+llama.cpp with ``--cmake-args`` (by default x86-64 up to AVX-512 BF16/VNNI without AMX, see
+DEFAULT_CMAKE_ARGS). If it does not build, the script says so and reports yaied alone.
+
+Figures, one JSON line each:
+
+- ``batch1``: one request, a 512-token random prompt, 256 greedy tokens (W-single's shape):
+  decode tok/s of each, yaied with ``--quantization gguf``; yaied's resident memory against
+  the file's size plus its KV pool.
+- ``c32``: each one's HTTP server (``yaied serve``, ``python -m llama_cpp.server``), 64
+  distinct text prompts of about 100 tokens at concurrency 32, 64 tokens each (EOS banned by
+  logit_bias on both), output tok/s over the wall time.
+
+Models: ``--model default`` (the embedded SmolLM2-135M Q4_1 file), ``--model 1b-q4_0`` (a
+synthetic file with Llama-3.2-1B's layer shapes and SmolLM2's tokenizer and 49152-token
+vocabulary, random weights packed in Q4_0 by yaied, written once into the cache), or a path.
+
+    PYTHONPATH=. python scripts/bench_llamacpp.py --model default --threads 2
+    chrt -f 10 python scripts/bench_llamacpp.py --model 1b-q4_0 --skip-serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_serving import free_port, stop_daemon, wait_healthy
+from single_stream import OUTPUT_TOKENS, PROMPT_TOKENS, _engine_seconds
+
+DEFAULT_VENV = Path(tempfile.gettempdir()) / "yaied-llamacpp-venv"
+# x86-64 up to AVX-512 BF16/VNNI, AMX off: the GGML_NATIVE build (0.3.36) picked AMX on a
+# Sapphire Rapids VM and crashed on its first eval. Override with --cmake-args.
+DEFAULT_CMAKE_ARGS = " ".join(
+    f"-DGGML_{name}={value}"
+    for name, value in [("NATIVE", "OFF"), ("AVX", "ON"), ("AVX2", "ON"), ("FMA", "ON"),
+                        ("F16C", "ON"), ("AVX512", "ON"), ("AVX512_VBMI", "ON"),
+                        ("AVX512_VNNI", "ON"), ("AVX512_BF16", "ON"), ("AVX_VNNI", "ON"),
+                        ("AMX_TILE", "OFF"), ("AMX_INT8", "OFF"), ("AMX_BF16", "OFF")]
+)  # fmt: skip
+C32_PROMPTS, C32_CONCURRENCY, C32_OUTPUT = 64, 32, 64
+
+# Llama-3.2-1B's layers (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, MLP 8192), with
+# SmolLM2's vocabulary so its tokenizer can ride along.
+ONE_B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192)
+
+
+def _log(message: str) -> None:
+    print(f"[bench_llamacpp] {message}", file=sys.stderr, flush=True)
+
+
+# -- llama-cpp-python in its own venv ---------------------------------------------------------
+
+
+def llama_cpp_python(venv: Path, build: bool, timeout: float, cmake_args: str) -> Path | None:
+    """The venv's python with llama_cpp importable, building it if asked; None if unavailable."""
+    python = venv / "bin" / "python"
+    if python.exists() and _imports(python):
+        return python
+    if not build:
+        _log(f"no llama-cpp-python in {venv} (pass --build to compile it there)")
+        return None
+    _log(f"building llama-cpp-python from source into {venv} (a few minutes)")
+    started = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args)
+        env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+        pip = [str(python), "-m", "pip", "install", "--no-binary", "llama-cpp-python"]
+        done = subprocess.run(
+            [*pip, "llama-cpp-python[server]"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log(f"llama-cpp-python did not build: {exc}")
+        return None
+    if done.returncode != 0 or not _imports(python):
+        _log(f"llama-cpp-python did not build (pip {done.returncode}): {done.stderr[-2000:]}")
+        return None
+    _log(f"built in {time.monotonic() - started:.0f} s")
+    return python
+
+
+def _imports(python: Path) -> bool:
+    check = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True)
+    return check.returncode == 0
+
+
+_LLAMA_BATCH1 = r"""
+import json, random, sys, time
+from llama_cpp import Llama
+path = sys.argv[1]
+threads, prompt_len, out_len = (int(a) for a in sys.argv[2:5])
+llm = Llama(model_path=path, n_ctx=prompt_len + out_len + 16, n_threads=threads,
+            n_threads_batch=threads, n_batch=512, verbose=False, seed=0)
+rng = random.Random(0)
+vocab = llm.n_vocab()
+def run(n_out):
+    prompt = [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)]
+    llm.reset()
+    started = time.perf_counter(); first = None; count = 0
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+        if count == n_out:
+            break
+    return first - started, time.perf_counter() - started
+run(8)  # warm-up
+ttft, total = run(out_len)
+print(json.dumps({"ttft_ms": round(ttft * 1e3, 1),
+                  "decode_tok_s": round((out_len - 1) / (total - ttft), 2)}))
+"""
+
+
+def llama_batch1(python: Path, gguf: Path, threads: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [str(python), "-c", _LLAMA_BATCH1, str(gguf), str(threads), str(PROMPT_TOKENS),
+         str(OUTPUT_TOKENS)],
+        capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp batch 1 failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- yaied --------------------------------------------------------------------------------------
+
+
+def yaied_batch1(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+    from yaied import LLM
+
+    max_len = 1024
+    llm = LLM(
+        str(gguf),
+        quantization=quantization,
+        threads=threads,
+        max_model_len=max_len,
+        kv_cache_gib=_kv_gib_for(gguf, max_len),
+        show_progress=False,
+    )
+    try:
+        rng = random.Random(0)
+        vocab = llm.vocab_size
+
+        def fresh() -> list[int]:
+            return [rng.randrange(1000, vocab - 1000) for _ in range(PROMPT_TOKENS)]
+
+        _engine_seconds(llm, fresh(), 8)  # warm-up
+        ttft = min(_engine_seconds(llm, fresh(), 1) for _ in range(2))
+        total = _engine_seconds(llm, fresh(), OUTPUT_TOKENS)
+        info = llm.engine.worker.info
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in llm.engine.worker.kv_caches)
+        rss = _rss_bytes()
+        file_bytes = gguf.stat().st_size
+        return {
+            "ttft_ms": round(ttft * 1e3, 1),
+            "decode_tok_s": round((OUTPUT_TOKENS - 1) / (total - ttft), 2),
+            "quantization": info.quantization or "none",
+            "math_dtype": info.dtype,
+            "cpu_isa": info.cpu_isa,
+            "rss_bytes": rss,
+            "file_bytes": file_bytes,
+            "kv_pool_bytes": kv_bytes,
+            "rss_over_file_plus_kv": round(rss / (file_bytes + kv_bytes), 3),
+        }
+    finally:
+        llm.close()
+
+
+def _kv_gib_for(gguf: Path, max_len: int) -> float:
+    """A KV pool of about two full contexts (the memory target counts the KV pool)."""
+    from yaied.worker.gguf_convert import open_gguf
+
+    reader = open_gguf(gguf)
+    arch = reader.get_field("general.architecture").contents()
+    layers = int(reader.get_field(f"{arch}.block_count").contents())
+    heads = int(reader.get_field(f"{arch}.attention.head_count").contents())
+    kv_heads = int(reader.get_field(f"{arch}.attention.head_count_kv").contents())
+    hidden = int(reader.get_field(f"{arch}.embedding_length").contents())
+    per_token = 2 * layers * kv_heads * (hidden // heads) * 4  # fp32 at most
+    return max(2 * max_len * per_token / 2**30, 0.01)
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- HTTP at concurrency 32 ----------------------------------------------------------------------
+
+
+def c32_prompts(seed: int = 0) -> list[str]:
+    words = ["river", "stone", "lantern", "harbor", "meadow", "copper", "winter", "orchard",
+             "signal", "ladder", "quiet", "market", "thunder", "velvet", "compass", "garden",
+             "saddle", "whistle", "marble", "candle", "forest"]  # fmt: skip
+    rng = random.Random(seed)
+    return [
+        f"Note {i}: " + " ".join(rng.choice(words) for _ in range(90)) + ". Continue the note:"
+        for i in range(C32_PROMPTS)
+    ]
+
+
+async def _drive(url: str, model: str, eos_ids: list[int]) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=C32_CONCURRENCY + 4)
+    bias = {str(i): -100 for i in eos_ids}
+    semaphore = asyncio.Semaphore(C32_CONCURRENCY)
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> int:
+        async with semaphore:
+            body = {"model": model, "prompt": prompt, "max_tokens": C32_OUTPUT,
+                    "temperature": 0.0, "logit_bias": bias}  # fmt: skip
+            response = await client.post(url + "/v1/completions", json=body)
+            response.raise_for_status()
+            return int(response.json()["usage"]["completion_tokens"])
+
+    async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
+        await one(client, "Warm up:")
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, p) for p in c32_prompts()))
+        elapsed = time.perf_counter() - started
+    return {
+        "requests": len(counts),
+        "output_tokens": sum(counts),
+        "elapsed_s": round(elapsed, 2),
+        "output_tok_s": round(sum(counts) / elapsed, 2),
+    }
+
+
+def serve_yaied(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+    port = free_port()
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(gguf),
+            "--quantization", quantization, "--threads", str(threads), "--max-model-len", "1024",
+            "--max-num-seqs", str(C32_CONCURRENCY)]  # fmt: skip
+    code = f"from yaied.cli import main; raise SystemExit(main({argv!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, 600)
+        model = httpx.get(url + "/v1/models", trust_env=False).json()["data"][0]["id"]
+        return asyncio.run(_drive(url, model, _eos_ids(gguf)))
+    finally:
+        stop_daemon(proc)
+
+
+def serve_llama(python: Path, gguf: Path, threads: int) -> dict[str, Any]:
+    port = free_port()
+    command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host",
+               "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--n_ctx", "2048"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/v1/models", trust_env=False, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama_cpp.server did not start within 600 s")
+            time.sleep(0.5)
+        return asyncio.run(_drive(url, str(gguf), _eos_ids(gguf)))
+    finally:
+        stop_daemon(proc)
+
+
+def _eos_ids(gguf: Path) -> list[int]:
+    from yaied.worker.gguf_convert import open_gguf
+
+    reader = open_gguf(gguf)
+    ids = []
+    for key in ("eos_token_id", "eot_token_id"):
+        field = reader.get_field(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids.append(int(field.contents()))
+    return sorted(set(ids))
+
+
+# -- the models ---------------------------------------------------------------------------------
+
+
+def model_file(name: str) -> Path:
+    from yaied.worker.model_files import default_cache_dir, find_default_model_gguf
+
+    if name == "default":
+        return find_default_model_gguf()
+    if name == "1b-q4_0":
+        path = default_cache_dir() / "bench" / "llama-1b-shape-q4_0.gguf"
+        if not path.exists():
+            write_1b_q4_0(path, find_default_model_gguf())
+        return path
+    return Path(name)
+
+
+def write_1b_q4_0(path: Path, tokenizer_source: Path) -> None:
+    """Random weights in Llama-3.2-1B's layer shapes, packed in Q4_0 (token embeddings too,
+    tied to the head), with the tokenizer and its metadata copied from ``tokenizer_source``."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from yaied.kernels.cpu_quant import Q4_0, quantize
+    from yaied.worker.gguf_convert import open_gguf
+
+    _log(f"writing {path} (once)")
+    source = open_gguf(tokenizer_source)
+    vocab = next(t for t in source.tensors if t.name == "token_embd.weight").shape[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    s = ONE_B
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(int(vocab))
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            _copy_field(writer, field)
+    generator = torch.Generator().manual_seed(0)
+    qtype = gguf.GGMLQuantizationType.Q4_0
+
+    def add(name: str, rows: int, cols: int) -> None:
+        weight = torch.randn(rows, cols, generator=generator) * 0.02
+        writer.add_tensor(name, quantize(weight, Q4_0).numpy(), raw_dtype=qtype)
+
+    add("token_embd.weight", int(vocab), s["hidden"])
+    writer.add_tensor("output_norm.weight", np.ones(s["hidden"], dtype=np.float32))
+    head_dim = s["hidden"] // s["heads"]
+    for i in range(s["layers"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(s["hidden"], dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(s["hidden"], dtype=np.float32))
+        add(f"blk.{i}.attn_q.weight", s["hidden"], s["hidden"])
+        add(f"blk.{i}.attn_k.weight", s["kv_heads"] * head_dim, s["hidden"])
+        add(f"blk.{i}.attn_v.weight", s["kv_heads"] * head_dim, s["hidden"])
+        add(f"blk.{i}.attn_output.weight", s["hidden"], s["hidden"])
+        add(f"blk.{i}.ffn_gate.weight", s["ffn"], s["hidden"])
+        add(f"blk.{i}.ffn_up.weight", s["ffn"], s["hidden"])
+        add(f"blk.{i}.ffn_down.weight", s["hidden"], s["ffn"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(path)
+
+
+def _copy_field(writer: Any, field: Any) -> None:
+    import gguf
+
+    kind = field.types[0]
+    value = field.contents()
+    if kind == gguf.GGUFValueType.ARRAY:
+        writer.add_array(field.name, value)
+    elif kind == gguf.GGUFValueType.STRING:
+        writer.add_string(field.name, value)
+    elif kind == gguf.GGUFValueType.BOOL:
+        writer.add_bool(field.name, value)
+    elif kind in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64):
+        writer.add_float32(field.name, value)
+    else:
+        writer.add_uint32(field.name, int(value))
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="default | 1b-q4_0 | a .gguf path")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quantization", default="gguf", help="yaied's model.quantization")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument("--build", action="store_true", help="build llama-cpp-python if absent")
+    parser.add_argument("--build-timeout", type=float, default=1800.0)
+    parser.add_argument("--cmake-args", default=DEFAULT_CMAKE_ARGS, help="CMAKE_ARGS for --build")
+    parser.add_argument("--skip-serving", action="store_true", help="batch 1 only")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    gguf = model_file(args.model)
+    python = llama_cpp_python(args.venv, args.build, args.build_timeout, args.cmake_args)
+    machine = {"cpu": _cpu_name(), "threads": args.threads, "model": args.model}
+    machine["file"] = str(gguf)
+    ours = _in_fresh_process(gguf, args.threads, args.quantization)
+    record: dict[str, Any] = {"figure": "batch1", **machine, "yaied": ours}
+    if python is not None:
+        theirs = llama_batch1(python, gguf, args.threads)
+        record["llama_cpp"] = theirs
+        record["ratio"] = round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2)
+    print(json.dumps(record), flush=True)
+    if args.skip_serving:
+        return 0
+    ours = serve_yaied(gguf, args.threads, args.quantization)
+    record = {"figure": "c32", **machine, "yaied": ours}
+    if python is not None:
+        theirs = serve_llama(python, gguf, args.threads)
+        record["llama_cpp"] = theirs
+        record["ratio"] = round(ours["output_tok_s"] / theirs["output_tok_s"], 2)
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+def _in_fresh_process(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+    """yaied_batch1 in a process of its own, so that its resident memory is the engine's alone
+    (not this script's, which may have just written a model file)."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); "
+        "from bench_llamacpp import yaied_batch1; torch.set_num_threads(int(sys.argv[3])); "
+        "print(json.dumps(yaied_batch1(__import__('pathlib').Path(sys.argv[2]), "
+        "int(sys.argv[3]), sys.argv[4])))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code, here, str(gguf), str(threads), quantization],
+        capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"yaied batch 1 failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Block-quantized weights (cpu_quant.c, cpu_quant.py): the torch reference against gguf-py's own
+unpacking, the packer's round trip, and the C kernels at every ISA level against the reference:
+unpacking to fp32 and bf16 bit for bit, the few-row linear against the fp32 linear over the
+unpacked weights (which it computes up to the order of fp32 sums), a row's bits alone and in a
+batch, the fused norm and SiLU, and the refusals."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.cpu_levels import kernel_at
+from yaied.kernels.cpu_fused import CpuFusedOps
+from yaied.kernels.cpu_quant import (
+    MAX_ROWS,
+    PACKABLE,
+    Q4_1,
+    Q4_K,
+    Q8_0,
+    QUANT_TYPES,
+    CpuQuant,
+    QuantType,
+    dequantize_reference,
+    quantize,
+    row_bytes,
+)
+
+TYPES = pytest.mark.parametrize("qtype", list(QUANT_TYPES.values()), ids=list(QUANT_TYPES))
+
+
+@pytest.fixture
+def quant(isa_level):
+    return kernel_at(CpuQuant, isa_level)
+
+
+def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
+    Q4_1 and Q4_K (whose every bit pattern is a valid block)."""
+    generator = torch.Generator().manual_seed(seed)
+    if qtype in PACKABLE:
+        return quantize(torch.randn(n, k, generator=generator) / k**0.5, qtype)
+    blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), generator=generator, dtype=torch.uint8)
+    view = blocks.view(n, -1, qtype.block_bytes)
+    count = view.shape[1]
+    scales = (torch.rand(n, count, generator=generator) * 0.02 + 0.001).half()
+    view[..., 0:2] = scales.view(torch.uint8).view(n, count, 2)
+    second = (torch.rand(n, count, generator=generator) * 0.05).half()
+    if qtype is Q4_1:
+        second = -second
+    if qtype in (Q4_1, Q4_K):
+        view[..., 2:4] = second.view(torch.uint8).view(n, count, 2)
+    return blocks
+
+
+@TYPES
+def test_reference_unpacks_as_gguf_does(qtype):
+    blocks = table(qtype, 7, 512, seed=1)
+    expected = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype.ggml_id))
+    assert torch.equal(dequantize_reference(qtype, blocks, 512), torch.from_numpy(expected.copy()))
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=[t.name for t in PACKABLE])
+def test_packing_round_trip(qtype):
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    blocks = quantize(weight, qtype)
+    assert blocks.shape == (64, row_bytes(qtype, 256)) and blocks.dtype == torch.uint8
+    back = dequantize_reference(qtype, blocks, 256)
+    amax = weight.reshape(64, 8, 32).abs().amax(-1, keepdim=True)
+    amax = amax.expand(-1, -1, 32).reshape(64, 256)
+    # half a step (Q4_0: a whole one at the clamped end opposite the block's largest value)
+    bound = amax / 127 * 0.5 if qtype is Q8_0 else amax / 8
+    assert ((back - weight).abs() <= bound * 1.01 + 1e-6).all()
+    # gguf-py packs the same formats; its weights unpack to within one of our steps of ours
+    theirs = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(qtype.ggml_id))
+    unpacked = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType(qtype.ggml_id))
+    assert ((torch.from_numpy(unpacked.copy()) - back).abs() <= 2 * bound * 1.01 + 1e-6).all()
+
+
+@TYPES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
+    blocks = table(qtype, 19, 768 if qtype is not Q4_K else 1024, seed=2)
+    k = 768 if qtype is not Q4_K else 1024
+    expected = dequantize_reference(qtype, blocks, k).to(dtype)
+    assert torch.equal(quant.dequantize(qtype, blocks, k, dtype), expected)
+    buffer = torch.empty(19 * k + 5, dtype=dtype)
+    assert torch.equal(quant.dequantize(qtype, blocks, k, dtype, out=buffer), expected)
+
+
+@TYPES
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
+@pytest.mark.parametrize("n", [1, 13, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_reference_linear(quant, qtype, rows, n, bias):
+    k = 512
+    blocks = table(qtype, n, k, seed=rows + n)
+    torch.manual_seed(rows * 100 + n)
+    x = torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    expected = F.linear(x, dequantize_reference(qtype, blocks, k), b)
+    got = quant.bind(qtype, blocks, k, b)(x)
+    assert got.shape == (rows, n)
+    # fp32 sums in another order: a few ulps of the terms' magnitude
+    scale = (x.abs() @ dequantize_reference(qtype, blocks, k).abs().T).max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale + 1e-6)
+
+
+@TYPES
+def test_bf16_activations(quant, qtype):
+    k, n = 256, 40
+    blocks = table(qtype, n, k, seed=5)
+    x = torch.randn(3, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    expected = F.linear(x.float(), dequantize_reference(qtype, blocks, k)) + bias.float()
+    got = quant.bind(qtype, blocks, k, bias, torch.bfloat16)(x)
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding of the fp32 result
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
+
+
+@TYPES
+def test_a_row_does_not_depend_on_the_other_rows(quant, qtype):
+    k, n = 512, 77
+    blocks = table(qtype, n, k, seed=6)
+    x = torch.randn(MAX_ROWS, k)
+    bound = quant.bind(qtype, blocks, k)
+    alone = [bound(x[r : r + 1])[0] for r in range(MAX_ROWS)]
+    for rows in range(2, MAX_ROWS + 1):
+        together = bound(x[:rows])
+        assert all(torch.equal(together[r], alone[r]) for r in range(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+def test_normed_is_the_fused_kernels_then_the_linear(quant, dtype, with_delta, silu):
+    ops = kernel_at(CpuFusedOps, quant.level)
+    torch.manual_seed(1)
+    rows, k, n = 3, 256, 2 * 40
+    blocks = table(Q4_K, n, k, seed=7)
+    bias = torch.randn(n).to(dtype)
+    norm_weight = (1 + torch.randn(k) / 4).to(dtype)
+    residual = torch.randn(rows, k).to(dtype)
+    delta = torch.randn(rows, k).to(dtype) if with_delta else None
+    bound = quant.bind(Q4_K, blocks, k, bias, dtype)
+    expected_residual = residual.clone()
+    expected = bound(ops.add_rms_norm(delta, expected_residual, norm_weight, 1e-5))
+    if silu:
+        expected = ops.silu_mul(expected)
+    got = bound.normed(delta, residual, norm_weight, 1e-5, silu)
+    assert torch.equal(residual, expected_residual)
+    assert torch.equal(got, expected)
+
+
+def test_refusals(quant):
+    blocks = table(Q8_0, 8, 64)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        quant.bind(Q8_0, blocks[:, :-1].contiguous(), 64)
+    with pytest.raises(ValueError, match="whole number"):
+        quant.bind(Q4_K, table(Q8_0, 8, 64), 64)
+    bound = quant.bind(Q8_0, blocks, 64)
+    with pytest.raises(ValueError, match="bad input"):
+        bound(torch.zeros(MAX_ROWS + 1, 64))
+    with pytest.raises(ValueError, match="bad input"):
+        bound(torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        quant.bind(Q8_0, blocks, 64, torch.zeros(7))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize(torch.zeros(2, 40), Q8_0)
+    with pytest.raises(ValueError, match="packs only"):
+        quantize(torch.zeros(2, 256), Q4_K)

@@ -1,0 +1,540 @@
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K) for a few rows, and
+ * the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
+ *
+ * A decode step is a pass over the weights, so where memory is the bound its floor is the
+ * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
+ * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
+ * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
+ * -8 d, Q4_1's m, Q4_K's mins) through the activations' block sums. So the math is fp32 over the
+ * weights' exact values, as in the unpacked matmul of a prefill, up to the order of the sums: a
+ * prompt computes the same whether its prefix was cached or recomputed, and greedy output agrees
+ * with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
+ * dot products, llama.cpp's way, made this kernel about 1.5x faster at 4 bits, but the default
+ * model's greedy output then parted from fp32's within a few tokens on most prompts.) The bodies,
+ * by the ISA level the file is built for (yaied/kernels/cpu_isa.py):
+ *
+ *   avx512*      16 weights a vector: bytes widened with vpmovzxbd / vpmovsxbd, 16-wide FMAs
+ *   avx2         the same 8 wide
+ *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
+ *
+ * Blocks (little-endian, packed; d, m, dmin are fp16):
+ *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
+ *   Q4_0  18 bytes / 32: d, 16 bytes; q[i] = low nibble of byte i,
+ *         q[i + 16] = its high nibble                                w = d (q - 8)
+ *   Q4_1  20 bytes / 32: d, m, 16 bytes as Q4_0                      w = d q + m
+ *   Q4_K 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins, 128
+ *         bytes: for each 64 weights, 32 bytes whose low nibbles are the first 32 and high
+ *         nibbles the next 32                                        w = d sc_j q - dmin m_j
+ *
+ * A weight is passed as a `qweight` descriptor (its type and its block table [N, row bytes]),
+ * so that one entry serves every type and the decode loop (cpu_decode_loop.c) calls it as it
+ * calls cpu_gemv.c's few_rows_linear_*: the same signature, the descriptor where the bf16
+ * weight was. Every (input row, weight row) pair is computed by the same code whatever the
+ * number of rows, so a row's result is the same bits alone and in any batch at one level.
+ */
+#include "cpu_rows.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 8
+#define QK 32 /* weights per block (Q4_K: per sub-block) */
+
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };
+
+typedef struct {
+    int64_t type;
+    const uint8_t *blocks;
+} qweight;
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int shift = 0;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            shift++;
+        }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* The j-th of Q4_K's eight 6-bit scales and mins, packed in 12 bytes: the first four of each in
+ * the low six bits of bytes 0-3 (scales) and 4-7 (mins), the last four in the nibbles of bytes
+ * 8-11 with their top two bits in the spare bits of bytes 0-7. */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+int64_t quant_block_bytes(int64_t type) {
+    switch (type) {
+    case TYPE_Q8_0: return 34;
+    case TYPE_Q4_0: return 18;
+    case TYPE_Q4_1: return 20;
+    case TYPE_Q4_K: return 144;
+    default: return -1;
+    }
+}
+
+int64_t quant_block_size(int64_t type) { return type == TYPE_Q4_K ? 256 : QK; }
+
+/* ---- unpacking: one weight row to fp32 ---- */
+static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    int64_t bytes = quant_block_bytes(type);
+    for (int64_t b = 0; b < K / quant_block_size(type); b++) {
+        const uint8_t *p = row + b * bytes;
+        float d = half_to_float(p);
+        if (type == TYPE_Q8_0) {
+            for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
+        } else if (type == TYPE_Q4_0 || type == TYPE_Q4_1) {
+            float m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
+            const uint8_t *q = p + (type == TYPE_Q4_1 ? 4 : 2);
+            for (int i = 0; i < 16; i++) {
+                out[b * QK + i] = d * (float)(q[i] & 0xF) + m;
+                out[b * QK + i + 16] = d * (float)(q[i] >> 4) + m;
+            }
+        } else { /* Q4_K */
+            float dmin = half_to_float(p + 2);
+            const uint8_t *scales = p + 4, *q = p + 16;
+            float *o = out + b * 256;
+            for (int c = 0; c < 4; c++) {
+                int sc0, m0, sc1, m1;
+                q4k_scale_min(scales, 2 * c, &sc0, &m0);
+                q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
+                float d0 = d * sc0, n0 = dmin * m0, d1 = d * sc1, n1 = dmin * m1;
+                for (int i = 0; i < 32; i++) {
+                    o[64 * c + i] = d0 * (float)(q[32 * c + i] & 0xF) - n0;
+                    o[64 * c + 32 + i] = d1 * (float)(q[32 * c + i] >> 4) - n1;
+                }
+            }
+        }
+    }
+}
+
+
+/* ---- one (input row, weight row) pair: the row unpacked to fp32, then an fp32 dot ---- */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vec_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline float vec_sum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define LANES 8
+typedef struct {
+    float v[LANES];
+} vec;
+static inline vec vec_zero(void) { return (vec){{0}}; }
+static inline vec vec_fma(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+static inline vec vec_add(vec a, vec b) {
+    for (int i = 0; i < LANES; i++) a.v[i] += b.v[i];
+    return a;
+}
+static inline vec vec_load(const float *p) {
+    vec r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline float vec_sum(vec v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v.v[i];
+    return s;
+}
+#endif
+
+
+#if defined(__AVX2__)
+/* Fused unpack-and-dot per type: each block's weights widened to fp32 in registers and
+ * multiplied into the input row, the block's scale applied once to its partial sums and its
+ * offset (Q4_0's -8 d, Q4_1's m, Q4_K's mins) through the input block's sum. */
+#define GROUP (16 / LANES) /* vectors in 16 weights */
+static inline void widen_s8(__m128i b, vec *out) {
+#if defined(__AVX512F__)
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#else
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#endif
+}
+static inline vec dot16(const vec *w, const float *x, vec acc) {
+    for (int g = 0; g < GROUP; g++) acc = vec_fma(w[g], vec_load(x + g * LANES), acc);
+    return acc;
+}
+#if defined(__AVX512F__)
+static inline vec vec_set1(float f) { return _mm512_set1_ps(f); }
+#else
+static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
+#endif
+#define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
+
+/* 16 bytes of nibble pairs: each byte widened once to a 32-bit lane, both its nibbles taken
+ * from there (an and, a shift), so 32 weights cost one widening shuffle per vector of lanes
+ * instead of two. lo[g] holds the low nibbles of bytes [g LANES, (g + 1) LANES), hi[g] their
+ * high nibbles, as fp32. */
+static inline void widen_nibbles(__m128i b, vec *lo, vec *hi) {
+#if defined(__AVX512F__)
+    __m512i wide = _mm512_cvtepu8_epi32(b);
+    lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
+    hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+#else
+    for (int g = 0; g < GROUP; g++) {
+        __m256i wide = _mm256_cvtepu8_epi32(g ? _mm_srli_si128(b, 8) : b);
+        lo[g] = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
+        hi[g] = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+    }
+#endif
+}
+
+/* The fp16 scales (and Q4_1's mins, the next two bytes) of up to 16 blocks from `first` on, in
+ * fp32, and the sum of the blocks' offsets times the activations' block sums (mins[j] xsum[j];
+ * Q4_0's offset is -8 d). Converting a group of scales apart from the dot products, instead of
+ * a scalar conversion and a register broadcast inside each block's step, took the Q4_0 body
+ * from 16 to 20 GB/s of blocks at avx512. */
+#if defined(__AVX512F__)
+static inline float block_scales(const uint8_t *row, int64_t bytes, int64_t first,
+                                 int64_t blocks, int mins, const float *xsum, float *d) {
+    int64_t count = blocks - first < 16 ? blocks - first : 16;
+    __mmask16 k = (__mmask16)(count == 16 ? 0xFFFF : (1u << count) - 1);
+    __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i at = _mm512_mullo_epi32(iota, _mm512_set1_epi32((int)bytes));
+    __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, row + first * bytes, 1);
+    __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    _mm512_storeu_ps(d, dv);
+    if (!xsum) return 0.0f;
+    __m512 mv = mins ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                     : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
+    return _mm512_reduce_add_ps(_mm512_mul_ps(mv, _mm512_maskz_loadu_ps(k, xsum + first)));
+}
+#else
+static inline float block_scales(const uint8_t *row, int64_t bytes, int64_t first,
+                                 int64_t blocks, int mins, const float *xsum, float *d) {
+    int64_t count = blocks - first < 16 ? blocks - first : 16;
+    float offset = 0.0f;
+    for (int64_t j = 0; j < count; j++) {
+        const uint8_t *p = row + (first + j) * bytes;
+        d[j] = half_to_float(p);
+        if (xsum) offset += (mins ? half_to_float(p + 2) : -8.0f * d[j]) * xsum[first + j];
+    }
+    return offset;
+}
+#endif
+
+static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *x,
+                                               const float *xsum, int64_t blocks, int with_min) {
+    vec acc = vec_zero();
+    float offset = 0.0f, d[16];
+    int64_t bytes = with_min ? 20 : 18;
+    for (int64_t first = 0; first < blocks; first += 16) {
+        offset += block_scales(row, bytes, first, blocks, with_min, xsum, d);
+        int64_t end = blocks - first < 16 ? blocks : first + 16;
+        for (int64_t b = first; b < end; b++) {
+            const uint8_t *p = row + b * bytes;
+            const float *xb = x + b * QK;
+            vec lo[GROUP], hi[GROUP];
+            widen_nibbles(LOAD16(p + (with_min ? 4 : 2)), lo, hi);
+            vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
+            acc = vec_fma(t, vec_set1(d[b - first]), acc);
+        }
+    }
+    return vec_sum(acc) + offset;
+}
+
+static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float *x,
+                                                 const float *xsum, int64_t blocks) {
+    (void)xsum;
+    vec acc = vec_zero(), w[GROUP];
+    float d[16];
+    for (int64_t first = 0; first < blocks; first += 16) {
+        block_scales(row, 34, first, blocks, 0, NULL, d);
+        int64_t end = blocks - first < 16 ? blocks : first + 16;
+        for (int64_t b = first; b < end; b++) {
+            const uint8_t *p = row + b * 34;
+            const float *xb = x + b * QK;
+            widen_s8(LOAD16(p + 2), w);
+            vec t = dot16(w, xb, vec_zero());
+            widen_s8(LOAD16(p + 18), w);
+            t = dot16(w, xb + 16, t);
+            acc = vec_fma(t, vec_set1(d[b - first]), acc);
+        }
+    }
+    return vec_sum(acc);
+}
+
+static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float *x,
+                                                 const float *xsum, int64_t blocks) {
+    vec acc = vec_zero();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * 144, *scales = p + 4;
+        float d = half_to_float(p), dmin = half_to_float(p + 2), mins = 0.0f;
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *q = p + 16 + 32 * c;
+            const float *xc = x + b * 256 + 64 * c;
+            vec lo0[GROUP], hi0[GROUP], lo1[GROUP], hi1[GROUP];
+            widen_nibbles(LOAD16(q), lo0, hi0);
+            widen_nibbles(LOAD16(q + 16), lo1, hi1);
+            int sc0, m0, sc1, m1;
+            q4k_scale_min(scales, 2 * c, &sc0, &m0);
+            q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
+            vec t = dot16(lo1, xc + 16, dot16(lo0, xc, vec_zero()));
+            acc = vec_fma(t, vec_set1(d * (float)sc0), acc);
+            t = dot16(hi1, xc + 48, dot16(hi0, xc + 32, vec_zero()));
+            acc = vec_fma(t, vec_set1(d * (float)sc1), acc);
+            int64_t j = 8 * b + 2 * c;
+            mins += (float)m0 * xsum[j] + (float)m1 * xsum[j + 1];
+        }
+        offset -= dmin * mins;
+    }
+    return vec_sum(acc) + offset;
+}
+
+static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
+                             float *scratch, int64_t K) {
+    (void)scratch;
+    switch (type) {
+    case TYPE_Q8_0: return fdot_q8_0(row, x, xsum, K / QK);
+    case TYPE_Q4_0: return fdot_q4(row, x, xsum, K / QK, 0);
+    case TYPE_Q4_1: return fdot_q4(row, x, xsum, K / QK, 1);
+    default: return fdot_q4_k(row, x, xsum, K / 256);
+    }
+}
+#else
+/* Plain C: the row unpacked into the thread's fp32 row, then an fp32 dot. */
+/* sum a[k] b[k], four accumulators (K is a multiple of 32). Not inlined: one compiled copy for
+ * every pair, so that a row's bits do not depend on how many rows came with it. */
+static __attribute__((noinline)) float dot_f32(const float *a, const float *b, int64_t K) {
+    vec s0 = vec_zero(), s1 = vec_zero(), s2 = vec_zero(), s3 = vec_zero();
+    int64_t k = 0;
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {
+        s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+        s1 = vec_fma(vec_load(a + k + LANES), vec_load(b + k + LANES), s1);
+        s2 = vec_fma(vec_load(a + k + 2 * LANES), vec_load(b + k + 2 * LANES), s2);
+        s3 = vec_fma(vec_load(a + k + 3 * LANES), vec_load(b + k + 3 * LANES), s3);
+    }
+    for (; k + LANES <= K; k += LANES) s0 = vec_fma(vec_load(a + k), vec_load(b + k), s0);
+    float sum = vec_sum(vec_add(vec_add(s0, s1), vec_add(s2, s3)));
+    for (; k < K; k++) sum += a[k] * b[k];
+    return sum;
+}
+static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
+                             float *scratch, int64_t K) {
+    (void)xsum;
+    dequantize_row(type, row, scratch, K);
+    return dot_f32(scratch, x, K);
+}
+#endif
+
+/* out [rows, N] = x @ w.T + bias, x fp32 [rows, K] (rows <= MAX_ROWS), in fp32 over the
+ * weights' exact values (as the unpacked matmul computes, up to the order of the sums). */
+static int qlinear(const float *x, const qweight *w, const float *bias, float *out, int64_t rows,
+                   int64_t N, int64_t K, int64_t threads) {
+    if (quant_block_bytes(w->type) < 0) return -3;
+    int64_t row_bytes = K / quant_block_size(w->type) * quant_block_bytes(w->type);
+    int64_t blocks = K / QK;
+    float *xsum = thread_scratch(5, (size_t)(rows * blocks) * sizeof(float));
+    if (!xsum) return -2;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < QK; i++) s += x[m * K + b * QK + i];
+            xsum[m * blocks + b] = s;
+        }
+    const uint8_t *table = w->blocks;
+    int64_t type = w->type;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = thread_scratch(6, (size_t)K * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!scratch) continue;
+            const uint8_t *row = table + n * row_bytes;
+            if (n + 1 < N) __builtin_prefetch(row + row_bytes);
+            float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < rows; m++)
+                out[m * N + n] = pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+/* The activations' type T at the edges: bf16 rows are widened into fp32 scratch first, and the
+ * fp32 result rounded back. */
+#define DEFINE_LINEAR(T, SUFFIX)                                                                \
+    static int qlinear_##SUFFIX(const T *x, const qweight *w, const T *bias, T *out,            \
+                                int64_t rows, int64_t N, int64_t K, int64_t threads) {          \
+        if (sizeof(T) == sizeof(float))                                                         \
+            return qlinear((const float *)x, w, (const float *)bias, (float *)out, rows, N, K,  \
+                           threads);                                                            \
+        float *xf = thread_scratch(2, (size_t)(rows * K) * sizeof(float));                      \
+        float *of = thread_scratch(3, (size_t)(rows * N) * sizeof(float));                      \
+        float *bf = bias ? thread_scratch(4, (size_t)N * sizeof(float)) : NULL;                 \
+        if (!xf || !of || (bias && !bf)) return -2;                                             \
+        for (int64_t i = 0; i < rows * K; i++) xf[i] = ROW_LOAD_##SUFFIX(x[i]);                 \
+        for (int64_t i = 0; bias && i < N; i++) bf[i] = ROW_LOAD_##SUFFIX(bias[i]);             \
+        int status = qlinear(xf, w, bf, of, rows, N, K, threads);                               \
+        for (int64_t i = 0; i < rows * N; i++) out[i] = ROW_STORE_##SUFFIX(of[i]);              \
+        return status;                                                                          \
+    }                                                                                           \
+                                                                                                \
+    /* cpu_gemv.c's few_rows_linear_* over a quantized weight: with norm_weight, the input is   \
+     * weight * rms_norm(residual += delta) (delta may be NULL; x is ignored), else x; with     \
+     * silu, out [rows, N / 2] is silu(gate) * up of the linear's two halves. Returns -1 when   \
+     * rows is out of range, -2 without scratch memory, -3 for a type without a kernel. */      \
+    int few_rows_qlinear_##SUFFIX(const T *delta, T *residual, const T *norm_weight, float eps, \
+                                  const T *x, const qweight *w, const T *bias, T *out,          \
+                                  int64_t rows, int64_t N, int64_t K, int64_t silu,             \
+                                  int64_t threads) {                                            \
+        if (rows < 1 || rows > MAX_ROWS) return -1;                                             \
+        if (norm_weight) {                                                                      \
+            T *normed = thread_scratch(0, (size_t)(rows * K) * sizeof(T));                      \
+            if (!normed) return -2;                                                             \
+            for (int64_t r = 0; r < rows; r++)                                                  \
+                add_rms_norm_row_##SUFFIX(delta ? delta + r * K : NULL, residual + r * K,       \
+                                          norm_weight, normed + r * K, K, eps);                 \
+            x = normed;                                                                         \
+        }                                                                                       \
+        T *linear_out = out;                                                                    \
+        if (silu) {                                                                             \
+            linear_out = thread_scratch(1, (size_t)(rows * N) * sizeof(T));                     \
+            if (!linear_out) return -2;                                                         \
+        }                                                                                       \
+        int status = qlinear_##SUFFIX(x, w, bias, linear_out, rows, N, K, threads);             \
+        if (status) return status;                                                              \
+        if (silu)                                                                               \
+            for (int64_t r = 0; r < rows; r++)                                                  \
+                silu_mul_row_##SUFFIX(linear_out + r * N, out + r * (N / 2), N / 2);            \
+        return 0;                                                                               \
+    }
+
+DEFINE_LINEAR(float, f32)
+DEFINE_LINEAR(uint16_t, bf16)
+
+/* ---- unpacking for matmuls of many rows ---- */
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#else
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#endif
+/* One row, vectorised for the 32-weight types (each block widened and scaled in registers, as
+ * in the dot products); Q4_K through the plain loop. */
+static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    if (type == TYPE_Q4_K) {
+        dequantize_row(type, row, out, K);
+        return;
+    }
+    int64_t bytes = quant_block_bytes(type);
+    vec w[GROUP];
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *p = row + b * bytes;
+        float d = half_to_float(p), m = 0.0f;
+        float *o = out + b * QK;
+        if (type == TYPE_Q8_0) {
+            widen_s8(LOAD16(p + 2), w);
+            for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
+            widen_s8(LOAD16(p + 18), w);
+            for (int g = 0; g < GROUP; g++)
+                vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
+            continue;
+        }
+        m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
+        vec lo[GROUP], hi[GROUP];
+        widen_nibbles(LOAD16(p + (type == TYPE_Q4_1 ? 4 : 2)), lo, hi);
+        for (int g = 0; g < GROUP; g++) {
+            vec_store(o + g * LANES, vec_fma(lo[g], vec_set1(d), vec_set1(m)));
+            vec_store(o + 16 + g * LANES, vec_fma(hi[g], vec_set1(d), vec_set1(m)));
+        }
+    }
+}
+#else
+static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    dequantize_row(type, row, out, K);
+}
+#endif
+
+/* fp32 to bf16, round to nearest even (as float_to_bf16). */
+static inline void store_bf16(const float *in, uint16_t *out, int64_t K) {
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + k)));
+#endif
+    for (; k < K; k++) out[k] = float_to_bf16(in[k]);
+}
+
+/* The block table [N, row bytes] unpacked to out [N, K] (fp32 or bf16). Returns -1 for a type
+ * this file does not know, -2 without scratch memory. */
+int dequantize_f32(int64_t type, const uint8_t *blocks, float *out, int64_t N, int64_t K,
+                   int64_t threads) {
+    if (quant_block_bytes(type) < 0) return -1;
+    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) unpack_row(type, blocks + n * row_bytes, out + n * K, K);
+    return 0;
+}
+
+int dequantize_bf16(int64_t type, const uint8_t *blocks, uint16_t *out, int64_t N, int64_t K,
+                    int64_t threads) {
+    if (quant_block_bytes(type) < 0) return -1;
+    int64_t row_bytes = K / quant_block_size(type) * quant_block_bytes(type);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *row = thread_scratch(7, (size_t)K * sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!row) continue;
+            unpack_row(type, blocks + n * row_bytes, row, K);
+            store_bf16(row, out + n * K, K);
+        }
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,277 @@
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K): their formats, a torch reference
+(unpacking all four, packing Q8_0 and Q4_0 from float weights), and the launcher of cpu_quant.c,
+whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of many rows.
+
+A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
+blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
+it is). The C side takes a descriptor (type, address of the table) where cpu_gemv.c takes a bf16
+weight, with the same entry signature, so the decode loop (cpu_decode_loop.c) calls either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from yaied.kernels.cpu_build import KernelLibrary, load_library
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+MAX_ROWS = 8  # as in cpu_quant.c
+
+
+class QuantType(NamedTuple):
+    name: str
+    ggml_id: int  # GGUF's tensor type number
+    block_size: int  # weights a block
+    block_bytes: int
+
+
+Q8_0 = QuantType("q8_0", 8, 32, 34)
+Q4_0 = QuantType("q4_0", 2, 32, 18)
+Q4_1 = QuantType("q4_1", 3, 32, 20)
+Q4_K = QuantType("q4_k", 12, 256, 144)
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K)}
+BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
+# The types yaied packs from float weights itself (--quantization q8_0 | q4_0).
+PACKABLE = (Q8_0, Q4_0)
+
+
+def row_bytes(qtype: QuantType, k: int) -> int:
+    return k // qtype.block_size * qtype.block_bytes
+
+
+def check_table(qtype: QuantType, blocks: torch.Tensor, n: int, k: int, name: str) -> None:
+    """ValueError naming the tensor unless blocks is a contiguous uint8 [n, row bytes] table of
+    whole blocks for a [n, k] weight."""
+    if k % qtype.block_size:
+        raise ValueError(
+            f"{name}: {k} columns are not a whole number of {qtype.name} blocks "
+            f"({qtype.block_size} weights each)"
+        )
+    want = (n, row_bytes(qtype, k))
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want or not blocks.is_contiguous():
+        raise ValueError(
+            f"{name}: the {qtype.name} block table is {tuple(blocks.shape)} {blocks.dtype}, "
+            f"a [{n}, {k}] weight needs contiguous uint8 {want}: truncated or corrupt"
+        )
+
+
+# ---- the torch reference ----
+
+
+def _halves(table: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of every block, as fp32: table [..., blocks, bytes]."""
+    return table[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight [N, k] fp32 that a block table holds (the formats as cpu_quant.c states them)."""
+    n = blocks.shape[0]
+    table = blocks.reshape(n, k // qtype.block_size, qtype.block_bytes)
+    d = _halves(table, 0)
+    if qtype is Q8_0:
+        return (table[..., 2:].view(torch.int8).float() * d).reshape(n, k)
+    if qtype in (Q4_0, Q4_1):
+        data = table[..., 4:] if qtype is Q4_1 else table[..., 2:]
+        q = torch.cat([data & 0xF, data >> 4], dim=-1).float()
+        m = _halves(table, 2) if qtype is Q4_1 else -8.0 * d
+        return (q * d + m).reshape(n, k)
+    # Q4_K
+    dmin = _halves(table, 2)
+    s = table[..., 4:16].long()
+    low = torch.cat([s[..., 0:4] & 63, s[..., 8:12] & 0xF | (s[..., 0:4] >> 6) << 4], dim=-1)
+    mins = torch.cat([s[..., 4:8] & 63, s[..., 8:12] >> 4 | (s[..., 4:8] >> 6) << 4], dim=-1)
+    data = table[..., 16:].reshape(n, -1, 4, 32)
+    q = torch.stack([data & 0xF, data >> 4], dim=3).reshape(n, -1, 8, 32).float()
+    weights = q * (d * low.float())[..., None] - (dmin * mins.float())[..., None]
+    return weights.reshape(n, k)
+
+
+def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """A float weight [N, K] (K a multiple of 32) packed into a Q8_0 or Q4_0 block table.
+    Q8_0: scale = max |w| / 127 a block, q = round(w / scale). Q4_0: the block's value of
+    largest magnitude maps to -8 (so its sign picks the scale's), q = round(w / scale) + 8
+    clamped to [0, 15]. Scales are stored in fp16 and q computed with the stored scale."""
+    if qtype not in PACKABLE:
+        raise ValueError(f"yaied packs only {', '.join(t.name for t in PACKABLE)}")
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"{k} columns are not a whole number of blocks of 32")
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    if qtype is Q8_0:
+        scale = (w.abs().amax(dim=-1, keepdim=True) / 127).half()
+        inv = torch.where(scale == 0, 0.0, 1.0 / scale.float())
+        q = (w * inv).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        return torch.cat([scale.view(torch.uint8), q], dim=-1).reshape(n, -1).contiguous()
+    index = w.abs().argmax(dim=-1, keepdim=True)
+    scale = (w.gather(-1, index) / -8).half()
+    inv = torch.where(scale == 0, 0.0, 1.0 / scale.float())
+    q = ((w * inv).round() + 8).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([scale.view(torch.uint8), packed], dim=-1).reshape(n, -1).contiguous()
+
+
+# ---- the launcher ----
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+class CpuQuant:
+    """The compiled kernels at one ISA level; ``CpuQuant.load()`` returns None where they
+    cannot be built."""
+
+    def __init__(self, library: KernelLibrary) -> None:
+        self.level = library.level
+        self._linear, self._unpack = {}, {}
+        for dtype, suffix in _SUFFIX.items():
+            function = getattr(library.cdll, f"few_rows_qlinear_{suffix}")
+            function.argtypes = [_P, _P, _P, _F] + [_P] * 4 + [_I] * 5
+            function.restype = ctypes.c_int
+            self._linear[dtype] = function
+            unpack = getattr(library.cdll, f"dequantize_{suffix}")
+            unpack.argtypes = [_I, _P, _P, _I, _I, _I]
+            unpack.restype = ctypes.c_int
+            self._unpack[dtype] = unpack
+
+    @classmethod
+    def load(
+        cls, level: str | None = None, cache_dir: Path | None = None, *, strict: bool = False
+    ) -> CpuQuant | None:
+        library = load_library(SOURCE, level, cache_dir, strict=strict)
+        return None if library is None else cls(library)
+
+    def bind(
+        self,
+        qtype: QuantType,
+        blocks: torch.Tensor,
+        k: int,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> BoundQuantLinear:
+        """The few-row kernel for one layer: blocks the [N, row bytes] table of a [N, k]
+        weight, bias [N] in the activations' ``dtype`` or None. The caller keeps blocks and
+        bias alive for as long as it uses the result."""
+        return BoundQuantLinear(self._linear[dtype], dtype, qtype, blocks, k, bias)
+
+    def dequantize(
+        self,
+        qtype: QuantType,
+        blocks: torch.Tensor,
+        k: int,
+        dtype: torch.dtype = torch.float32,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The weight [N, k] in ``dtype`` (fp32 or bf16), written into ``out`` when given
+        (a reused buffer of at least N * k elements of ``dtype``)."""
+        n = blocks.shape[0]
+        check_table(qtype, blocks, n, k, "weight")
+        if out is None:
+            out = torch.empty((n, k), dtype=dtype)
+        else:
+            if out.dtype != dtype or out.numel() < n * k or not out.is_contiguous():
+                raise ValueError("bad buffer for the unpacked weight")
+            out = out.view(-1)[: n * k].view(n, k)
+        status = self._unpack[dtype](
+            qtype.ggml_id, blocks.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()
+        )
+        if status != 0:
+            raise RuntimeError(f"unpacking {qtype.name} failed (status {status})")
+        return out
+
+
+class BoundQuantLinear:
+    """One quantized layer's few-row kernel, with BoundLinear's interface (cpu_gemv.py):
+    ``__call__``, ``normed``, ``address``, ``dtype``; ``descriptor`` is the int64 tensor
+    (type, table address) the C side takes as the weight."""
+
+    __slots__ = (
+        "function",
+        "dtype",
+        "descriptor",
+        "_blocks",
+        "_bias",
+        "out_features",
+        "in_features",
+    )
+
+    def __init__(
+        self,
+        function,
+        dtype: torch.dtype,
+        qtype: QuantType,
+        blocks: torch.Tensor,
+        k: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        n = blocks.shape[0]
+        check_table(qtype, blocks, n, k, "weight")
+        if bias is not None and (
+            bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bad bias for a weight of {n} rows")
+        self.function, self.dtype = function, dtype
+        self.descriptor = torch.tensor([qtype.ggml_id, blocks.data_ptr()], dtype=torch.int64)
+        self._blocks = blocks  # kept alive with the descriptor that points into it
+        self._bias = None if bias is None else bias.data_ptr()
+        self.out_features, self.in_features = n, k
+
+    @property
+    def address(self) -> int:
+        """The kernel entry's address, for C callers (cpu_decode_loop.c)."""
+        return ctypes.cast(self.function, ctypes.c_void_p).value
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows <= MAX_ROWS, K] -> x @ weight.T + bias, [rows, N]."""
+        rows, n, k = x.shape[0], self.out_features, self.in_features
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
+        x = x.contiguous()
+        out = torch.empty((rows, n), dtype=self.dtype)
+        status = self.function(
+            None, None, None, 0.0, x.data_ptr(), self.descriptor.data_ptr(), self._bias,
+            out.data_ptr(), rows, n, k, 0, torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status)
+        return out
+
+    def normed(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        silu: bool = False,
+    ) -> torch.Tensor:
+        """As BoundLinear.normed: residual += delta in place (when given), the layer over
+        norm_weight * rms_norm(residual), SiLU-and-multiply of the halves with silu."""
+        rows, n, k = residual.shape[0], self.out_features, self.in_features
+        bad = f"bad residual {tuple(residual.shape)} {residual.dtype} for weight [{n}, {k}]"
+        if residual.dtype != self.dtype or residual.shape[1] != k:
+            raise ValueError(bad)
+        if not 1 <= rows <= MAX_ROWS or not residual.is_contiguous():
+            raise ValueError(bad)
+        if norm_weight.shape != (k,) or norm_weight.dtype != self.dtype:
+            raise ValueError(f"bad norm weight for weight [{n}, {k}]")
+        if delta is not None:
+            if delta.shape != residual.shape or delta.dtype != self.dtype:
+                raise ValueError("delta and residual differ")
+            delta = delta.contiguous()
+        out = torch.empty((rows, n // 2 if silu else n), dtype=self.dtype)
+        status = self.function(
+            None if delta is None else delta.data_ptr(), residual.data_ptr(),
+            norm_weight.data_ptr(), eps, None, self.descriptor.data_ptr(), self._bias,
+            out.data_ptr(), rows, n, k, int(silu), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status)
+        return out
+
+
+def _check(status: int) -> None:
+    if status == -2:
+        raise MemoryError("the quantized linear kernel could not get scratch memory")
+    if status != 0:
+        raise RuntimeError(f"the quantized linear kernel failed (status {status})")

@@ -1,0 +1,299 @@
+"""Quantized linear weights on CPU (``model.quantization``): the decoder layers' projections kept
+in GGUF's blocks (yaied/kernels/cpu_quant.py), taken from a GGUF file as they are (``gguf``) or
+packed at load from float weights (``q8_0``, ``q4_0``).
+
+What stays in higher precision: the token embeddings (a step reads one row of them), every norm
+and the biases, in the math dtype. The LM head, a large share of a small model's decode bytes,
+is quantized too: in the file's type of ``output.weight`` (or of ``token_embd.weight`` when the
+head is tied to it) under ``gguf``, where yaied has a kernel for it, else left as unquantized
+models have it; Q8_0 under ``q8_0`` and ``q4_0``.
+
+On the token's path: a decode step of a few rows runs the decode loop (models/decode_loop.py)
+over the few-row quantized kernel, which reads the blocks; every other forward (prefill, large
+batches, speculative verification) unpacks each weight into one reused buffer in the math dtype
+and runs the matmul there (``QuantizedLinear.forward``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yaied.kernels.cpu_quant import (
+    BY_GGML_ID,
+    MAX_ROWS,
+    Q8_0,
+    QUANT_TYPES,
+    CpuQuant,
+    QuantType,
+    check_table,
+    dequantize_reference,
+    quantize,
+)
+
+log = logging.getLogger(__name__)
+
+# The projections of a native decoder layer that are quantized, and the GGUF tensors each is
+# made of (in row order).
+_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+class _UnpackBuffer:
+    """One growing buffer per dtype for the weight being unpacked: a matmul of many rows needs
+    one weight in float at a time, so the float copy costs the largest layer, not the model."""
+
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    @classmethod
+    def get(cls, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = cls.buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = cls.buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buffer
+
+
+class QuantizedLinear(nn.Module):
+    """Drop-in for a linear layer whose weight is a block table. ``few_rows`` (once ``bind``
+    has run) is the kernel over the blocks, with BoundLinear's interface, for the decode loop;
+    forward unpacks the weight for the matmul."""
+
+    def __init__(
+        self, qtype: QuantType, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        check_table(qtype, blocks, self.out_features, in_features, "weight")
+        self.qtype, self.blocks = qtype, blocks
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.kernel: CpuQuant | None = None
+        self.few_rows = None
+        # The LM head takes the kernel in forward too: its rows are the sampled ones, one per
+        # sequence (prompt logprobs, many rows, unpack the weight like any matmul).
+        self.few_rows_in_forward = False
+
+    def bind(self, kernel: CpuQuant | None, dtype: torch.dtype) -> None:
+        """Use ``kernel`` (None: the torch reference) for activations of ``dtype``."""
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype).contiguous()
+        self.kernel = kernel
+        self.few_rows = None
+        if kernel is not None:
+            self.few_rows = kernel.bind(self.qtype, self.blocks, self.in_features, self.bias, dtype)
+
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        """What the decode loop passes as this layer's weight: the kernel's descriptor."""
+        return self.few_rows.descriptor
+
+    def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype``, in the shared buffer (valid until the next call)."""
+        if self.kernel is None:
+            return dequantize_reference(self.qtype, self.blocks, self.in_features).to(dtype)
+        buffer = _UnpackBuffer.get(dtype, self.out_features * self.in_features)
+        return self.kernel.dequantize(self.qtype, self.blocks, self.in_features, dtype, buffer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few_rows = self.few_rows
+        if (
+            self.few_rows_in_forward
+            and few_rows is not None
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype == few_rows.dtype
+        ):
+            return few_rows(x)
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return F.linear(x, self.unpacked(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.qtype.name}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embeddings read from a tied LM head's block table: a lookup unpacks the rows
+    it needs, so the embeddings cost no float copy. ``weight`` is an empty tensor that only
+    carries the math dtype (``model.to(dtype)`` casts it), which the model reads."""
+
+    def __init__(self, head: QuantizedLinear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so the model holds the head once
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        rows = head.blocks.index_select(0, ids.reshape(-1))
+        if head.kernel is not None:
+            values = head.kernel.dequantize(head.qtype, rows, head.in_features, torch.float32)
+        else:
+            values = dequantize_reference(head.qtype, rows, head.in_features)
+        return values.to(self.weight.dtype).reshape(*ids.shape, head.in_features)
+
+
+def resolve_quantization(setting: str, model: str, gguf_path: Path | None) -> str:
+    """The quantization a model runs with: ``auto`` is ``gguf`` for a GGUF model, else none."""
+    if setting == "auto":
+        return "gguf" if gguf_path is not None else "none"
+    if setting == "gguf" and gguf_path is None:
+        raise ValueError(
+            f"model.quantization = gguf keeps a GGUF file's blocks, but {model!r} is not a .gguf "
+            "file: use q8_0 or q4_0 to pack its weights at load"
+        )
+    return setting
+
+
+def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -> int:
+    """Replace the decoder layers' projections of a native model by QuantizedLinear: from the
+    GGUF file's blocks (``gguf``; types without a kernel, or projections whose parts differ in
+    type, keep the float weight, with one log line) or packed from the weights (``q8_0``,
+    ``q4_0``). Returns how many were replaced."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError("quantized weights run on the native models only")
+    tables = _gguf_tables(model, gguf_path) if mode == "gguf" else None
+    kept: list[str] = []
+    replaced = 0
+    for index, layer in enumerate(layers):
+        for name in _PARTS:
+            linear = layer.get_submodule(name)
+            full_name = f"layers.{index}.{name}"
+            if tables is not None:
+                found = tables.get(full_name)
+                if isinstance(found, str):
+                    kept.append(found)
+                    continue
+                qtype, blocks = found
+            else:
+                qtype = QUANT_TYPES[mode]
+                blocks = quantize(linear.weight.detach(), qtype)
+            module = QuantizedLinear(qtype, blocks, linear.in_features, linear.bias)
+            parent_name, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent_name), child, module)
+            replaced += 1
+    head = _quantized_head(model, mode, tables)
+    if head is not None:
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        model.lm_head = head
+        replaced += 1
+        if tied and (tables is None or tables.get("lm_head_is_embedding")):
+            model.embed_tokens = QuantizedEmbedding(head)
+    elif mode == "gguf":
+        kept.append("the LM head")
+    if kept:
+        shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+        log.warning("GGUF weights without a quantized kernel, dequantized: %s", shown)
+    return replaced
+
+
+def _quantized_head(model: nn.Module, mode: str, tables: dict | None) -> QuantizedLinear | None:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return None
+    if tables is None:
+        qtype, blocks = Q8_0, quantize(head.weight.detach(), Q8_0)
+    else:
+        found = tables.get("lm_head")
+        if found is None:
+            return None
+        qtype, blocks = found
+    module = QuantizedLinear(qtype, blocks, head.in_features, head.bias)
+    module.few_rows_in_forward = True
+    return module
+
+
+def bind_quantized(model: nn.Module, kernel: CpuQuant | None, dtype: torch.dtype) -> int:
+    """Bind every QuantizedLinear to the kernels (None: torch reference) for ``dtype``."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.bind(kernel, dtype)
+            count += 1
+    return count
+
+
+def quantized_types(model: nn.Module) -> str:
+    """The block types of the model's quantized layers ("q4_1", "q4_k+q8_0"), "" for none."""
+    names = {m.qtype.name for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return "+".join(sorted(names))
+
+
+def _gguf_tables(
+    model: nn.Module, gguf_path: Path | None
+) -> dict[str, tuple[QuantType, torch.Tensor] | str]:
+    """Per projection of the model: (type, block table [N, row bytes]) read from the file, or a
+    string naming why it stays float ("blk.3.ffn_down.weight (q6_k)"). A block table whose size
+    does not match its tensor's shape stops the load with a ValueError naming the tensor."""
+    from yaied.worker.gguf_convert import open_gguf, unpermute_rotary  # deferred: gguf-py
+
+    if gguf_path is None:
+        raise ValueError("model.quantization = gguf needs a .gguf model file")
+    reader = open_gguf(gguf_path)
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else ""
+    tensors = {t.name: t for t in reader.tensors}
+    shape = model.shape
+    heads = {"attn_q": shape.num_heads, "attn_k": shape.num_kv_heads}
+    tables: dict = {}
+    for index, layer in enumerate(model.layers):
+        for name, parts in _PARTS.items():
+            linear = layer.get_submodule(name)
+            k = linear.in_features
+            pieces, types = [], set()
+            for part in parts:
+                tensor_name = f"blk.{index}.{part}.weight"
+                tensor = tensors.get(tensor_name)
+                if tensor is None:
+                    raise ValueError(f"GGUF file {gguf_path} lacks {tensor_name}")
+                qtype = BY_GGML_ID.get(int(tensor.tensor_type))
+                types.add(qtype.name if qtype else tensor.tensor_type.name.lower())
+                pieces.append((tensor_name, tensor, qtype))
+            if len(types) != 1 or pieces[0][2] is None:
+                names = "+".join(p[0] for p in pieces)
+                tables[f"layers.{index}.{name}"] = f"{names} ({'/'.join(sorted(types))})"
+                continue
+            blocks = []
+            for tensor_name, tensor, qtype in pieces:
+                rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+                data = tensor.data
+                if int(tensor.shape[0]) != k:
+                    raise ValueError(
+                        f"{tensor_name}: {int(tensor.shape[0])} columns, the model expects {k}"
+                    )
+                table = torch.from_numpy(data.reshape(-1).copy()).view(torch.uint8)
+                expected = rows * (k // qtype.block_size) * qtype.block_bytes
+                if table.numel() != expected or k % qtype.block_size:
+                    raise ValueError(
+                        f"{tensor_name}: the {qtype.name} block table holds {table.numel()} "
+                        f"bytes, a [{rows}, {k}] weight needs {expected}: truncated or corrupt"
+                    )
+                table = table.view(rows, -1)
+                part = tensor_name.split(".")[2]
+                if arch == "llama" and part in heads:
+                    table = torch.from_numpy(unpermute_rotary(table.numpy(), heads[part]))
+                blocks.append(table)
+            qtype = pieces[0][2]
+            merged = torch.cat(blocks).contiguous()  # a copy: the file's mapping can close
+            check_table(qtype, merged, linear.out_features, k, f"blk.{index}.{'+'.join(parts)}")
+            tables[f"layers.{index}.{name}"] = (qtype, merged)
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    tables["lm_head_is_embedding"] = "output.weight" not in tensors
+    qtype = BY_GGML_ID.get(int(head.tensor_type)) if head is not None else None
+    if qtype is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        linear = model.lm_head
+        table = torch.from_numpy(head.data.reshape(-1).copy())
+        expected = linear.out_features * (linear.in_features // qtype.block_size)
+        if table.numel() == expected * qtype.block_bytes:
+            table = table.view(linear.out_features, -1)
+            check_table(qtype, table, linear.out_features, linear.in_features, head.name)
+            tables["lm_head"] = (qtype, table)
+    return tables
