@@ -102,29 +102,37 @@ def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                "logprobs": 5,
+                "n": 8,
             }
-            streaming = threading.Event()
+            streaming, resume = threading.Event(), threading.Event()
 
-            def read_slowly() -> tuple[int, list[str]]:
-                # The stream stays open while it is read, however fast the tiny model decodes:
-                # the drain waits for it, and /health answers 503 meanwhile.
+            def read_paused() -> tuple[int, list[str]]:
+                # The client stops reading after the first line until health has been seen
+                # draining. The drain waits for the engine's call (8 choices of 1000 tokens with
+                # five logprobs each, a few seconds); the paused reader fills the socket buffers,
+                # so the server's loop waits on them rather than writing, and answers health
+                # promptly however loaded the machine.
                 with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
                     lines = []
                     for line in r.iter_lines():
-                        streaming.set()
+                        if not streaming.is_set():
+                            streaming.set()
+                            resume.wait(30)
                         lines.append(line)
-                        time.sleep(0.001)
                     return r.status_code, lines
 
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(read_slowly)
+                pending = pool.submit(read_paused)
                 assert streaming.wait(30)  # the request is running now
                 proc.send_signal(signal.SIGTERM)
                 statuses = set()
-                while not pending.done():
+                deadline = time.monotonic() + 20
+                while 503 not in statuses and time.monotonic() < deadline:
                     with contextlib.suppress(httpx.TransportError):
-                        statuses.add(httpx.get(f"{base}/health", timeout=1).status_code)
+                        statuses.add(httpx.get(f"{base}/health", timeout=5).status_code)
                     time.sleep(0.02)
+                resume.set()
                 status, lines = pending.result()
             assert status == 200, lines
             events = [line[6:] for line in lines if line.startswith("data: ")]
@@ -132,7 +140,7 @@ def test_sigterm_drains_open_streams_first(tiny_model_dirs, tmp_path):
             chunks = [orjson.loads(e) for e in events[:-1]]
             reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
             assert reasons[-1] == "length"  # the open stream finished, not cut off
-            assert chunks[-1]["usage"]["completion_tokens"] == 1000
+            assert chunks[-1]["usage"]["completion_tokens"] == 8 * 1000
             assert 503 in statuses  # draining: health says so while the request runs
             assert proc.wait(timeout=30) == 0, log_path.read_text()
         finally:
