@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +112,23 @@ async def wait_for(predicate, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def engine_actor_niceness() -> set[int]:
+    """The nice value of every thread of every engine actor process (the test's nodes are all
+    on this machine)."""
+    values = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or not (proc / "cmdline").read_bytes().startswith(
+                b"ray::EngineActor"
+            ):
+                continue
+            for task in (proc / "task").iterdir():
+                values.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except OSError:  # gone meanwhile
+            continue
+    return values
+
+
 def cpus_in_use() -> float:
     return ray.cluster_resources().get("CPU", 0.0) - ray.available_resources().get("CPU", 0.0)
 
@@ -128,6 +147,8 @@ async def test_engines_on_named_nodes_lose_a_node_and_leave_no_actor(cluster, en
         assert handles["0"].node_id == nodes["a"].node_id
         assert handles["1"].node_id == nodes["b"].node_id
         assert [manager.pool[i].name for i in handles] == ["ray-node-a", "ray-node-b"]
+        if os.geteuid() == 0:  # raising a priority takes privilege: the nodes run at Ray's 15
+            assert engine_actor_niceness() == {os.getpriority(os.PRIO_PROCESS, 0)}
 
         # Parity: the same greedy tokens from both engines, and cancel works through Ray.
         params = SamplingParams(max_tokens=8, **GREEDY)

@@ -10,8 +10,9 @@ from typing import Any
 from yaied.worker.parallel.leader import RankLauncher
 
 
-def ray_rank_launcher(group: Any, bundle: dict[str, float]) -> RankLauncher:
-    """Ranks as Ray actors: rank r in bundle r of ``group``, each holding ``bundle``."""
+def ray_rank_launcher(group: Any, bundle: dict[str, float], niceness: int = 0) -> RankLauncher:
+    """Ranks as Ray actors: rank r in bundle r of ``group``, each holding ``bundle``, running at
+    ``niceness`` (the daemon's), not at Ray's nice 15 for workers."""
     from yaied.worker.parallel.ray_ranks import RayRankLauncher  # imports Ray
 
-    return RayRankLauncher(group, bundle)
+    return RayRankLauncher(group, bundle, niceness)

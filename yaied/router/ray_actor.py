@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
+from yaied.core.processes import match_niceness
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
@@ -55,12 +56,17 @@ class EngineActor:
         threads: int,
         group: Any = None,  # a tensor-parallel engine's placement group: its ranks go there
         bundle: dict[str, float] | None = None,  # what each rank holds
+        niceness: int = 0,  # the daemon's: the engine runs at its priority, not Ray's
     ) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        problem = match_niceness(niceness)
+        if problem:
+            log.warning("engine %s: %s", engine_id, problem)
         self.engine_id = engine_id
         self.config = config
         self.group = group
         self.bundle = bundle or {}
+        self.niceness = niceness
         self.engine: AsyncEngine | None = None
         self._loading: asyncio.Future[ModelInfo] | None = None
         self._live: set[str] = set()  # calls in the engine whose final event is not sent yet
@@ -82,7 +88,7 @@ class EngineActor:
         if self.group is not None:
             from yaied.engine.ranks import ray_rank_launcher
 
-            launcher = ray_rank_launcher(self.group, self.bundle)
+            launcher = ray_rank_launcher(self.group, self.bundle, self.niceness)
         engine = await asyncio.to_thread(
             AsyncEngine, self.config, show_progress=False, rank_launcher=launcher
         )

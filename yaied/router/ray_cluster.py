@@ -43,7 +43,15 @@ def connect(address: str) -> Any:
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
         else:
-            ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                # Ray's workers run at nice 15 unless told; engines run at the daemon's
+                # priority (the actors also set it themselves, where a joined cluster's
+                # nodes were started without this).
+                _system_config={"worker_niceness": 0},
+            )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local Ray instance"
         raise ValueError(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -112,7 +113,12 @@ class RayHandle(EngineHandle):
         remote = ray.remote(EngineActor).options(**options)
         rank_bundle = engine_bundle(self.entry)
         self._actor = remote.remote(
-            self.engine_id, self.engine_config, threads, self._group, rank_bundle
+            self.engine_id,
+            self.engine_config,
+            threads,
+            self._group,
+            rank_bundle,
+            os.getpriority(os.PRIO_PROCESS, 0),  # the engine's priority: the daemon's own
         )
 
     async def start(self) -> None:

@@ -22,6 +22,7 @@ import os
 import threading
 from typing import Any
 
+from yaied.core.processes import match_niceness
 from yaied.worker.parallel.rank import RankSpec
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,11 @@ class RankActor:
     """Wrapped by ``ray.remote`` in ``RayRankLauncher``: one rank, following rank 0 from a
     thread of its own, so ``wait_loaded`` can answer meanwhile."""
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, niceness: int = 0) -> None:
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+        problem = match_niceness(niceness)  # rank 0's priority, not Ray's nice 15 for workers
+        if problem:
+            log.warning("rank %d: %s", spec.rank, problem)
         self.spec = spec
         self._loaded = threading.Event()
         self._error: str | None = None
@@ -93,12 +97,13 @@ class RayRankLauncher:
 
     cores = False  # each rank keeps its own node's cores
 
-    def __init__(self, group: Any, bundle: dict[str, float]) -> None:
+    def __init__(self, group: Any, bundle: dict[str, float], niceness: int = 0) -> None:
         import ray
 
         self.ray = ray
         self.group = group
         self.bundle = bundle
+        self.niceness = niceness
         self.host = ray.util.get_node_ip_address()
 
     def __call__(self, spec: RankSpec) -> RayRank:
@@ -116,5 +121,5 @@ class RayRankLauncher:
                 self.group, placement_group_bundle_index=spec.rank
             ),
         }
-        actor = self.ray.remote(RankActor).options(**options).remote(spec)
+        actor = self.ray.remote(RankActor).options(**options).remote(spec, self.niceness)
         return RayRank(self.ray, actor, f"tensor-parallel rank {spec.rank} (ray)")

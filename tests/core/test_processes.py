@@ -1,0 +1,48 @@
+"""core/processes.py: every thread of a process moved to one nice value."""
+
+import os
+import subprocess
+import sys
+
+from yaied.core import processes
+
+# In a child of its own (nice values only go down without privilege): two threads started
+# before the call, one after, all at the new value.
+CHILD = """
+import os, threading
+from pathlib import Path
+from yaied.core.processes import match_niceness
+
+def niceness_of_every_thread():
+    return {
+        int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        for task in Path("/proc/self/task").iterdir()
+    }
+
+stop = threading.Event()
+for _ in range(2):
+    threading.Thread(target=stop.wait).start()
+target = os.getpriority(os.PRIO_PROCESS, 0) + 3
+assert match_niceness(target) is None
+threading.Thread(target=stop.wait).start()
+print(sorted(niceness_of_every_thread()), target)
+stop.set()
+"""
+
+
+def test_every_thread_moves_to_the_niceness_and_new_ones_inherit_it():
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert out[0] == f"[{out[-1]}]"  # one value, the target's, on all four threads
+
+
+def test_a_refused_priority_is_a_reason_not_an_error(monkeypatch):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(processes.os, "setpriority", refuse)
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    problem = processes.match_niceness(now - 1)
+    assert problem is not None and "RAY_worker_niceness=0" in problem
+    assert processes.match_niceness(now) is None  # already there: nothing to do
