@@ -121,12 +121,6 @@ def has_bf16_math(level: str) -> bool:
     return level == "avx512_bf16"
 
 
-def has_amx_bf16(level: str) -> bool:
-    """Whether torch's bf16 matmuls run on AMX tiles at ``level`` (oneDNN takes them where the
-    CPU has them and no cap holds torch below its top level)."""
-    return level == "avx512_bf16" and {"amx_bf16", "amx_tile"} <= cpu_features()
-
-
 def torch_caps(level: str) -> dict[str, str]:
     """Environment variables that hold torch's own CPU kernels (ATen, oneDNN) to ``level``, for
     a process started with a cap (benchmarks of a lower level on a higher CPU). They take effect

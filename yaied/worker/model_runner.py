@@ -11,7 +11,6 @@ from torch import nn
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
-from yaied.kernels.cpu_isa import has_amx_bf16, selected_level
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
@@ -67,12 +66,6 @@ class ModelRunner:
         shape = model.shape
         group = shape.num_heads // shape.num_kv_heads
         if not CpuPrefillKernel.supports(self.dtype, group, shape.head_dim):
-            return None
-        if self.dtype == torch.bfloat16 and has_amx_bf16(selected_level()):
-            # torch's flash SDPA runs its blocks on AMX tiles there: a fresh 1536-token prompt
-            # of the default model 0.50 s against the kernel's 1.01 s, 80 new tokens over 608
-            # cached ones 45 ms against 67 (docs/benchmarks.md). Without AMX the kernel is the
-            # faster (4.3x torch's at 512 tokens on a Zen 4).
             return None
         return CpuPrefillKernel.load()
 
