@@ -71,16 +71,22 @@ class BoundLinear:
     def __init__(
         self, function, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
-        n, k = weight.shape
         if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
             raise ValueError("the few-row linear kernel takes a contiguous bf16 weight")
+        self._bind(function, dtype, weight.data_ptr(), *weight.shape, bias)
+
+    def _bind(
+        self, function, dtype: torch.dtype, weight: int, n: int, k: int, bias: torch.Tensor | None
+    ) -> None:
+        """weight: what the C entry takes as the weight (an address; cpu_quant.py's subclass
+        passes its block table's descriptor)."""
         if bias is not None and (
             bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()
         ):
             raise ValueError(f"bad bias for a weight of {n} rows")
         self.function = function  # few_rows_linear_<dtype> (cpu_decode_loop.c calls it too)
         self.dtype = dtype  # of the activations, the bias and the output
-        self._weight = weight.data_ptr()
+        self._weight = weight
         self._bias = None if bias is None else bias.data_ptr()
         self.out_features, self.in_features = n, k
 
@@ -92,14 +98,15 @@ class BoundLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows <= MAX_ROWS, K] -> x @ weight.T + bias, [rows, N]."""
         rows, n, k = x.shape[0], self.out_features, self.in_features
-        if x.dtype != self.dtype or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=self.dtype)
-        self.function(
+        status = self.function(
             None, None, None, 0.0, x.data_ptr(), self._weight, self._bias, out.data_ptr(),
             rows, n, k, 0, _threads(),
         )  # fmt: skip
+        self._check(status)
         return out
 
     def normed(
@@ -131,9 +138,13 @@ class BoundLinear:
             norm_weight.data_ptr(), eps, None, self._weight, self._bias, out.data_ptr(),
             rows, n, k, int(silu), _threads(),
         )  # fmt: skip
+        self._check(status)
+        return out
+
+    @staticmethod
+    def _check(status: int) -> None:
         if status != 0:
             raise MemoryError("the few-row linear kernel could not get scratch memory")
-        return out
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from yaied.kernels.cpu_build import KernelLibrary, load_library
+from yaied.kernels.cpu_gemv import BoundLinear
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 MAX_ROWS = 8  # as in cpu_quant.c
@@ -183,20 +184,12 @@ class CpuQuant:
         return out
 
 
-class BoundQuantLinear:
-    """One quantized layer's few-row kernel, with BoundLinear's interface (cpu_gemv.py):
-    ``__call__``, ``normed``, ``address``, ``dtype``; ``descriptor`` is the int64 tensor
-    (type, table address) the C side takes as the weight."""
+class BoundQuantLinear(BoundLinear):
+    """One quantized layer's few-row kernel: BoundLinear (cpu_gemv.py) with a block table for
+    its weight; ``descriptor`` is the int64 tensor (type, table address) the C side takes as
+    the weight."""
 
-    __slots__ = (
-        "function",
-        "dtype",
-        "descriptor",
-        "_blocks",
-        "_bias",
-        "out_features",
-        "in_features",
-    )
+    __slots__ = ("descriptor", "_blocks")
 
     def __init__(
         self,
@@ -209,65 +202,13 @@ class BoundQuantLinear:
     ) -> None:
         n = blocks.shape[0]
         check_table(qtype, blocks, n, k, "weight")
-        if bias is not None and (
-            bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()
-        ):
-            raise ValueError(f"bad bias for a weight of {n} rows")
-        self.function, self.dtype = function, dtype
         self.descriptor = torch.tensor([qtype.ggml_id, blocks.data_ptr()], dtype=torch.int64)
         self._blocks = blocks  # kept alive with the descriptor that points into it
-        self._bias = None if bias is None else bias.data_ptr()
-        self.out_features, self.in_features = n, k
+        self._bind(function, dtype, self.descriptor.data_ptr(), n, k, bias)
 
-    @property
-    def address(self) -> int:
-        """The kernel entry's address, for C callers (cpu_decode_loop.c)."""
-        return ctypes.cast(self.function, ctypes.c_void_p).value
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows <= MAX_ROWS, K] -> x @ weight.T + bias, [rows, N]."""
-        rows, n, k = x.shape[0], self.out_features, self.in_features
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
-        x = x.contiguous()
-        out = torch.empty((rows, n), dtype=self.dtype)
-        status = self.function(
-            None, None, None, 0.0, x.data_ptr(), self.descriptor.data_ptr(), self._bias,
-            out.data_ptr(), rows, n, k, 0, torch.get_num_threads(),
-        )  # fmt: skip
+    @staticmethod
+    def _check(status: int) -> None:
         _check(status)
-        return out
-
-    def normed(
-        self,
-        delta: torch.Tensor | None,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        silu: bool = False,
-    ) -> torch.Tensor:
-        """As BoundLinear.normed: residual += delta in place (when given), the layer over
-        norm_weight * rms_norm(residual), SiLU-and-multiply of the halves with silu."""
-        rows, n, k = residual.shape[0], self.out_features, self.in_features
-        bad = f"bad residual {tuple(residual.shape)} {residual.dtype} for weight [{n}, {k}]"
-        if residual.dtype != self.dtype or residual.shape[1] != k:
-            raise ValueError(bad)
-        if not 1 <= rows <= MAX_ROWS or not residual.is_contiguous():
-            raise ValueError(bad)
-        if norm_weight.shape != (k,) or norm_weight.dtype != self.dtype:
-            raise ValueError(f"bad norm weight for weight [{n}, {k}]")
-        if delta is not None:
-            if delta.shape != residual.shape or delta.dtype != self.dtype:
-                raise ValueError("delta and residual differ")
-            delta = delta.contiguous()
-        out = torch.empty((rows, n // 2 if silu else n), dtype=self.dtype)
-        status = self.function(
-            None if delta is None else delta.data_ptr(), residual.data_ptr(),
-            norm_weight.data_ptr(), eps, None, self.descriptor.data_ptr(), self._bias,
-            out.data_ptr(), rows, n, k, int(silu), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(status)
-        return out
 
 
 def _check(status: int) -> None:
