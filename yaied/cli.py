@@ -20,15 +20,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for callers)
+    PROG,
     GenerationError,
     Parser,
     UsageError,
     add_setting_flags,
     config_overrides,
     load_cli_config,
+    one_line,
     port_number,
     setting_flags,
 )
+from yaied.cli_chat import chat_loop, remote_responder
 from yaied.core.config import EngineConfig
 from yaied.core.request import SamplingParams
 from yaied.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -38,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROG = "yaied"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -238,7 +240,7 @@ def _serve_http(args: argparse.Namespace) -> int:
     try:
         run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:
-        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         sys.stderr.flush()
         # The worker thread may be stuck in the step that hung: exit without waiting for it.
         os._exit(EXIT_FAILED)
@@ -267,42 +269,6 @@ def _answer_one_prompt(args: argparse.Namespace) -> int:
     return _with_engine(config, session)
 
 
-def _read_line(interactive: bool) -> str | None:
-    try:
-        return input("> " if interactive else "")
-    except EOFError:
-        if interactive:
-            print()  # leave the shell prompt on a line of its own
-        return None
-
-
-Respond = Callable[[list[dict[str, str]]], str | None]
-
-
-def _chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
-    """Read turns until /exit or EOF; ``respond`` answers one, or returns None to drop it."""
-    interactive = sys.stdin.isatty()
-    messages = list(opening)
-    while (line := _read_line(interactive)) is not None:
-        command = line.strip()
-        if command in ("/exit", "/quit"):
-            break
-        if command == "/reset":
-            messages = list(opening)
-            if interactive:
-                print("(history cleared)", file=sys.stderr)
-            continue
-        if not command:
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = respond(messages)
-        if reply is None:
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
-    return 0
-
-
 def _chat(args: argparse.Namespace) -> int:
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.top_p is not None:
@@ -325,7 +291,7 @@ def _chat(args: argparse.Namespace) -> int:
                 print(f"{PROG}: {exc}; /reset starts over", file=sys.stderr)
                 return None
 
-        return _chat_loop(opening, respond)
+        return chat_loop(opening, respond)
 
     return _with_engine(config, session)
 
@@ -340,28 +306,7 @@ def _chat_remote(
     try:
         model = config_overrides(args).get("model.model") or client.first_model()
 
-        def respond(messages: list[dict[str, str]]) -> str | None:
-            parts: list[str] = []
-            deltas = client.stream_chat({"model": model, "messages": messages, **sampling})
-            try:
-                with contextlib.closing(deltas):  # closing the response aborts the request
-                    for text in deltas:
-                        parts.append(text)
-                        sys.stdout.write(text)
-                        sys.stdout.flush()
-            except KeyboardInterrupt:
-                print(file=sys.stdout)
-                print(f"{PROG}: (answer interrupted)", file=sys.stderr)
-                return None
-            except ServerError as exc:
-                if parts:
-                    print(file=sys.stdout)
-                print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
-                return None
-            print(file=sys.stdout)
-            return "".join(parts)
-
-        return _chat_loop(opening, respond)
+        return chat_loop(opening, remote_responder(client, model, sampling))
     except ServerUnreachable as exc:
         raise GenerationError(str(exc)) from None
     except ServerError as exc:  # before the first turn: /v1/models failed
@@ -403,10 +348,6 @@ def _check_ray_engines(engines, ray_address: str) -> None:
         check_feasible(ray, entry, entry.tensor_parallel_size or 1)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -429,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except GenerationError as exc:
-        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (UsageError, ValueError, OSError) as exc:
         log.debug("%s failed", PROG, exc_info=True)  # the traceback, for --log-level debug
-        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -21,6 +21,14 @@ from yaied.core.config import SECTIONS, EngineConfig, load_config
 _SETTING_PREFIX = "cfg:"
 
 
+PROG = "yaied"
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as the CLI prints it: one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class UsageError(Exception):
     """Something the user can fix (a flag, a config value, the model): one line, exit code 2."""
 

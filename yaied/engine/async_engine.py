@@ -290,15 +290,6 @@ class AsyncEngine(Recovery, OutputPhase):
             stats[restarts_key(reason)] = count
         return stats
 
-    def progressing(self) -> bool:
-        """Whether steps advance: nothing is pending, or a step finished (or work arrived) less
-        than engine.step_timeout_s ago. The systemd watchdog is fed only while this holds."""
-        if self.dead is not None:
-            return False
-        if not self._streams:
-            return True
-        return time.monotonic() - self._last_progress < self.config.engine.step_timeout_s
-
     async def shutdown(self) -> None:
         task, self._task = self._task, None
         while task is not None and not task.done():
@@ -396,17 +387,6 @@ class AsyncEngine(Recovery, OutputPhase):
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)
         self._end_stream(stream, reason, error)
-
-    def _end_stream(self, stream: RequestStream, reason: FinishReason, error: str | None) -> None:
-        """The stream's final event, without touching the scheduler (after a rebuild, or when
-        the engine stopped, its old state is gone or cannot be trusted)."""
-        stream.request.finish_reason = reason
-        self._send(stream, stream.event([], "", reason, None, error))
-
-    def _send(self, stream: RequestStream, event: TokenEvent) -> None:
-        if event.finished:
-            del self._streams[event.request_id]  # nothing is ever emitted after the last event
-        stream.sink(event)
 
 
 def _in_event_loop() -> bool:

@@ -164,7 +164,7 @@ class OutputPhase:
     """The engine's output phase, a mixin of `AsyncEngine` run in its task: a finished step's
     results to events, one request at a time. Level 1 of the fault escalation lives here: an
     exception in one request's handling ends that request alone. Uses the engine's scheduler,
-    streams and its `_finish_stream`, `_end_stream` and `_send`."""
+    streams and its `_finish_stream`."""
 
     scheduler: Scheduler
     _streams: dict[str, RequestStream]
@@ -217,3 +217,14 @@ class OutputPhase:
         if request.params.pooling is not None:  # an embedding: the vector, not the token
             event.embedding, event.token_ids = stream.embedding(), []
         self._send(stream, event)
+
+    def _end_stream(self, stream: RequestStream, reason: FinishReason, error: str | None) -> None:
+        """The stream's final event, without touching the scheduler (after a rebuild, or when
+        the engine stopped, its old state is gone or cannot be trusted)."""
+        stream.request.finish_reason = reason
+        self._send(stream, stream.event([], "", reason, None, error))
+
+    def _send(self, stream: RequestStream, event: TokenEvent) -> None:
+        if event.finished:
+            del self._streams[event.request_id]  # nothing is ever emitted after the last event
+        stream.sink(event)

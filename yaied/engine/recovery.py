@@ -1,4 +1,5 @@
-"""How the engine loop survives faults: levels 2 and 3 of the escalation (yaied/engine/faults.py).
+"""How the engine loop survives faults: levels 2 and 3 of the escalation (yaied/engine/faults.py),
+and whether it is progressing (the systemd watchdog's question).
 
 A mixin of `AsyncEngine`, kept apart so that async_engine.py reads as the loop; these methods run
 in the engine task like the rest of it. Level 1 (one request fails alone) is
@@ -8,6 +9,7 @@ in the engine task like the rest of it. Level 1 (one request fails alone) is
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,7 @@ class Recovery:
     _streams: dict[str, RequestStream]
     _compiling: dict[str, asyncio.Task[Any]]
     _failed_steps: int
+    _last_progress: float  # the last finished step, or when work arrived
     _rebuilds_in_a_row: int
     _num_queued: int
 
@@ -103,3 +106,12 @@ class Recovery:
                 self.on_dead(exc)
             except Exception:
                 log.exception("on_dead failed")
+
+    def progressing(self) -> bool:
+        """Whether steps advance: nothing is pending, or a step finished (or work arrived) less
+        than engine.step_timeout_s ago. The systemd watchdog is fed only while this holds."""
+        if self.dead is not None:
+            return False
+        if not self._streams:
+            return True
+        return time.monotonic() - self._last_progress < self.config.engine.step_timeout_s

@@ -8,12 +8,8 @@ The manager owns the router-side view: outstanding calls and tokens per engine (
 policy reads), the session pins and hit rates (kv_coordinator.py), and each call's lifecycle. All
 of it is mutated on the event loop only, so it needs no locks.
 
-A call whose engine goes (lost, its process dead, removed or drained past its timeout: pool.py)
-moves to another engine, streamed tokens or not: the next engine recomputes the prompt plus the
-tokens the caller has and goes on from there with the same sampling state (preemption across
-engines), so the caller reads one stream. At most MAX_MOVES moves; with no engine to move to,
-or after them, the call ends FAILED with an error event. The single-engine daemon is this same
-code with one in-process engine.
+A call whose engine goes moves to another one (migration.py). The single-engine daemon is this
+same code with one in-process engine.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, EventStream
-from yaied.router.calls import MAX_MOVES, Call, RequestHandle
+from yaied.router.calls import Call, RequestHandle
 from yaied.router.config import RouterConfig
 from yaied.router.front import front_inputs
 from yaied.router.handle import (
@@ -40,6 +36,7 @@ from yaied.router.handle import (
 )
 from yaied.router.kv_coordinator import KVCoordinator
 from yaied.router.lifecycle import CallState, LifecycleTracker
+from yaied.router.migration import CallMigration
 from yaied.router.policy import EngineLoad, route
 from yaied.router.pool import EnginePool
 from yaied.router.status import ManagerStatus
@@ -63,7 +60,7 @@ class NoEngineAvailable(RuntimeError):
     """No healthy engine can take the call (all are down, restarting or unsuited)."""
 
 
-class EngineManager(ManagerStatus, EnginePool):
+class EngineManager(ManagerStatus, EnginePool, CallMigration):
     def __init__(
         self, config: RouterConfig | None = None, *, engine_config: EngineConfig | None = None
     ) -> None:
@@ -79,10 +76,8 @@ class EngineManager(ManagerStatus, EnginePool):
         self._turn = 0  # calls routed so far (round_robin's counter)
         self._background: set[asyncio.Task] = set()
         self._step_observer: StepObserver | None = None
-        # Calls moved off an engine ("moved"), and those that could not be ("failed": no engine
-        # to take them, or moved MAX_MOVES times): yaied:call_migrations_total{outcome}.
-        self.migrations = {"moved": 0, "failed": 0}
         self._init_pool()
+        self._init_migration()
 
     @classmethod
     def single(cls, engine: AsyncEngine, config: RouterConfig | None = None) -> EngineManager:
@@ -245,39 +240,6 @@ class EngineManager(ManagerStatus, EnginePool):
         from it until it stops, and that is dropped here."""
         if call.engine_id == engine_id and call.num_moves == move:
             self._deliver(call, event)
-
-    def _lost(self, call: Call, engine_id: str, move: int, reason: str) -> None:
-        """The engine running the call was lost before its final event."""
-        if call.finished or call.engine_id != engine_id or call.num_moves != move:
-            return  # already moved elsewhere, or finished
-        self._dispatch(call, self._give_up_on(call, engine_id, reason))
-
-    def _give_up_on(self, call: Call, engine_id: str, reason: str) -> EngineHandle | None:
-        """The engine cannot run the call: another engine to move it to, or None after
-        failing it with an error event (it was cancelled, it moved MAX_MOVES times, or no
-        other engine can take it now)."""
-        self._outstanding[engine_id].pop(call.request_id, None)
-        if call.num_moves >= MAX_MOVES:
-            reason = f"{reason} (the call had moved {call.num_moves} times already)"
-        movable = not call.cancelled and call.num_moves < MAX_MOVES
-        next_engine = self._route(call, {engine_id}) if movable else None
-        if next_engine is None:
-            if not call.cancelled:
-                self.migrations["failed"] += 1
-            self._deliver(call, call.final_event(FinishReason.ERROR, reason))
-            return None
-        num_sent = len(call.output_ids)
-        log.warning(
-            "%s: %s; moving it to engine %s after %d sent tokens",
-            call.request_id,
-            reason,
-            next_engine.engine_id,
-            num_sent,
-        )
-        call.num_moves += 1
-        self.migrations["moved"] += 1
-        self.lifecycle.record_move(call.request_id, engine_id, next_engine.engine_id, num_sent)
-        return next_engine
 
     def _route(self, call: Call, exclude: set[str]) -> EngineHandle | None:
         loads = [
