@@ -1,5 +1,6 @@
 """The CPU paged prefill kernel against the torch reference path: odd lengths, page boundaries,
-GQA, extend chunks over cached context, fp32 and bf16 (with and without AVX512-BF16 dots)."""
+GQA, extend chunks over cached context, fp32 and bf16 (on AMX tiles, with AVX512-BF16 dots, and
+through the portable fp32 path)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,14 @@ def reference(q, k_cache, v_cache, pages, start_pos, scale):
 
 
 @pytest.mark.parametrize(
-    "dtype, bf16_dot",
-    [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)],
-    ids=["fp32", "bf16-dot", "bf16-portable"],
+    "dtype, path",
+    [
+        (torch.float32, "fp32"),
+        (torch.bfloat16, "amx"),
+        (torch.bfloat16, "bf16-dot"),
+        (torch.bfloat16, "portable"),
+    ],
+    ids=["fp32", "bf16-amx", "bf16-dot", "bf16-portable"],
 )
 @pytest.mark.parametrize(
     "kv_heads, group, head_dim, page_size, n, start_pos",
@@ -65,14 +71,19 @@ def reference(q, k_cache, v_cache, pages, start_pos, scale):
         (2, 1, 32, 4, 1, 50),  # one query
         (4, 2, 16, 1, 7, 20),  # page size 1
         (2, 5, 64, 8, 40, 3),  # group 5: padded rows in the register tiles
+        (1, 8, 64, 16, 70, 0),  # 8 heads a kv head: every row in full AMX tiles
     ],
 )
 def test_kernel_matches_torch(
-    kernel, dtype, bf16_dot, kv_heads, group, head_dim, page_size, n, start_pos
+    kernel, dtype, path, kv_heads, group, head_dim, page_size, n, start_pos
 ):
-    if bf16_dot and not kernel.has_bf16_dot:
+    if path == "amx" and not kernel.has_amx:
+        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
+    if path == "bf16-dot" and not kernel.has_bf16_dot:
         pytest.skip("this CPU has no AVX512-BF16")
-    kernel.use_bf16_dot = bf16_dot  # off: bf16 through the portable fp32 path
+    # Off: bf16 through the slower paths (AVX512-BF16 dots without AMX, or the portable fp32).
+    kernel.use_amx = path == "amx"
+    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
     q, k_cache, v_cache, pages = make_case(
         dtype, kv_heads, group, head_dim, page_size, n, start_pos
     )
@@ -80,10 +91,36 @@ def test_kernel_matches_torch(
     try:
         ours = kernel(q, k_cache, v_cache, pages, start_pos, scale)
     finally:
-        kernel.use_bf16_dot = True
+        kernel.use_bf16_dot = kernel.use_amx = True
     theirs = reference(q, k_cache, v_cache, pages, start_pos, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("path", ["amx", "bf16-dot", "portable", "fp32"])
+def test_a_query_gets_the_same_bits_in_any_chunk(kernel, path):
+    """The prefix cache relies on it: a prompt computed over its cached prefix gives the same
+    greedy tokens as the same prompt fresh only if each query's row does not depend on where
+    the chunk around it starts or ends."""
+    if path == "amx" and not kernel.has_amx:
+        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
+    if path == "bf16-dot" and not kernel.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    kernel.use_amx = path == "amx"
+    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    q, k_cache, v_cache, pages = make_case(dtype, 3, 3, 64, 16, 150, 0, seed=3)
+    try:
+        whole = kernel(q, k_cache, v_cache, pages, 0, 0.125)
+        for cuts in ([61], [16, 17, 100], [1, 149]):
+            bounds = [0, *cuts, 150]
+            parts = [
+                kernel(q[a:b], k_cache, v_cache, pages, a, 0.125)
+                for a, b in zip(bounds, bounds[1:], strict=False)
+            ]
+            assert torch.equal(torch.cat(parts), whole), cuts
+    finally:
+        kernel.use_bf16_dot = kernel.use_amx = True
 
 
 def test_paged_attention_runs_chunks_through_the_kernel(kernel):

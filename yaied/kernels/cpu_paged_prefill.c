@@ -29,6 +29,16 @@
 #define HAVE_BF16_DOT 0
 #endif
 
+/* AMX: built where the compiler targets it (-march=native on a CPU with it), used only once the
+ * kernel has asked Linux for the tile state (paged_prefill_amx_ready). */
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
 #define KEY_BLOCK 32
 #define QUERY_BLOCK 32
 #define ROW_PAD 8 /* row counts are padded to a multiple of this (of QK_ROWS and PV_ROWS) */
@@ -111,10 +121,10 @@ static void accumulate_f32(const float *p, const float *v, float *o, const float
 
 /* ---- bf16 dot path: Kp [head_dim / 2][KEY_BLOCK] and Vp [KEY_BLOCK / 2][head_dim] pairs ---- */
 #if HAVE_BF16_DOT
+/* Raw scores (softmax_block_bf16 scales them). */
 static void scores_bf16(const uint16_t *q, const uint32_t *kp, float *s, int64_t rows,
-                        int64_t dim, float scale) {
+                        int64_t dim) {
     int64_t pairs = dim / 2;
-    __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t m0 = 0; m0 < rows; m0 += QK_ROWS) {
         const uint32_t *q32 = (const uint32_t *)(q + m0 * dim);
         __m512 acc[QK_ROWS][2];
@@ -130,8 +140,8 @@ static void scores_bf16(const uint16_t *q, const uint32_t *kp, float *s, int64_t
             }
         }
         for (int r = 0; r < QK_ROWS; r++) {
-            _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK, _mm512_mul_ps(acc[r][0], scale_v));
-            _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK + 16, _mm512_mul_ps(acc[r][1], scale_v));
+            _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK, acc[r][0]);
+            _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK + 16, acc[r][1]);
         }
     }
 }
@@ -164,13 +174,105 @@ static void accumulate_bf16(const uint16_t *p, const uint32_t *vp, float *o, con
 }
 #endif
 
+#if HAVE_AMX
+/* Every tile is configured 16 rows x 64 bytes: A tiles hold 16 rows of 32 bf16, B tiles 16 rows
+ * of 16 bf16 pairs, C tiles 16 x 16 fp32. Rows are padded to 16 (AMX_ROWS) on this path. */
+#define AMX_ROWS 16
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permitted;
+
+/* Linux hands out the tile state on request only (arch_prctl ARCH_REQ_XCOMP_PERM, kernel 5.16
+ * on); without it the first tile instruction kills the process. */
+static int request_amx(void) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Load our configuration and return the one the thread had (oneDNN's, say), to restore after. */
+static void tiles_enter(TileConfig *saved) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_storeconfig(saved);
+    _tile_loadconfig(&config);
+}
+
+static void tiles_leave(const TileConfig *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
+/* Raw S[rows][KEY_BLOCK] = Q Kp^T, 16 rows at a time: C tiles 0-1 (keys 0-15, 16-31), the Q
+ * tile 2, the K tiles 4-7 (two steps of 32 dims held at once, for dim 64; more dims reload). */
+static void scores_amx(const uint16_t *q, const uint32_t *kp, float *s, int64_t rows,
+                       int64_t dim) {
+    for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k0 = 0; k0 < dim; k0 += 32) {
+            const uint32_t *kb = kp + (k0 / 2) * KEY_BLOCK;
+            _tile_loadd(2, q + m0 * dim + k0, dim * 2);
+            _tile_loadd(4, kb, KEY_BLOCK * 4);
+            _tile_loadd(5, kb + 16, KEY_BLOCK * 4);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 2, 5);
+        }
+        _tile_stored(0, s + m0 * KEY_BLOCK, KEY_BLOCK * 4);
+        _tile_stored(1, s + m0 * KEY_BLOCK + 16, KEY_BLOCK * 4);
+    }
+}
+
+/* o = o * alpha + P Vp: o is scaled in registers first, then each 16 x 16 block of it passes
+ * through a C tile (4-7) with the P tile (0) against a V tile (1-3). */
+static void accumulate_amx(const uint16_t *p, const uint32_t *vp, float *o, const float *alpha,
+                           int64_t rows, int64_t dim) {
+    for (int64_t m = 0; m < rows; m++) {
+        if (alpha[m] == 1.0f) continue;
+        __m512 a = _mm512_set1_ps(alpha[m]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(o + m * dim + d, _mm512_mul_ps(_mm512_loadu_ps(o + m * dim + d), a));
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
+        _tile_loadd(0, p + m0 * KEY_BLOCK, KEY_BLOCK * 2);
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* dim is a multiple of 64 on this path */
+            float *ob = o + m0 * dim + d0;
+            /* three V tiles in turn, so a load need not wait for the product reading its tile */
+            _tile_loadd(1, vp + d0, dim * 4);
+            _tile_loadd(2, vp + d0 + 16, dim * 4);
+            _tile_loadd(3, vp + d0 + 32, dim * 4);
+            _tile_loadd(4, ob, dim * 4);
+            _tile_loadd(5, ob + 16, dim * 4);
+            _tile_loadd(6, ob + 32, dim * 4);
+            _tile_loadd(7, ob + 48, dim * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, vp + d0 + 48, dim * 4);
+            _tile_dpbf16ps(7, 0, 1);
+            _tile_stored(4, ob, dim * 4);
+            _tile_stored(5, ob + 16, dim * 4);
+            _tile_stored(6, ob + 32, dim * 4);
+            _tile_stored(7, ob + 48, dim * 4);
+        }
+    }
+}
+#endif
+
 /* ---- the shared parts ---- */
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int64_t *pages;
     void *out;
-    int bf16_in, bf16_dot;
+    int bf16_in, bf16_dot, amx;
     int64_t num_tokens, start_pos, context_len, kv_heads, group, dim, page_size, head_stride;
     int64_t key_blocks, block_bytes; /* packed bytes of one block of K (V is the same) */
     float scale;
@@ -181,36 +283,100 @@ static inline float load_any(const void *base, int64_t index, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
 }
 
+#if HAVE_BF16_DOT
+/* 16 x 16 32-bit transpose in registers (pairs of rows, then quads, then 128-bit lanes). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* The bf16 layouts in vectors (the element-wise loop was a quarter of the kernel's time at a
+ * 700-token context): K's rows, read as pairs of bf16, transposed 16 x 16 at a time; V's rows
+ * interleaved two keys at a time. dim is a multiple of 64 on this path. */
+static void pack_block_bf16(const Problem *pr, int64_t h, int64_t b, uint32_t *kp, uint16_t *vp) {
+    static const uint16_t zeros[MAX_HEAD_DIM];
+    const uint16_t *k_rows[KEY_BLOCK], *v_rows[KEY_BLOCK];
+    int64_t dim = pr->dim;
+    for (int64_t j = 0; j < KEY_BLOCK; j++) {
+        int64_t pos = b * KEY_BLOCK + j;
+        if (pos >= pr->context_len) {
+            k_rows[j] = v_rows[j] = zeros;
+            continue;
+        }
+        int64_t row = h * pr->head_stride +
+                      (pr->pages[pos / pr->page_size] * pr->page_size + pos % pr->page_size) * dim;
+        k_rows[j] = (const uint16_t *)pr->k_cache + row;
+        v_rows[j] = (const uint16_t *)pr->v_cache + row;
+    }
+    for (int64_t p0 = 0; p0 < dim / 2; p0 += 16) /* K: [dim / 2][KEY_BLOCK] pairs */
+        for (int64_t j0 = 0; j0 < KEY_BLOCK; j0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(k_rows[j0 + i] + 2 * p0);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kp + (p0 + i) * KEY_BLOCK + j0, r[i]);
+        }
+    /* V: [KEY_BLOCK / 2][dim][2], word d of the even key then of the odd one */
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                           32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < KEY_BLOCK; j += 2)
+        for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+            __m512i even = _mm512_loadu_si512(v_rows[j] + d0);
+            __m512i odd = _mm512_loadu_si512(v_rows[j + 1] + d0);
+            uint16_t *dst = vp + ((j / 2) * dim + d0) * 2;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(even, first, odd));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(even, second, odd));
+        }
+}
+#endif
+
 /* Repack keys [b * KEY_BLOCK, +KEY_BLOCK) of kv head h; positions past the context are zero. */
 static void pack_block(const Problem *pr, int64_t h, int64_t b) {
     char *k_dst = pr->packed + (h * pr->key_blocks + b) * 2 * pr->block_bytes;
     char *v_dst = k_dst + pr->block_bytes;
+#if HAVE_BF16_DOT
+    if (pr->bf16_dot) {
+        pack_block_bf16(pr, h, b, (uint32_t *)k_dst, (uint16_t *)v_dst);
+        return;
+    }
+#endif
     memset(k_dst, 0, 2 * pr->block_bytes);
     int64_t dim = pr->dim;
+    float *kt = (float *)k_dst, *v = (float *)v_dst;
     for (int64_t j = 0; j < KEY_BLOCK; j++) {
         int64_t pos = b * KEY_BLOCK + j;
         if (pos >= pr->context_len) break;
         int64_t row = h * pr->head_stride +
                       (pr->pages[pos / pr->page_size] * pr->page_size + pos % pr->page_size) * dim;
-        if (pr->bf16_dot) {
-            const uint32_t *k32 = (const uint32_t *)((const uint16_t *)pr->k_cache + row);
-            const uint16_t *v16 = (const uint16_t *)pr->v_cache + row;
-            uint32_t *kp = (uint32_t *)k_dst;
-            uint16_t *vp = (uint16_t *)v_dst; /* pair (j / 2) of column d: [j/2][d][j%2] */
-            for (int64_t p = 0; p < dim / 2; p++) kp[p * KEY_BLOCK + j] = k32[p];
-            for (int64_t d = 0; d < dim; d++) vp[((j / 2) * dim + d) * 2 + j % 2] = v16[d];
-        } else {
-            float *kt = (float *)k_dst, *v = (float *)v_dst;
-            for (int64_t d = 0; d < dim; d++) {
-                kt[d * KEY_BLOCK + j] = load_any(pr->k_cache, row + d, pr->bf16_in);
-                v[j * dim + d] = load_any(pr->v_cache, row + d, pr->bf16_in);
-            }
+        for (int64_t d = 0; d < dim; d++) {
+            kt[d * KEY_BLOCK + j] = load_any(pr->k_cache, row + d, pr->bf16_in);
+            v[j * dim + d] = load_any(pr->v_cache, row + d, pr->bf16_in);
         }
     }
 }
 
-/* Online softmax of one block of scores, in place: s becomes the probabilities (fp32, or bf16
- * packed at the start of the same rows), alpha the factor that rescales each row's output. */
+/* Online softmax of one block of fp32 scores, in place: s becomes the probabilities, alpha the
+ * factor that rescales each row's output. */
 static void softmax_block(const Problem *pr, float *s, int64_t rows, int64_t real_rows,
                           int64_t first_pos, int64_t key_start, float *row_max, float *row_sum,
                           float *alpha) {
@@ -224,44 +390,93 @@ static void softmax_block(const Problem *pr, float *s, int64_t rows, int64_t rea
         float new_max = block_max > row_max[m] ? block_max : row_max[m];
         alpha[m] = row_max[m] == -INFINITY ? 0.0f : exp_nonpositive(row_max[m] - new_max);
         float sum = 0.0f;
-        if (pr->bf16_dot) {
-            uint16_t *p = (uint16_t *)row;
-            for (int64_t j = 0; j < KEY_BLOCK; j++) {
-                uint16_t x = j < valid ? float_to_bf16(exp_nonpositive(row[j] - new_max)) : 0;
-                sum += bf16_to_float(x);
-                p[j] = x; /* p[j] overwrites bytes of row[j / 2], already read */
-            }
-        } else {
-            for (int64_t j = 0; j < KEY_BLOCK; j++) {
-                row[j] = j < valid ? exp_nonpositive(row[j] - new_max) : 0.0f;
-                sum += row[j];
-            }
+        for (int64_t j = 0; j < KEY_BLOCK; j++) {
+            row[j] = j < valid ? exp_nonpositive(row[j] - new_max) : 0.0f;
+            sum += row[j];
         }
         row_sum[m] = row_sum[m] * alpha[m] + sum;
         row_max[m] = new_max;
     }
 }
 
-static void compact_probabilities(float *s, int64_t rows) {
-    /* bf16 probabilities sit in the first half of each fp32 row: move them together. */
-    for (int64_t m = 1; m < rows; m++)
-        memmove((uint16_t *)s + m * KEY_BLOCK, s + m * KEY_BLOCK, KEY_BLOCK * sizeof(uint16_t));
+#if HAVE_BF16_DOT
+/* 2^x for x <= 0 on 16 lanes: exp_nonpositive's polynomial (cpu_common.h), the power of two
+ * applied by vscalefps. */
+static inline __m512 exp2_nonpositive_v(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180399e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
+
+/* The bf16 paths' online softmax, vectorised (the scalar loop was two thirds of the kernel's
+ * time once the products ran on AMX). A row's 32 raw scores are two vectors, the keys past the
+ * query's position masked off; the running maximum is kept in units of log2 (scores times
+ * scale * log2 e), so one multiply scales and one exp2 exponentiates. The probabilities go to p
+ * as bf16, and each row's running sum stays a vector of 16 partial sums of the rounded
+ * probabilities (the values the products use) until the end. */
+static void softmax_block_bf16(const Problem *pr, const float *s, uint16_t *p, int64_t rows,
+                               int64_t real_rows, int64_t first_pos, int64_t key_start,
+                               float *row_max, float *sums, float *alpha) {
+    const float log2e = 1.44269504088896341f;
+    __m512 unit = _mm512_set1_ps(pr->scale * log2e), low = _mm512_set1_ps(-INFINITY);
+    for (int64_t m = 0; m < rows; m++) {
+        int64_t pos = first_pos + (m < real_rows ? m : real_rows - 1) / pr->group;
+        int64_t valid = pos - key_start + 1;
+        valid = valid < 0 ? 0 : valid > KEY_BLOCK ? KEY_BLOCK : valid;
+        uint32_t keep = valid == KEY_BLOCK ? 0xFFFFFFFFu : (1u << valid) - 1;
+        __mmask16 lo = (__mmask16)keep, hi = (__mmask16)(keep >> 16);
+        __m512 x0 = _mm512_maskz_mul_ps(lo, _mm512_loadu_ps(s + m * KEY_BLOCK), unit);
+        __m512 x1 = _mm512_maskz_mul_ps(hi, _mm512_loadu_ps(s + m * KEY_BLOCK + 16), unit);
+        float block_max = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_mask_mov_ps(low, lo, x0), _mm512_mask_mov_ps(low, hi, x1)));
+        float new_max = block_max > row_max[m] ? block_max : row_max[m];
+        /* the maximum seldom moves after the first blocks: exp(0) is 1 exactly, skip it */
+        alpha[m] = row_max[m] == -INFINITY ? 0.0f
+                   : new_max == row_max[m] ? 1.0f
+                                           : exp_nonpositive((row_max[m] - new_max) / log2e);
+        __m512 top = _mm512_set1_ps(new_max);
+        __m512 e0 = _mm512_maskz_mov_ps(lo, exp2_nonpositive_v(_mm512_sub_ps(x0, top)));
+        __m512 e1 = _mm512_maskz_mov_ps(hi, exp2_nonpositive_v(_mm512_sub_ps(x1, top)));
+        __m256i b0 = (__m256i)_mm512_cvtneps_pbh(e0), b1 = (__m256i)_mm512_cvtneps_pbh(e1);
+        __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b0), 16));
+        __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16));
+        __m512 sum = _mm512_loadu_ps(sums + m * 16);
+        sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(alpha[m]), _mm512_add_ps(r0, r1));
+        _mm512_storeu_ps(sums + m * 16, sum);
+        _mm256_storeu_si256((__m256i *)(p + m * KEY_BLOCK), b0);
+        _mm256_storeu_si256((__m256i *)(p + m * KEY_BLOCK + 16), b1);
+        row_max[m] = new_max;
+    }
+}
+#endif
 
 /* One work item: query positions [i0, i1) of the chunk, the group heads of kv head h. */
 static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
     int64_t dim = pr->dim, group = pr->group, heads = pr->kv_heads * group;
     int64_t real_rows = (i1 - i0) * group;
-    int64_t rows = (real_rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+    int64_t pad = pr->amx ? 16 : ROW_PAD;
+    int64_t rows = (real_rows + pad - 1) / pad * pad;
     int elem = pr->bf16_dot ? 2 : 4;
     char *q = thread_scratch(0, (size_t)rows * dim * elem);
     float *s = thread_scratch(1, (size_t)rows * KEY_BLOCK * sizeof(float));
     float *o = thread_scratch(2, (size_t)rows * dim * sizeof(float));
     float *stats = thread_scratch(3, (size_t)rows * 3 * sizeof(float));
-    if (!q || !s || !o || !stats) return;
+    /* bf16 paths: the probabilities, and each row's 16 partial sums */
+    uint16_t *p = thread_scratch(4, (size_t)rows * KEY_BLOCK * sizeof(uint16_t));
+    float *sums = thread_scratch(5, (size_t)rows * 16 * sizeof(float));
+    if (!q || !s || !o || !stats || !p || !sums) return;
     float *row_max = stats, *row_sum = stats + rows, *alpha = stats + 2 * rows;
     memset(q, 0, (size_t)rows * dim * elem);
     memset(o, 0, (size_t)rows * dim * sizeof(float));
+    memset(sums, 0, (size_t)rows * 16 * sizeof(float));
     for (int64_t m = 0; m < rows; m++) row_max[m] = -INFINITY, row_sum[m] = 0.0f;
     for (int64_t m = 0; m < real_rows; m++) {
         int64_t src = ((i0 + m / group) * heads + h * group + m % group) * dim;
@@ -277,10 +492,20 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
         const char *vb = kb + pr->block_bytes;
 #if HAVE_BF16_DOT
         if (pr->bf16_dot) {
-            scores_bf16((const uint16_t *)q, (const uint32_t *)kb, s, rows, dim, pr->scale);
-            softmax_block(pr, s, rows, real_rows, first_pos, b * KEY_BLOCK, row_max, row_sum, alpha);
-            compact_probabilities(s, rows);
-            accumulate_bf16((const uint16_t *)s, (const uint32_t *)vb, o, alpha, rows, dim);
+#if HAVE_AMX
+            if (pr->amx)
+                scores_amx((const uint16_t *)q, (const uint32_t *)kb, s, rows, dim);
+            else
+#endif
+                scores_bf16((const uint16_t *)q, (const uint32_t *)kb, s, rows, dim);
+            softmax_block_bf16(pr, s, p, rows, real_rows, first_pos, b * KEY_BLOCK, row_max, sums,
+                               alpha);
+#if HAVE_AMX
+            if (pr->amx)
+                accumulate_amx(p, (const uint32_t *)vb, o, alpha, rows, dim);
+            else
+#endif
+                accumulate_bf16(p, (const uint32_t *)vb, o, alpha, rows, dim);
             continue;
         }
 #endif
@@ -288,6 +513,11 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
         softmax_block(pr, s, rows, real_rows, first_pos, b * KEY_BLOCK, row_max, row_sum, alpha);
         accumulate_f32(s, (const float *)vb, o, alpha, rows, dim);
     }
+#if HAVE_BF16_DOT
+    if (pr->bf16_dot)
+        for (int64_t m = 0; m < real_rows; m++)
+            row_sum[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + m * 16));
+#endif
     for (int64_t m = 0; m < real_rows; m++) {
         int64_t dst = ((i0 + m / group) * heads + h * group + m % group) * dim;
         float inv = 1.0f / row_sum[m];
@@ -303,16 +533,28 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
 
 int paged_prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
+/* 1 where this build has the AMX path and the process may use the tiles (asked once). */
+int paged_prefill_amx_ready(void) {
+#if HAVE_AMX
+    if (!amx_permitted) amx_permitted = request_amx() ? 1 : -1;
+    return amx_permitted == 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 for shapes it does not take (the launcher checks them first). */
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const int64_t *pages,
                   void *out, int64_t bf16_in, int64_t allow_bf16_dot, int64_t num_tokens,
                   int64_t start_pos, int64_t kv_heads, int64_t group, int64_t dim,
-                  int64_t num_pages, int64_t page_size, float scale, int64_t threads) {
+                  int64_t num_pages, int64_t page_size, float scale, int64_t threads,
+                  int64_t allow_amx) {
     if (group > MAX_GROUP || dim > MAX_HEAD_DIM || dim % 16 || num_tokens < 1) return -1;
-    Problem pr = {q, k_cache, v_cache, pages, out, (int)bf16_in, 0, num_tokens, start_pos,
+    Problem pr = {q, k_cache, v_cache, pages, out, (int)bf16_in, 0, 0, num_tokens, start_pos,
                   start_pos + num_tokens, kv_heads, group, dim, page_size,
                   num_pages * page_size * dim, 0, 0, scale, NULL};
     pr.bf16_dot = HAVE_BF16_DOT && bf16_in && allow_bf16_dot && dim % 64 == 0;
+    pr.amx = pr.bf16_dot && allow_amx && paged_prefill_amx_ready();
     pr.key_blocks = (pr.context_len + KEY_BLOCK - 1) / KEY_BLOCK;
     pr.block_bytes = KEY_BLOCK * dim * (pr.bf16_dot ? 2 : 4);
     pr.packed = thread_scratch(7, (size_t)kv_heads * pr.key_blocks * 2 * pr.block_bytes);
@@ -326,6 +568,10 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
     if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads)
     {
+#if HAVE_AMX
+        TileConfig saved;
+        if (pr.amx) tiles_enter(&saved);
+#endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < kv_heads * pr.key_blocks; t++)
             pack_block(&pr, t / pr.key_blocks, t % pr.key_blocks);
@@ -336,6 +582,9 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
             int64_t i1 = (qb + 1) * QUERY_BLOCK;
             attend_item(&pr, t % kv_heads, qb * QUERY_BLOCK, i1 < num_tokens ? i1 : num_tokens);
         }
+#if HAVE_AMX
+        if (pr.amx) tiles_leave(&saved);
+#endif
     }
     return 0;
 }

@@ -4,7 +4,7 @@ The torch path (yaied.worker.attention._prefill_attention) runs SDPA over the ch
 gathers the cached context and runs SDPA with an explicit mask; torch's CPU flash kernel reaches
 about a sixth of the bf16 matmul rate at a 512-token chunk. The C kernel reads K/V straight from
 the pages, blocks keys and queries so the grouped query heads of a kv head share every key block,
-and multiplies bf16 with AVX512-BF16 dot products where the CPU has them.
+and multiplies bf16 on AMX tiles or with AVX512-BF16 dot products where the CPU has them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int64]
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
 
 
@@ -30,8 +30,11 @@ class CpuPrefillKernel:
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
         self.has_bf16_dot = bool(library.cdll.paged_prefill_has_bf16_dot())
-        # Tests clear this to run bf16 through the portable fp32 path on a CPU with the fast one.
+        # AMX tiles: where the build targets them and Linux grants the process the tile state.
+        self.has_amx = bool(library.cdll.paged_prefill_amx_ready())
+        # Tests clear these to run bf16 through the slower paths on a CPU with the fast ones.
         self.use_bf16_dot = True
+        self.use_amx = True
 
     @classmethod
     def load(
@@ -96,6 +99,7 @@ class CpuPrefillKernel:
             page_size,
             scale,
             torch.get_num_threads(),
+            int(self.use_amx),
         )
         _check(status == 0, "the CPU kernel rejected the shapes")
         return out
