@@ -61,6 +61,11 @@ def sse_text(response: httpx.Response) -> tuple[str, str | None]:
 def test_chat_json_schema_streamed_and_not(live):
     for name in ("order", "pydantic_user_with_address_ref", "shape_tagged_union"):
         body = chat_body(name)
+        # Both compared requests find the prompt's pages cached: the first request of a prompt
+        # computes all of it, later ones only the tail past the cached pages, and in bf16
+        # oneDNN's matmul of a short tail can differ in a last bit from the same rows in the
+        # whole prompt's (docs/architecture.md), which may flip a near-tie in greedy output.
+        httpx.post(live.v1 + "/chat/completions", json=body, timeout=120)
         out = httpx.post(live.v1 + "/chat/completions", json=body, timeout=120).json()
         choice = out["choices"][0]
         assert choice["finish_reason"] == "stop"
