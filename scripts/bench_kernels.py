@@ -52,7 +52,8 @@ def matmul_gflops(dtype: torch.dtype, rounds: int) -> float:
 
 def prefill_case(kernel, dtype, n, start_pos, kv_heads, group, head_dim, rounds) -> dict:
     """One chunk of n tokens at start_pos over a paged context (page size 16, shuffled pages);
-    the torch side is the engine's torch path: causal SDPA (fresh) or gather + masked SDPA."""
+    the torch side is the engine's torch path: causal SDPA (fresh) or gather + masked SDPA.
+    The kernel runs the path its ``use_amx`` / ``use_bf16_dot`` switches leave it."""
     page_size, context = 16, start_pos + n
     num_pages = -(-context // page_size)
     k_cache = torch.randn(kv_heads, num_pages, page_size, head_dim).to(dtype)
@@ -81,12 +82,21 @@ def prefill_case(kernel, dtype, n, start_pos, kv_heads, group, head_dim, rounds)
     return {
         "case": f"prefill n={n} start={start_pos} kv={kv_heads} group={group} d={head_dim}",
         "dtype": str(dtype).removeprefix("torch."),
+        "path": kernel_path(kernel, dtype, head_dim),
         "kernel_ms": round(ours * 1e3, 3),
         "torch_ms": round(theirs * 1e3, 3),
         "speedup": round(theirs / ours, 2),
         "kernel_gflops": round(flops / ours / 1e9, 1),
         "torch_gflops": round(flops / theirs / 1e9, 1),
     }
+
+
+def kernel_path(kernel: CpuPrefillKernel, dtype: torch.dtype, head_dim: int) -> str:
+    if dtype != torch.bfloat16 or head_dim % 64 or not kernel.use_bf16_dot:
+        return "fp32"
+    if kernel.has_amx and kernel.use_amx:
+        return "amx"
+    return "bf16-dot" if kernel.has_bf16_dot else "fp32"
 
 
 def fused_cases(ops: CpuFusedOps, dtype: torch.dtype, rows: int, rounds: int) -> list[dict]:
@@ -147,10 +157,17 @@ def main() -> None:
     for dtype in dtypes:
         peak = matmul_gflops(dtype, args.rounds)
         print(json.dumps({"case": "matmul 1024^3", "dtype": str(dtype)[6:], "gflops": round(peak)}))
-        # The default model's shape (SmolLM2-135M): 3 kv heads of 9 query heads, head_dim 64.
-        for n, start in [(512, 0), (511, 0), (128, 0), (512, 1024), (64, 2000)]:
-            print(json.dumps(prefill_case(kernel, dtype, n, start, 3, 3, 64, args.rounds)))
-        print(json.dumps(prefill_case(kernel, dtype, 512, 0, 8, 4, 128, args.rounds)))
+        # Where the CPU has AMX, bf16 runs on the tiles and again with AVX512-BF16 dots alone.
+        amx_choices = [True, False] if dtype == torch.bfloat16 and kernel.has_amx else [True]
+        for use_amx in amx_choices:
+            kernel.use_amx = use_amx
+            # The default model's shape (SmolLM2-135M): 3 kv heads of 9 query heads, head_dim
+            # 64; 80 new tokens over 304 and 608 cached: turns of a chained conversation.
+            cases = [(512, 0), (511, 0), (128, 0), (512, 1024), (64, 2000), (80, 304), (80, 608)]
+            for n, start in cases:
+                print(json.dumps(prefill_case(kernel, dtype, n, start, 3, 3, 64, args.rounds)))
+            print(json.dumps(prefill_case(kernel, dtype, 512, 0, 8, 4, 128, args.rounds)))
+        kernel.use_amx = True
         for rows in (512, 32, 1):
             for result in fused_cases(ops, dtype, rows, args.rounds):
                 print(json.dumps(result))
