@@ -30,7 +30,7 @@ def world(tmp_path_factory):
 
 
 def test_engine_fuzz(world):
-    run(world, fuzz_settings(derandomize=True, max_examples=150, stateful_step_count=50))
+    run(world, fuzz_settings(derandomize=True, max_examples=110, stateful_step_count=50))
     stats = world.stats
     print(dict(sorted(stats.items())))
     # The profile reaches what it is meant to check; without these the checks check little.
