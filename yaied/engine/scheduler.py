@@ -36,6 +36,7 @@ from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
 from yaied.engine.speculative import NgramProposer, SpecCounters
+from yaied.engine.stops import stop_reason
 
 # `_admit`'s answer for a request that waits for a prefix another request is prefilling: unlike
 # 0 (no seat, no pages) it does not stop admission of the requests behind it.
@@ -337,7 +338,7 @@ class Scheduler:
             request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._stop_reason(request, token)
+            reason = stop_reason(request, token, self.max_model_len)
             if reason is not None:
                 self.finish(request, reason)
             got_token.append(request)
@@ -354,34 +355,13 @@ class Scheduler:
         reason = None
         for new in [*drafts[:num_accepted], token]:
             request.output_token_ids.append(new)
-            reason = self._stop_reason(request, new)
+            reason = stop_reason(request, new, self.max_model_len)
             if reason is not None:
                 break
         request.num_computed_tokens = request.num_tokens - 1
         self.cache.trim(request)
         if reason is not None:
             self.finish(request, reason)
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        # The grammar advances where the token is appended, so it has accepted exactly the
-        # output (a preemption keeps both). A refused token fails this request alone (the engine
-        # reports the matcher's error); a terminated grammar (it accepted EOS where it may end)
-        # is a stop, whatever min_tokens or ignore_eos say: the output is complete.
-        grammar = request.grammar
-        if grammar is not None:
-            if not grammar.accept(token):
-                return FinishReason.ERROR
-            if grammar.is_terminated:
-                return FinishReason.STOP
-        # min_tokens holds off EOS and stop token ids (the sampler also bans them until then).
-        may_stop = len(request.output_token_ids) >= request.params.min_tokens
-        if may_stop and (token in request.eos_token_ids or token in request.stop_ids):
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= request.params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, request: Request, reason: FinishReason, num_dropped_tokens: int = 0) -> None:
         """End a request (any reason) and give back its pages. Idempotent. num_dropped_tokens:
