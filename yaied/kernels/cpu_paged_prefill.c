@@ -211,7 +211,7 @@ static void tiles_leave(const TileConfig *saved) {
 }
 
 /* Raw S[rows][KEY_BLOCK] = Q Kp^T, 16 rows at a time: C tiles 0-1 (keys 0-15, 16-31), the Q
- * tile 2, the K tiles 4-7 (two steps of 32 dims held at once, for dim 64; more dims reload). */
+ * tile 2, the K tiles 4-5, each loaded once per 32 dims. */
 static void scores_amx(const uint16_t *q, const uint32_t *kp, float *s, int64_t rows,
                        int64_t dim) {
     for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
