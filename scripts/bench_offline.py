@@ -192,6 +192,10 @@ def engine_overrides(
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
+    if args.gpu_memory_utilization is not None:
+        overrides["gpu_memory_utilization"] = args.gpu_memory_utilization
+    elif getattr(args, "compare_hf", False):
+        overrides["gpu_memory_utilization"] = 0.5  # transformers shares the device (GPU only)
     if args.no_prefix_cache:
         overrides["enable_prefix_caching"] = False
     return overrides
@@ -271,6 +275,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-gib", type=float)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="the engine's share of GPU memory (default 0.9; 0.5 with --compare-hf, so that "
+        "transformers in the same process has room)",
+    )
     parser.add_argument("--num-prompts", type=int, help="only the first N prompts (smoke tests)")
     parser.add_argument("--max-output-len", type=int, help="cap each output (smoke tests)")
     parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak")

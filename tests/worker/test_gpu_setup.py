@@ -59,3 +59,20 @@ def test_kv_budget_refuses_when_nothing_is_left():
         kv_cache_bytes(
             total=8 * GIB, free=GIB, torch_reserved=0, torch_peak=2 * GIB, utilization=0.5
         )
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch):
+    # torch.cuda.set_device refuses torch.device("cuda"): the worker's device always has an index.
+    import torch
+
+    from yaied.worker.worker import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda") == torch.device("cuda", 0)
+    assert pick_device("auto") == torch.device("cuda", 0)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        pick_device("cuda:2")
+    assert pick_device("cpu") == torch.device("cpu")

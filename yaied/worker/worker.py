@@ -46,11 +46,23 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(name: str) -> torch.device:
+    """The torch device for a config's `device.device`; a CUDA device always with its index, since
+    torch.cuda.set_device refuses a bare "cuda"."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not name.startswith("cuda"):
+        return torch.device(name)
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but CUDA is not available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {name!r} asked for, but this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
+    return device
 
 
 def kv_bytes_per_token(hf_shape, dtype: torch.dtype) -> int:

@@ -1,0 +1,6 @@
+"""`python -m yaied ...` is the `yaied` command, for machines where the project is importable but not
+installed (a GPU box running the checkout from its own Python)."""
+
+from yaied.cli import main
+
+raise SystemExit(main())
