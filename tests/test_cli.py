@@ -101,6 +101,17 @@ def test_help_exits_zero(capsys):
     assert "--served-model-name" in out and "--api-key" in out
 
 
+def test_python_dash_m_yaied_is_the_cli():
+    # A GPU image with its own torch runs the checkout uninstalled: `python -m yaied serve ...`.
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "yaied", "serve", "--bogus-flag"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("yaied: error:") and "--bogus-flag" in done.stderr
+
+
 # -- errors: one line, exit 2 ---------------------------------------------------------------
 
 
