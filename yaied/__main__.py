@@ -1,5 +1,5 @@
-"""`python -m yaied ...` is the `yaied` command, for machines where the project is importable but not
-installed (a GPU box running the checkout from its own Python)."""
+"""`python -m yaied ...` is the `yaied` command, for machines where the project is importable but
+not installed (a GPU box running the checkout with its own torch)."""
 
 from yaied.cli import main
 
