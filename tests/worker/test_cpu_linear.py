@@ -84,19 +84,24 @@ def test_forward_is_onednn_and_few_rows_is_the_kernel():
     assert PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64).few_rows is None
 
 
-@pytest.mark.parametrize("keep_fp32", [True, False], ids=["fp32-copy", "widened"])
+@pytest.mark.parametrize(
+    "keep_fp32, batch_hint",
+    [(True, None), (False, None), (True, 64)],
+    ids=["fp32-copy", "widened", "packed"],
+)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 5, 130])
-def test_bf16_stored_linear_is_fp32_math_over_bf16_weights(gemv, keep_fp32, bias, rows):
+def test_bf16_stored_linear_is_fp32_math_over_bf16_weights(gemv, keep_fp32, batch_hint, bias, rows):
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(rows, 96)
     rounded = linear.weight.detach().to(torch.bfloat16).float()  # the weight as stored
     expected = F.linear(x, rounded, linear.bias)
     with torch.inference_mode():
-        layer = Bf16StoredLinear(linear, gemv, keep_fp32)
+        layer = Bf16StoredLinear(linear, gemv, keep_fp32, batch_hint=batch_hint)
         assert layer.weight.dtype == torch.bfloat16
-        assert (layer.weight_f32 is not None) == keep_fp32
+        assert (layer.weight_f32 is not None) == (keep_fp32 and batch_hint is None)
+        assert (layer.packed_f32 is not None) == (batch_hint is not None)
         got = layer(x)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -120,6 +125,7 @@ def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gem
         assert store_linears_bf16(model, gemv) == 2
         got = model.lm_head(model.proj(x))
     assert isinstance(model.proj, Bf16StoredLinear) and not model.proj.few_rows_in_forward
+    assert model.proj.packed_f32 is not None  # oneDNN's layout, packed once (not MKL per call)
     assert model.lm_head.few_rows_in_forward
     # no second fp32 copy of a tied head: the embedding's, rounded to the bf16 values in place
     assert model.lm_head.weight_f32.data_ptr() == embed.weight.data_ptr()

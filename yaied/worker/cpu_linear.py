@@ -10,7 +10,9 @@ fp32 math over bf16 weights (``Bf16StoredLinear``, every other CPU, dtype ``auto
 matmuls run at a tenth of fp32's speed, but a decode step is a pass over the weights, and bf16
 weights are half the bytes. So the weight lives in memory as bf16 for the few-row kernel, and
 matmuls of many rows (prefill, large batches) run in fp32 on an fp32 copy where it fits in memory,
-else on the weight widened for the call.
+else on the weight widened for the call. The fp32 copy is packed once for oneDNN where it can be:
+a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight and zeroes fresh pages for it on
+every call (a fifth of W-mixed's time at avx2 on a Zen 4; docs/benchmarks.md).
 
 At one to four rows (a decode step of a few streams) either kind runs through the few-row kernel
 (yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the plain
@@ -71,15 +73,25 @@ class Bf16StoredLinear(nn.Module):
     those values in place and shared (a tied LM head costs no fp32 copy)."""
 
     def __init__(
-        self, linear: nn.Linear, gemv: CpuGemv | None, keep_fp32: bool, tied: bool = False
+        self,
+        linear: nn.Linear,
+        gemv: CpuGemv | None,
+        keep_fp32: bool,
+        tied: bool = False,
+        batch_hint: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.weight = weight.to(torch.bfloat16).contiguous()
         self.weight_f32 = None
+        self.packed_f32 = None  # the fp32 copy in oneDNN's layout, instead of weight_f32
         if tied:
             self.weight_f32 = weight.copy_(self.weight)
+        elif keep_fp32 and batch_hint is not None:
+            self.packed_f32 = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.float(), batch_hint
+            )
         elif keep_fp32:
             self.weight_f32 = self.weight.float()
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
@@ -90,6 +102,8 @@ class Bf16StoredLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows_in_forward and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS:
             return self.few_rows(x)
+        if self.packed_f32 is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
         weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
         return F.linear(x, weight, self.bias)
 
@@ -157,17 +171,19 @@ def pack_linears(
     return len(linears)
 
 
-def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None) -> int:
+def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None, batch_hint: int = 256) -> int:
     """Replace every nn.Linear of an fp32 CPU model by a Bf16StoredLinear (fp32 copies kept
-    where they fit, ``gemv`` bound for few rows); returns how many. The LM head (``lm_head``)
-    also takes the kernel in forward: its rows are the sampled ones, one per sequence, so a
-    sequence's logits come from the same code alone or after a cached prefix."""
+    where they fit, packed for oneDNN where it takes them, ``gemv`` bound for few rows); returns
+    how many. The LM head (``lm_head``) also takes the kernel in forward: its rows are the
+    sampled ones, one per sequence, so a sequence's logits come from the same code alone or
+    after a cached prefix."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         return 0
     keep_fp32 = fp32_copy_fits(model)
     if not keep_fp32:
         log.info("fp32 copies of the linear weights do not fit: widening them per matmul")
+    hint = batch_hint if keep_fp32 and _packs_f32(linears[0][1], batch_hint) else None
     if gemv is not None:
         try:
             _check_equal(Bf16StoredLinear(linears[0][1], gemv, keep_fp32=False), linears[0][1])
@@ -176,10 +192,27 @@ def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None) -> int:
             gemv = None
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, linear in linears:
-        stored = Bf16StoredLinear(linear, gemv, keep_fp32, id(linear.weight) in embeddings)
+        tied = id(linear.weight) in embeddings
+        stored = Bf16StoredLinear(linear, gemv, keep_fp32, tied, None if tied else hint)
         stored.few_rows_in_forward = name.rpartition(".")[2] == "lm_head" and gemv is not None
         _replace(model, name, stored)
     return len(linears)
+
+
+def _packs_f32(linear: nn.Linear, batch_hint: int) -> bool:
+    """Whether oneDNN packs fp32 weights here and its product agrees with F.linear (oneDNN's
+    fp32 path runs on any x86 CPU with SSE4.1; checked, not assumed)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        probe = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        _check_equal(Bf16StoredLinear(probe, None, True, batch_hint=batch_hint), probe)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        log.info("oneDNN does not take packed fp32 weights here (%s): MKL's F.linear", exc)
+        return False
+    return True
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

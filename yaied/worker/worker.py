@@ -167,7 +167,7 @@ class Worker:
                 self._kernels.append(quant)
         if dtype == torch.float32 and self.loaded.weight_dtype == torch.bfloat16:
             self._kernels.append(CpuGemv.load(self.isa))
-            store_linears_bf16(model, self._kernels[-1])
+            store_linears_bf16(model, self._kernels[-1], batch_hint)
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
             # Unpacked, the kernel shares the plain weight; packed, it needs a second copy.
