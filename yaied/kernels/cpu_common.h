@@ -33,18 +33,18 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* exp(x) for x <= 0 by 2^(x log2 e) = 2^n * 2^f with a degree-6 polynomial for 2^f (relative
  * error about 2e-7): unlike libm's expf it vectorises. */
+/* 2^f for f in [0, 1]: a degree-6 polynomial, Horner's scheme. A macro, so that the same
+ * operations serve a float or a GCC vector of floats (cpu_paged_decode.c). */
+#define EXP2_FRACTION(f)                                                                           \
+    (1.0f + (f) * (6.9314718e-1f + (f) * (2.4022652e-1f + (f) * (5.5503406e-2f +                   \
+     (f) * (9.6180399e-3f + (f) * (1.3398874e-3f + (f) * 1.5353362e-4f))))))
+
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.44269504088896341f;
     float n = __builtin_floorf(t);
     float f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180399e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_FRACTION(f);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);

@@ -84,14 +84,7 @@ static inline vf exp2_nonpositive_v(vf x) {
     x = (vf)(((vi)x & ~(x < low)) | ((vi)low & (x < low)));
     vi n = __builtin_convertvector(x, vi) - 1;
     vf f = x - __builtin_convertvector(n, vf);
-    vf p = (vf){0} + 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180399e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    return p * (vf)((n + 127) << 23);
+    return EXP2_FRACTION(f) * (vf)((n + 127) << 23);
 }
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. A block's K and V
