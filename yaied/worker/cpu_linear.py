@@ -11,8 +11,8 @@ matmuls run at a tenth of fp32's speed, but a decode step is a pass over the wei
 weights are half the bytes. So the weight lives in memory as bf16 for the few-row kernel, and
 matmuls of many rows (prefill, large batches) run in fp32 on an fp32 copy where it fits in memory,
 else on the weight widened for the call. The fp32 copy is packed once for oneDNN where it can be:
-a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight and zeroes fresh pages for it on
-every call (a fifth of W-mixed's time at avx2 on a Zen 4; docs/benchmarks.md).
+a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight on every call (14% of W-mixed's
+time at avx2 on a Zen 4; docs/benchmarks.md).
 
 At one to four rows (a decode step of a few streams) either kind runs through the few-row kernel
 (yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the plain
@@ -68,9 +68,10 @@ class PackedLinear(nn.Module):
 class Bf16StoredLinear(nn.Module):
     """Drop-in for an fp32 nn.Linear whose weight is kept in bf16: forward takes and returns
     fp32. ``weight`` is the bf16 weight, ``few_rows`` the kernel bound to it (fp32 activations),
-    ``weight_f32`` its values in fp32 for many rows, or None to widen it per call: every path
-    reads the same (bf16) values. ``tied``: the fp32 weight is an embedding's too, rounded to
-    those values in place and shared (a tied LM head costs no fp32 copy)."""
+    ``weight_f32`` its values in fp32 for many rows, or ``packed_f32`` the same in oneDNN's
+    layout (with ``batch_hint``), or neither to widen it per call: every path reads the same
+    (bf16) values. ``tied``: the fp32 weight is an embedding's too, rounded to those values in
+    place and shared (a tied LM head costs no fp32 copy)."""
 
     def __init__(
         self,
