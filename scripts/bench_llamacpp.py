@@ -40,16 +40,22 @@ import httpx
 from bench_serving import free_port, stop_daemon, wait_healthy
 from single_stream import OUTPUT_TOKENS, PROMPT_TOKENS, _engine_seconds
 
+from yaied.kernels.cpu_isa import cpu_features
+
 DEFAULT_VENV = Path(tempfile.gettempdir()) / "yaied-llamacpp-venv"
-# x86-64 up to AVX-512 BF16/VNNI, AMX off: the GGML_NATIVE build (0.3.36) picked AMX on a
-# Sapphire Rapids VM and crashed on its first eval. Override with --cmake-args.
+# Each of ggml's x86 extensions that this CPU lists in /proc/cpuinfo, AMX off: the GGML_NATIVE
+# build (0.3.36) picked AMX on a Sapphire Rapids VM and crashed on its first eval, and a fixed
+# list crashed on a Zen 4 (AVX-VNNI, which Zen 4 lacks, is not AVX512-VNNI). Override with
+# --cmake-args.
+GGML_FEATURES = [("AVX", "avx"), ("AVX2", "avx2"), ("FMA", "fma"), ("F16C", "f16c"),
+                 ("AVX512", "avx512f"), ("AVX512_VBMI", "avx512vbmi"),
+                 ("AVX512_VNNI", "avx512_vnni"), ("AVX512_BF16", "avx512_bf16"),
+                 ("AVX_VNNI", "avx_vnni")]  # fmt: skip
 DEFAULT_CMAKE_ARGS = " ".join(
-    f"-DGGML_{name}={value}"
-    for name, value in [("NATIVE", "OFF"), ("AVX", "ON"), ("AVX2", "ON"), ("FMA", "ON"),
-                        ("F16C", "ON"), ("AVX512", "ON"), ("AVX512_VBMI", "ON"),
-                        ("AVX512_VNNI", "ON"), ("AVX512_BF16", "ON"), ("AVX_VNNI", "ON"),
-                        ("AMX_TILE", "OFF"), ("AMX_INT8", "OFF"), ("AMX_BF16", "OFF")]
-)  # fmt: skip
+    ["-DGGML_NATIVE=OFF"]
+    + [f"-DGGML_{name}={'ON' if flag in cpu_features() else 'OFF'}" for name, flag in GGML_FEATURES]
+    + [f"-DGGML_{name}=OFF" for name in ("AMX_TILE", "AMX_INT8", "AMX_BF16")]
+)
 C32_PROMPTS, C32_CONCURRENCY, C32_OUTPUT = 64, 32, 64
 
 # Llama-3.2-1B's layers (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, MLP 8192), with
