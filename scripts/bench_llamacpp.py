@@ -84,7 +84,16 @@ def llama_cpp_python(venv: Path, build: bool, timeout: float, cmake_args: str) -
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env = dict(os.environ, CMAKE_ARGS=cmake_args)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
-        pip = [str(python), "-m", "pip", "install", "--no-binary", "llama-cpp-python"]
+        # --no-cache-dir: pip's wheel cache is keyed by the source package, not by CMAKE_ARGS.
+        pip = [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-cache-dir",
+            "--no-binary",
+            "llama-cpp-python",
+        ]
         done = subprocess.run(
             [*pip, "llama-cpp-python[server]"],
             env=env,
