@@ -194,7 +194,7 @@ def engine_overrides(
             overrides[name] = getattr(args, name)
     if args.gpu_memory_utilization is not None:
         overrides["gpu_memory_utilization"] = args.gpu_memory_utilization
-    elif getattr(args, "compare_hf", False):
+    elif args.compare_hf:
         overrides["gpu_memory_utilization"] = 0.5  # transformers shares the device (GPU only)
     if args.no_prefix_cache:
         overrides["enable_prefix_caching"] = False

@@ -117,9 +117,13 @@ def can_pack(dtype: torch.dtype, device: torch.device, level: str) -> bool:
         device.type == "cpu"
         and dtype == torch.bfloat16
         and level_rank(level) >= level_rank("avx512")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _onednn_linear_available()
     )
+
+
+def _onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN and its packed linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _linear_weights(model: nn.Module) -> dict[int, torch.Tensor]:
@@ -201,17 +205,14 @@ def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None, batch_hint: int =
 
 
 def _packs_f32(linear: nn.Linear, batch_hint: int) -> bool:
-    """Whether oneDNN packs fp32 weights here and its product agrees with F.linear (oneDNN's
-    fp32 path runs on any x86 CPU with SSE4.1; checked, not assumed)."""
-    if not (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
+    """Whether oneDNN packs this model's fp32 weights and its product agrees with F.linear,
+    checked on ``linear`` (the model's first); where not, forward stays on F.linear."""
+    if not _onednn_linear_available():
         return False
     try:
-        probe = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        _check_equal(Bf16StoredLinear(probe, None, True, batch_hint=batch_hint), probe)
+        _check_equal(Bf16StoredLinear(linear, None, True, batch_hint=batch_hint), linear)
     except (RuntimeError, AssertionError, ValueError) as exc:
-        log.info("oneDNN does not take packed fp32 weights here (%s): MKL's F.linear", exc)
+        log.info("oneDNN does not take packed fp32 weights here (%s): F.linear", exc)
         return False
     return True
 
