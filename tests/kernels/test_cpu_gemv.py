@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_fused import CpuFusedOps
-from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
+from yaied.kernels.cpu_gemv import CHUNK, GROUP, MAX_ROWS, CpuGemv, pack_weight, unpack_weight
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -56,6 +56,26 @@ def test_a_row_does_not_depend_on_the_other_rows(gemv, dtype, n, k):
 def test_strided_input_rows(gemv):
     x = torch.randn(2, 80).to(torch.bfloat16)[:, :64]
     weight = torch.randn(8, 64).to(torch.bfloat16)
+    torch.testing.assert_close(gemv(x, weight).float(), F.linear(x, weight).float())
+
+
+@pytest.mark.parametrize("n, k", [(16, 64), (7, 33), (13, 100)])
+def test_streaming_layout_interleaves_rows_a_cache_line_at_a_time(n, k):
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    packed = pack_weight(weight)
+    groups, chunks = -(-n // GROUP), -(-k // CHUNK)
+    assert packed.shape == (groups, chunks, GROUP, CHUNK) and packed.is_contiguous()
+    # a group's rows, 64 bytes each, then their next 64 bytes: row 1's start follows row 0's
+    assert torch.equal(packed.flatten()[CHUNK : CHUNK + min(k, CHUNK)], weight[1, :CHUNK])
+    padded = torch.zeros(groups * GROUP, chunks * CHUNK, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    assert torch.equal(packed.transpose(1, 2).reshape(padded.shape), padded)  # zeros around
+    assert torch.equal(unpack_weight(packed, n, k), weight)
+
+
+def test_a_strided_weight_is_laid_out_anew(gemv):
+    weight = torch.randn(64, 24).to(torch.bfloat16).t()  # [24, 64], not contiguous
+    x = torch.randn(3, 64).to(torch.bfloat16)
     torch.testing.assert_close(gemv(x, weight).float(), F.linear(x, weight).float())
 
 

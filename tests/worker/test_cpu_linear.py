@@ -99,7 +99,9 @@ def test_bf16_stored_linear_is_fp32_math_over_bf16_weights(gemv, keep_fp32, batc
     expected = F.linear(x, rounded, linear.bias)
     with torch.inference_mode():
         layer = Bf16StoredLinear(linear, gemv, keep_fp32, batch_hint=batch_hint)
-        assert layer.weight.dtype == torch.bfloat16
+        # one bf16 copy: the kernel's (in its layout) where there is a kernel, else the plain one
+        assert (layer.weight is None) == (gemv is not None)
+        assert torch.equal(layer.bf16_weight().float(), rounded)
         assert (layer.weight_f32 is not None) == (keep_fp32 and batch_hint is None)
         assert (layer.packed_f32 is not None) == (batch_hint is not None)
         got = layer(x)
@@ -129,17 +131,18 @@ def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gem
     assert model.lm_head.few_rows_in_forward
     # no second fp32 copy of a tied head: the embedding's, rounded to the bf16 values in place
     assert model.lm_head.weight_f32.data_ptr() == embed.weight.data_ptr()
-    assert torch.equal(embed.weight.detach(), model.lm_head.weight.float())
+    assert torch.equal(embed.weight.detach(), model.lm_head.bf16_weight().float())
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_the_copies_are_kept_only_where_they_fit(monkeypatch):
-    # 2 linears of 64 x 32 (the tied head shares the embedding and costs nothing)
+    # 2 linears of 64 x 32 and a head tied to the embedding: the kernel's copy (its own
+    # layout) covers the head too; the fp32 copies do not (the head's is the embedding)
     embed = nn.Embedding(10, 64)
     head = nn.Linear(64, 10, bias=False)
     head.weight = embed.weight
     model = nn.ModuleList([embed, nn.Linear(64, 32), nn.Linear(32, 64), head])
-    bf16_copy, fp32_copy = 2 * 64 * 32 * 2, 2 * 64 * 32 * 4
+    bf16_copy, fp32_copy = (2 * 64 * 32 + 10 * 64) * 2, 2 * 64 * 32 * 4
     pages = {"SC_PAGE_SIZE": 1}
     monkeypatch.setattr(cpu_linear.os, "sysconf", lambda name: pages.get(name, memory[0]))
     memory = [int(bf16_copy / cpu_linear.GEMV_MEMORY_SHARE)]

@@ -1,8 +1,8 @@
 /* Linear layer over bf16 weights for a few rows (a decode step's batch, up to 8): out = x @ w.T (+ bias).
  *
  * At a few rows a linear layer is a pass over its weight, so its time is the weight's
- * bytes over the memory bandwidth. This streams a block of weight rows at a time, each chunk of
- * K loaded once and multiplied into every input row, and splits the output rows across OpenMP
+ * bytes over the memory bandwidth. This streams a group of weight rows at a time, each chunk of
+ * K loaded once and multiplied into every input row, and splits the groups across OpenMP
  * threads. Weights are always bf16 (half the bytes of fp32); the activations are either bf16
  * (`_bf16` entries: bf16 models) or fp32 (`_f32` entries: fp32 math over bf16 weights, the
  * default on CPUs without bf16 dot products). The bodies, by the ISA level the file is built
@@ -17,8 +17,14 @@
  * Every (input row, weight row) pair has its own accumulator, filled in the same order whatever
  * the number of rows, so a row's result is the same bits alone and in any batch at one level.
  *
- * Layouts (contiguous): x [rows, K], w [N, K] bf16 (nn.Linear's weight), bias [N] or NULL
- * (the activations' type), out [rows, N]. rows <= MAX_ROWS.
+ * Layouts (contiguous): x [rows, K], bias [N] or NULL (the activations' type), out [rows, N],
+ * rows <= MAX_ROWS; w bf16 in the streaming layout (cpu_gemv.py's pack_weight): nn.Linear's
+ * [N, K] weight padded to [N8, K32] (multiples of GROUP and CHUNK) and stored as
+ * [N8 / GROUP, K32 / CHUNK, GROUP, CHUNK], so that GROUP rows' first 64 bytes come first, then
+ * their next 64 bytes, and so on, and a group's weights are one sequential read. Read row by
+ * row, 8 rows of 1,152 bytes side by side, the default model's linears streamed at 17-20 GB/s
+ * at one input row where this layout reads 24-27 and a plain sequential read 31-34 (2 threads of
+ * a Zen 4; docs/benchmarks.md): streams that short end before the hardware prefetchers follow.
  *
  * `few_rows_linear_*` also runs the layer's elementwise neighbours, so that a decoder layer at
  * batch 1 makes one call where it made two or three: the residual add and RMSNorm before the
@@ -33,6 +39,16 @@
 
 #define MAX_ROWS 8
 #define MAX_BLOCK 8
+#define GROUP 8  /* weight rows interleaved in the streaming layout (MAX_BLOCK divides it) */
+#define CHUNK 32 /* elements of a row per interleave step: 64 bytes, one cache line */
+
+static inline int64_t padded_k(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
+
+/* Row n of the streaming layout: its element k is at AT(row, k). */
+static inline const uint16_t *weight_row(const uint16_t *w, int64_t n, int64_t K) {
+    return w + (n / GROUP) * GROUP * padded_k(K) + (n % GROUP) * CHUNK;
+}
+#define AT(row, k) ((row) + ((k) / CHUNK) * (GROUP * CHUNK) + (k) % CHUNK)
 
 /* ---- one vector of fp32 lanes, per level ---- */
 #if defined(__AVX512F__)
@@ -104,82 +120,125 @@ static inline vec load_bf16(const uint16_t *p) {
             for (int j = 0; j < block; j++) {                                                   \
                 float v = vec_sum(sum[m][j]);                                                   \
                 for (int64_t k = end; k < K; k++)                                               \
-                    v += bf16_to_float(wr[j * K + k]) * ROW_LOAD_##SUFFIX(x[m * K + k]);        \
+                    v += bf16_to_float(*AT(wr + j * CHUNK, k)) * ROW_LOAD_##SUFFIX(x[m * K + k]); \
                 if (bias) v += ROW_LOAD_##SUFFIX(bias[n0 + j]);                                 \
                 out[m * N + n0 + j] = ROW_STORE_##SUFFIX(v);                                    \
             }                                                                                   \
     }
 
-/* Weight rows [n0, n0 + BLOCK) against ROWS input rows of type T; sizes are literals at every
- * call site (the DEFINE_ROWS functions), so the accumulators stay in registers. */
-#define DEFINE_BLOCK(T, SUFFIX)                                                                 \
-    DEFINE_FINISH(T, SUFFIX)                                                                    \
-    static inline __attribute__((always_inline)) void block_##SUFFIX(                           \
-        const T *x, const uint16_t *w, const T *bias, T *out, int64_t n0, int64_t N, int64_t K, \
-        const int ROWS, const int BLOCK) {                                                      \
-        const uint16_t *wr = w + n0 * K;                                                        \
-        int64_t end = K - K % LANES;                                                            \
-        vec sum[MAX_ROWS][MAX_BLOCK];                                                           \
-        for (int m = 0; m < ROWS; m++)                                                          \
-            for (int j = 0; j < BLOCK; j++) sum[m][j] = vec_zero();                             \
-        for (int64_t k = 0; k < end; k += LANES) {                                              \
+/* A block of weight rows (BLOCK rows at wr, CHUNK apart) over elements [k0, k1) of K against
+ * ROWS input rows of type T, into sum; sizes are literals at every call site (the DEFINE_ROWS
+ * functions), so the accumulators stay in registers. */
+#define DEFINE_RANGE(T, SUFFIX)                                                                 \
+    static inline __attribute__((always_inline)) void range_##SUFFIX(                           \
+        const T *x, const uint16_t *wr, vec sum[MAX_ROWS][MAX_BLOCK], int64_t k0, int64_t k1,   \
+        int64_t K, const int ROWS, const int BLOCK) {                                           \
+        for (int64_t k = k0; k < k1; k += LANES) {                                              \
             vec xv[MAX_ROWS];                                                                   \
+            const uint16_t *line = AT(wr, k);                                                   \
             for (int m = 0; m < ROWS; m++) xv[m] = LOAD_ACT_##SUFFIX(x + m * K + k);            \
-            if (k % 32 == 0) /* a cache line of each row of the next block, a block ahead */    \
-                for (int j = 0; j < BLOCK; j++) __builtin_prefetch(wr + (BLOCK + j) * K + k);   \
             for (int j = 0; j < BLOCK; j++) {                                                   \
-                vec a = load_bf16(wr + j * K + k);                                              \
+                vec a = load_bf16(line + j * CHUNK);                                            \
                 for (int m = 0; m < ROWS; m++) sum[m][j] = vec_fma(a, xv[m], sum[m][j]);        \
             }                                                                                   \
         }                                                                                       \
-        finish_##SUFFIX(sum, x, wr, bias, out, n0, N, K, end, ROWS, BLOCK);                     \
     }
 
-DEFINE_BLOCK(float, f32)
-DEFINE_BLOCK(uint16_t, bf16)
+DEFINE_FINISH(float, f32)
+DEFINE_FINISH(uint16_t, bf16)
+DEFINE_RANGE(float, f32)
+DEFINE_RANGE(uint16_t, bf16)
+#define STEP_f32 LANES
+#define STEP_bf16 LANES
 
 #if defined(__AVX512BF16__)
 /* bf16 activations with AVX512-BF16: pairs of products summed in one instruction, 32 elements
- * of K a step. Measured on the default model's head (49152 x 576) at one row, 8 weight rows a
- * block streamed about 10% faster than 4. Replaces block_bf16 at this level. */
-static __attribute__((noinline)) void finish_dot(__m512 sum[MAX_ROWS][MAX_BLOCK],
-                                                 const uint16_t *x, const uint16_t *wr,
-                                                 const uint16_t *bias, uint16_t *out, int64_t n0,
-                                                 int64_t N, int64_t K, int64_t end, int rows,
-                                                 int block) {
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < block; j++) {
-            float v = _mm512_reduce_add_ps(sum[m][j]);
-            for (int64_t k = end; k < K; k++)
-                v += bf16_to_float(wr[j * K + k]) * bf16_to_float(x[m * K + k]);
-            if (bias) v += bf16_to_float(bias[n0 + j]);
-            out[m * N + n0 + j] = float_to_bf16(v);
-        }
-}
-
-static inline __attribute__((always_inline)) void block_dot_bf16(
-    const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t n0,
-    int64_t N, int64_t K, const int ROWS, const int BLOCK) {
-    const uint16_t *wr = w + n0 * K;
-    int64_t end = K - K % 32;
-    __m512 sum[MAX_ROWS][MAX_BLOCK];
-    for (int m = 0; m < ROWS; m++)
-        for (int j = 0; j < BLOCK; j++) sum[m][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < end; k += 32) {
-        __m512bh xv[MAX_ROWS];
-        for (int m = 0; m < ROWS; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-        for (int j = 0; j < BLOCK; j++) __builtin_prefetch(wr + (BLOCK + j) * K + k);
+ * of K (one chunk) a step. At one input row each line goes in two 256-bit halves, lanes 0-7
+ * and 8-15 of the 512-bit sums (the same products in the same order): 25-26 against 21 GB/s
+ * over the default model's linears on a Zen 4. Replaces range_bf16 at this level. */
+static inline __attribute__((always_inline)) void range_dot(
+    const uint16_t *x, const uint16_t *wr, __m512 sum[MAX_ROWS][MAX_BLOCK], int64_t k0,
+    int64_t k1, int64_t K, const int ROWS, const int BLOCK) {
+    if (ROWS == 1) {
+        __m256 lo[MAX_BLOCK], hi[MAX_BLOCK];
         for (int j = 0; j < BLOCK; j++) {
-            __m512bh a = (__m512bh)_mm512_loadu_si512(wr + j * K + k);
+            lo[j] = _mm512_castps512_ps256(sum[0][j]);
+            hi[j] = _mm512_extractf32x8_ps(sum[0][j], 1);
+        }
+        for (int64_t k = k0; k < k1; k += CHUNK) {
+            const uint16_t *line = AT(wr, k);
+            __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(x + k));
+            __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(x + k + 16));
+            for (int j = 0; j < BLOCK; j++) {
+                const __m256i *a = (const __m256i *)(line + j * CHUNK);
+                lo[j] = _mm256_dpbf16_ps(lo[j], (__m256bh)_mm256_loadu_si256(a), x0);
+                hi[j] = _mm256_dpbf16_ps(hi[j], (__m256bh)_mm256_loadu_si256(a + 1), x1);
+            }
+        }
+        for (int j = 0; j < BLOCK; j++)
+            sum[0][j] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[j]), hi[j], 1);
+        return;
+    }
+    for (int64_t k = k0; k < k1; k += CHUNK) {
+        __m512bh xv[MAX_ROWS];
+        const uint16_t *line = AT(wr, k);
+        for (int m = 0; m < ROWS; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int j = 0; j < BLOCK; j++) {
+            __m512bh a = (__m512bh)_mm512_loadu_si512(line + j * CHUNK);
             for (int m = 0; m < ROWS; m++) sum[m][j] = _mm512_dpbf16_ps(sum[m][j], a, xv[m]);
         }
     }
-    finish_dot(sum, x, wr, bias, out, n0, N, K, end, ROWS, BLOCK);
 }
-#define BF16_BLOCK block_dot_bf16
+#define RANGE_bf16 range_dot
+#undef STEP_bf16
+#define STEP_bf16 CHUNK
 #else
-#define BF16_BLOCK block_bf16
+#define RANGE_bf16 range_bf16
 #endif
+#define RANGE_f32 range_f32
+
+/* Weight rows [n0, n0 + SPAN) in blocks of BLOCK: a whole group (SPAN = GROUP) or one row.
+ * Where a block is narrower than the group (several input rows), the group's blocks take turns
+ * over ranges of RANGE_CHUNKS chunks, their sums kept in memory in between, so that the group
+ * is still read once, in order, while a range stays in the L1 cache: each block going over
+ * all of K in turn read one line in GROUP / BLOCK per pass, a stride the prefetchers followed
+ * poorly (8 rows at avx2 ran at half the bandwidth of a row-by-row layout). Every pair's sum
+ * still takes its products in the same order. */
+#define RANGE_CHUNKS 8
+#define DEFINE_SPAN(T, SUFFIX)                                                                  \
+    static inline __attribute__((always_inline)) void span_##SUFFIX(                            \
+        const T *x, const uint16_t *w, const T *bias, T *out, int64_t n0, int64_t N, int64_t K, \
+        const int ROWS, const int BLOCK, const int SPAN) {                                      \
+        const uint16_t *wr = weight_row(w, n0, K); /* rows n0 + j at wr + j * CHUNK */          \
+        const int BLOCKS = SPAN / BLOCK;                                                        \
+        int64_t end = K - K % STEP_##SUFFIX;                                                    \
+        int64_t range = BLOCKS == 1 ? end : RANGE_CHUNKS * CHUNK;                               \
+        vec saved[GROUP][MAX_ROWS][MAX_BLOCK]; /* [BLOCKS][ROWS][BLOCK] in use */               \
+        for (int b = 0; b < BLOCKS; b++)                                                        \
+            for (int m = 0; m < ROWS; m++)                                                      \
+                for (int j = 0; j < BLOCK; j++) saved[b][m][j] = vec_zero();                    \
+        for (int64_t k0 = 0; k0 < end; k0 += range) {                                           \
+            int64_t k1 = k0 + range < end ? k0 + range : end;                                   \
+            for (int b = 0; b < BLOCKS; b++) {                                                  \
+                if (BLOCKS > 1) /* a share of the next range's lines (the next group's past */  \
+                    for (int i = 0; i < RANGE_CHUNKS * BLOCK; i++) /* the last range) */         \
+                        __builtin_prefetch(AT(wr, k0) +                                         \
+                                           (RANGE_CHUNKS * (GROUP + b * BLOCK) + i) * CHUNK);   \
+                vec sum[MAX_ROWS][MAX_BLOCK]; /* a local copy, which the compiler keeps in */   \
+                for (int m = 0; m < ROWS; m++) /* registers (saved, it must not: vector   */   \
+                    for (int j = 0; j < BLOCK; j++) sum[m][j] = saved[b][m][j]; /* types    */  \
+                RANGE_##SUFFIX(x, wr + b * BLOCK * CHUNK, sum, k0, k1, K, ROWS, BLOCK);         \
+                for (int m = 0; m < ROWS; m++) /* alias everything) */                          \
+                    for (int j = 0; j < BLOCK; j++) saved[b][m][j] = sum[m][j];                 \
+            }                                                                                   \
+        }                                                                                       \
+        for (int b = 0; b < BLOCKS; b++)                                                        \
+            finish_##SUFFIX(saved[b], x, wr + b * BLOCK * CHUNK, bias, out, n0 + b * BLOCK, N,  \
+                            K, end, ROWS, BLOCK);                                               \
+    }
+
+DEFINE_SPAN(float, f32)
+DEFINE_SPAN(uint16_t, bf16)
 
 /* Weight rows per block for a number of input rows: ROWS x BLOCK accumulators plus ROWS inputs
  * stay within the registers (32 with AVX-512, 16 with AVX2). */
@@ -199,31 +258,31 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
 
 /* One function per (activation type, input rows), with the sizes as literals inside the
  * parallel loop: OpenMP outlines a loop body before constants are propagated into it, so a
- * shared loop with the sizes as arguments compiled to a generic, half as fast one. Full blocks
- * first, then the last N % BLOCK weight rows one at a time (the same accumulation per pair). */
-#define DEFINE_ROWS(T, SUFFIX, BODY, ROWS, BLOCK)                                               \
+ * shared loop with the sizes as arguments compiled to a generic, half as fast one. Whole groups
+ * first, then the last N % GROUP weight rows one at a time (the same accumulation per pair). */
+#define DEFINE_ROWS(T, SUFFIX, ROWS, BLOCK)                                                     \
     static void rows_##SUFFIX##_##ROWS(const T *x, const uint16_t *w, const T *bias, T *out,    \
                                        int64_t N, int64_t K, int64_t threads) {                 \
-        int64_t stop = N - N % BLOCK;                                                           \
+        int64_t stop = N - N % GROUP;                                                           \
         _Pragma("omp parallel num_threads(threads)")                                           \
         {                                                                                       \
             _Pragma("omp for schedule(static) nowait")                                         \
-            for (int64_t n0 = 0; n0 < stop; n0 += BLOCK)                                        \
-                BODY(x, w, bias, out, n0, N, K, ROWS, BLOCK);                                   \
+            for (int64_t n0 = 0; n0 < stop; n0 += GROUP)                                        \
+                span_##SUFFIX(x, w, bias, out, n0, N, K, ROWS, BLOCK, GROUP);                   \
             _Pragma("omp for schedule(static)")                                                \
-            for (int64_t n = stop; n < N; n++) BODY(x, w, bias, out, n, N, K, ROWS, 1);         \
+            for (int64_t n = stop; n < N; n++) span_##SUFFIX(x, w, bias, out, n, N, K, ROWS, 1, 1); \
         }                                                                                       \
     }
 
-#define DEFINE_TYPE(T, SUFFIX, BODY)                                                            \
-    DEFINE_ROWS(T, SUFFIX, BODY, 1, BLOCK_1)                                                    \
-    DEFINE_ROWS(T, SUFFIX, BODY, 2, BLOCK_2)                                                    \
-    DEFINE_ROWS(T, SUFFIX, BODY, 3, BLOCK_3)                                                    \
-    DEFINE_ROWS(T, SUFFIX, BODY, 4, BLOCK_4)                                                    \
-    DEFINE_ROWS(T, SUFFIX, BODY, 5, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, BODY, 6, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, BODY, 7, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, BODY, 8, BLOCK_5_TO_8)                                               \
+#define DEFINE_TYPE(T, SUFFIX)                                                            \
+    DEFINE_ROWS(T, SUFFIX, 1, BLOCK_1)                                                    \
+    DEFINE_ROWS(T, SUFFIX, 2, BLOCK_2)                                                    \
+    DEFINE_ROWS(T, SUFFIX, 3, BLOCK_3)                                                    \
+    DEFINE_ROWS(T, SUFFIX, 4, BLOCK_4)                                                    \
+    DEFINE_ROWS(T, SUFFIX, 5, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, 6, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, 7, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, 8, BLOCK_5_TO_8)                                               \
                                                                                                 \
     /* Returns -1 (and computes nothing) when rows is out of range. */                          \
     int linear_##SUFFIX(const T *x, const uint16_t *w, const T *bias, T *out, int64_t rows,     \
@@ -270,5 +329,5 @@ static inline __attribute__((always_inline)) void block_dot_bf16(
         return 0;                                                                               \
     }
 
-DEFINE_TYPE(float, f32, block_f32)
-DEFINE_TYPE(uint16_t, bf16, BF16_BLOCK)
+DEFINE_TYPE(float, f32)
+DEFINE_TYPE(uint16_t, bf16)

@@ -7,6 +7,10 @@ layers (docs/benchmarks.md), and bf16 weights are half the bytes of fp32 ones. I
 are bf16 (bf16 models) or fp32 (fp32 math over bf16 weights, on CPUs without bf16 dot products:
 yaied/worker/cpu_linear.py). The decode loop (cpu_decode_loop.c) calls it through its address;
 the launcher checks only what the C side relies on.
+
+The kernel reads its weight in a streaming layout (``pack_weight``): rows interleaved a cache
+line at a time, so that a block of rows is one sequential read. ``bind`` makes that copy; the
+caller keeps the plain weight only where something else needs it.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import ctypes
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 MAX_ROWS = 8  # as in cpu_gemv.c
+GROUP, CHUNK = 8, 32  # the streaming layout's rows and elements per step, as in cpu_gemv.c
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -50,30 +56,49 @@ class CpuGemv:
         bias: torch.Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> BoundLinear:
-        """The kernel for one linear layer: weight [N, K] bf16 contiguous, bias [N] (in the
-        activations' ``dtype``) or None. The caller keeps weight and bias alive for as long as
-        it uses the result."""
+        """The kernel for one linear layer: weight [N, K] bf16, bias [N] (in the activations'
+        ``dtype``) or None. The result holds the weight in the kernel's layout (its own copy);
+        the caller keeps bias alive for as long as it uses it."""
         return BoundLinear(self._functions[dtype], dtype, weight, bias)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T + bias in one call (tests, and callers with a weight of the moment)."""
-        return self.bind(weight.contiguous(), bias, x.dtype)(x)
+        return self.bind(weight, bias, x.dtype)(x)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] in the kernel's streaming layout: zero-padded to multiples of GROUP rows
+    and CHUNK columns, then [N / GROUP, K / CHUNK, GROUP, CHUNK] (cpu_gemv.c's header)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, -k % CHUNK, 0, -n % GROUP))
+    rows, cols = padded.shape
+    return padded.view(rows // GROUP, GROUP, cols // CHUNK, CHUNK).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [n, k] weight that ``pack_weight`` laid out (a copy)."""
+    groups, chunks = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(groups * GROUP, chunks * CHUNK)[:n, :k].contiguous()
 
 
 class BoundLinear:
     """One linear layer's few-row kernel, the weight's checks and pointers taken once: it runs
     four times a layer, and checks only what changes from call to call."""
 
-    __slots__ = ("function", "dtype", "_weight", "_bias", "out_features", "in_features")
+    __slots__ = (
+        "function", "dtype", "kernel_weight", "_weight", "_bias", "out_features", "in_features"
+    )  # fmt: skip
 
     def __init__(
         self, function, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
-        if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-            raise ValueError("the few-row linear kernel takes a contiguous bf16 weight")
-        self._bind(function, dtype, weight.data_ptr(), *weight.shape, bias)
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError("the few-row linear kernel takes a bf16 weight [N, K]")
+        # What the C side takes as the weight (cpu_quant.py's subclass: its descriptor)
+        self.kernel_weight = pack_weight(weight)
+        self._bind(function, dtype, self.kernel_weight.data_ptr(), *weight.shape, bias)
 
     def _bind(
         self, function, dtype: torch.dtype, weight: int, n: int, k: int, bias: torch.Tensor | None

@@ -203,6 +203,7 @@ class BoundQuantLinear(BoundLinear):
         n = blocks.shape[0]
         check_table(qtype, blocks, n, k, "weight")
         self.descriptor = torch.tensor([qtype.ggml_id, blocks.data_ptr()], dtype=torch.int64)
+        self.kernel_weight = self.descriptor
         self._blocks = blocks  # kept alive with the descriptor that points into it
         self._bind(function, dtype, self.descriptor.data_ptr(), n, k, bias)
 

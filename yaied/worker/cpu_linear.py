@@ -14,9 +14,10 @@ else on the weight widened for the call. The fp32 copy is packed once for oneDNN
 a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight on every call (14% of W-mixed's
 time at avx2 on a Zen 4; docs/benchmarks.md).
 
-At one to four rows (a decode step of a few streams) either kind runs through the few-row kernel
-(yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the plain
-bf16 weight (for PackedLinear a second copy, kept only where it fits: ``gemv_fits``).
+At one to eight rows (a decode step of a few streams) either kind runs through the few-row kernel
+(yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the bf16
+weight in its own streaming layout. For Bf16StoredLinear that is the only bf16 copy; for
+PackedLinear it is a second copy, kept only where it fits (``gemv_fits``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv
+from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv, unpack_weight
 from yaied.kernels.cpu_isa import level_rank
 
 # The plain weights' second copy (bf16 math) may take at most this share of physical memory,
@@ -41,9 +42,9 @@ log = logging.getLogger(__name__)
 
 class PackedLinear(nn.Module):
     """Drop-in for a bf16 nn.Linear: forward runs oneDNN on the packed weight (``packed``), or
-    F.linear where oneDNN has no bf16 path; inputs are [..., in_features]. With a few-row kernel,
-    ``few_rows`` is that kernel bound to the plain weight, for the decode loop
-    (worker/models/decode_loop.py)."""
+    F.linear on the plain ``weight`` where oneDNN has no bf16 path; inputs are [...,
+    in_features]. With a few-row kernel, ``few_rows`` is that kernel bound to its own copy of the
+    weight, for the decode loop (worker/models/decode_loop.py)."""
 
     def __init__(
         self, linear: nn.Linear, batch_hint: int, gemv: CpuGemv | None = None, pack: bool = True
@@ -53,11 +54,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if pack else None
         self.bias = None if linear.bias is None else linear.bias.detach()
-        # The plain weight: forward's, where nothing is packed; else the few-row kernel's (a
-        # second copy once the model's is dropped), or nothing.
-        keep = gemv is not None or not pack
-        self.weight = weight.contiguous() if keep else None
-        self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias)
+        self.weight = None if pack else weight.contiguous()  # forward's, where nothing is packed
+        self.few_rows = None if gemv is None else gemv.bind(weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -67,11 +65,12 @@ class PackedLinear(nn.Module):
 
 class Bf16StoredLinear(nn.Module):
     """Drop-in for an fp32 nn.Linear whose weight is kept in bf16: forward takes and returns
-    fp32. ``weight`` is the bf16 weight, ``few_rows`` the kernel bound to it (fp32 activations),
-    ``weight_f32`` its values in fp32 for many rows, or ``packed_f32`` the same in oneDNN's
-    layout (with ``batch_hint``), or neither to widen it per call: every path reads the same
-    (bf16) values. ``tied``: the fp32 weight is an embedding's too, rounded to those values in
-    place and shared (a tied LM head costs no fp32 copy)."""
+    fp32. The bf16 weight is ``few_rows``' (the kernel bound to it, fp32 activations, in the
+    kernel's layout), or ``weight`` without the kernel; ``weight_f32`` holds its values in fp32
+    for many rows, or ``packed_f32`` the same in oneDNN's layout (with ``batch_hint``), or
+    neither to widen it per call: every path reads the same (bf16) values. ``tied``: the fp32
+    weight is an embedding's too, rounded to those values in place and shared (a tied LM head
+    costs no fp32 copy)."""
 
     def __init__(
         self,
@@ -84,19 +83,18 @@ class Bf16StoredLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.weight = weight.to(torch.bfloat16).contiguous()
+        rounded = weight.to(torch.bfloat16).contiguous()
         self.weight_f32 = None
         self.packed_f32 = None  # the fp32 copy in oneDNN's layout, instead of weight_f32
         if tied:
-            self.weight_f32 = weight.copy_(self.weight)
+            self.weight_f32 = weight.copy_(rounded)
         elif keep_fp32 and batch_hint is not None:
-            self.packed_f32 = torch.ops.mkldnn._reorder_linear_weight(
-                self.weight.float(), batch_hint
-            )
+            self.packed_f32 = torch.ops.mkldnn._reorder_linear_weight(rounded.float(), batch_hint)
         elif keep_fp32:
-            self.weight_f32 = self.weight.float()
+            self.weight_f32 = rounded.float()
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.few_rows = None if gemv is None else gemv.bind(self.weight, self.bias, torch.float32)
+        self.few_rows = None if gemv is None else gemv.bind(rounded, self.bias, torch.float32)
+        self.weight = rounded if gemv is None else None  # else the kernel's copy is the one
         # The LM head may take the kernel in forward too (see store_linears_bf16).
         self.few_rows_in_forward = False
 
@@ -105,8 +103,14 @@ class Bf16StoredLinear(nn.Module):
             return self.few_rows(x)
         if self.packed_f32 is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
-        weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        weight = self.weight_f32 if self.weight_f32 is not None else self.bf16_weight().float()
         return F.linear(x, weight, self.bias)
+
+    def bf16_weight(self) -> torch.Tensor:
+        """The bf16 weight [out_features, in_features] (from the kernel's layout: a copy)."""
+        if self.weight is not None:
+            return self.weight
+        return unpack_weight(self.few_rows.kernel_weight, self.out_features, self.in_features)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device, level: str) -> bool:
@@ -145,9 +149,9 @@ def _fits(extra_bytes: int, share: float) -> bool:
 
 
 def gemv_fits(model: nn.Module) -> bool:
-    """Whether a second copy of the model's bf16 linear weights (those not shared with another
-    parameter, as a tied lm_head is) stays within GEMV_MEMORY_SHARE of physical memory."""
-    extra = sum(w.numel() * 2 for w in _linear_weights(model).values())
+    """Whether the few-row kernel's copy of the model's bf16 linear weights (a tied lm_head's
+    included) stays within GEMV_MEMORY_SHARE of physical memory."""
+    extra = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
     return _fits(extra, GEMV_MEMORY_SHARE)
 
 

@@ -89,11 +89,6 @@ class QuantizedLinear(nn.Module):
         if kernel is not None:
             self.few_rows = kernel.bind(self.qtype, self.blocks, self.in_features, self.bias, dtype)
 
-    @property
-    def kernel_weight(self) -> torch.Tensor:
-        """What the decode loop passes as this layer's weight: the kernel's descriptor."""
-        return self.few_rows.descriptor
-
     def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in ``dtype``, in the shared buffer (valid until the next call)."""
         if self.kernel is None:

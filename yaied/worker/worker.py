@@ -170,8 +170,8 @@ class Worker:
             store_linears_bf16(model, self._kernels[-1], batch_hint)
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
-            # Unpacked, the kernel shares the plain weight; packed, it needs a second copy.
-            self._kernels.append(CpuGemv.load(self.isa) if not pack or gemv_fits(model) else None)
+            # The kernel reads its own copy of the weights, in its streaming layout.
+            self._kernels.append(CpuGemv.load(self.isa) if gemv_fits(model) else None)
             pack_linears(model, batch_hint, self._kernels[-1], pack)
         if isinstance(model, LlamaForCausalLM):
             fused, loop = CpuFusedOps.load(self.isa), CpuDecodeLoop.load(self.isa)

@@ -123,7 +123,6 @@ class LlamaDecodeLoop:
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
-    """What the few-row kernel takes as the layer's weight: the bf16 weight, or a quantized
-    layer's descriptor (worker/quantized.py)."""
-    descriptor = getattr(linear, "kernel_weight", None)
-    return linear.weight if descriptor is None else descriptor
+    """What the few-row kernel takes as the layer's weight: the bf16 weight in its streaming
+    layout, or a quantized layer's descriptor (kernels/cpu_gemv.py, kernels/cpu_quant.py)."""
+    return linear.few_rows.kernel_weight
