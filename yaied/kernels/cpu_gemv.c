@@ -247,13 +247,15 @@ DEFINE_SPAN(uint16_t, bf16)
 #define BLOCK_2 8
 #define BLOCK_3 4
 #define BLOCK_4 4
-#define BLOCK_5_TO_8 2
+#define BLOCK_5_TO_7 2
+#define BLOCK_8 2
 #else
 #define BLOCK_1 8
 #define BLOCK_2 4
 #define BLOCK_3 2
 #define BLOCK_4 2
-#define BLOCK_5_TO_8 1
+#define BLOCK_5_TO_7 2 /* the inputs are read from memory by the FMAs, so 14 sums fit */
+#define BLOCK_8 1
 #endif
 
 /* One function per (activation type, input rows), with the sizes as literals inside the
@@ -279,10 +281,10 @@ DEFINE_SPAN(uint16_t, bf16)
     DEFINE_ROWS(T, SUFFIX, 2, BLOCK_2)                                                    \
     DEFINE_ROWS(T, SUFFIX, 3, BLOCK_3)                                                    \
     DEFINE_ROWS(T, SUFFIX, 4, BLOCK_4)                                                    \
-    DEFINE_ROWS(T, SUFFIX, 5, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, 6, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, 7, BLOCK_5_TO_8)                                               \
-    DEFINE_ROWS(T, SUFFIX, 8, BLOCK_5_TO_8)                                               \
+    DEFINE_ROWS(T, SUFFIX, 5, BLOCK_5_TO_7)                                               \
+    DEFINE_ROWS(T, SUFFIX, 6, BLOCK_5_TO_7)                                               \
+    DEFINE_ROWS(T, SUFFIX, 7, BLOCK_5_TO_7)                                               \
+    DEFINE_ROWS(T, SUFFIX, 8, BLOCK_8)                                               \
                                                                                                 \
     /* Returns -1 (and computes nothing) when rows is out of range. */                          \
     int linear_##SUFFIX(const T *x, const uint16_t *w, const T *bias, T *out, int64_t rows,     \
