@@ -120,7 +120,8 @@ static inline vec load_bf16(const uint16_t *p) {
             for (int j = 0; j < block; j++) {                                                   \
                 float v = vec_sum(sum[m][j]);                                                   \
                 for (int64_t k = end; k < K; k++)                                               \
-                    v += bf16_to_float(*AT(wr + j * CHUNK, k)) * ROW_LOAD_##SUFFIX(x[m * K + k]); \
+                    v += bf16_to_float(*AT(wr + j * CHUNK, k)) *                                \
+                         ROW_LOAD_##SUFFIX(x[m * K + k]);                                       \
                 if (bias) v += ROW_LOAD_##SUFFIX(bias[n0 + j]);                                 \
                 out[m * N + n0 + j] = ROW_STORE_##SUFFIX(v);                                    \
             }                                                                                   \
@@ -199,11 +200,14 @@ static inline __attribute__((always_inline)) void range_dot(
 
 /* Weight rows [n0, n0 + SPAN) in blocks of BLOCK: a whole group (SPAN = GROUP) or one row.
  * Where a block is narrower than the group (several input rows), the group's blocks take turns
- * over ranges of RANGE_CHUNKS chunks, their sums kept in memory in between, so that the group
- * is still read once, in order, while a range stays in the L1 cache: each block going over
- * all of K in turn read one line in GROUP / BLOCK per pass, a stride the prefetchers followed
- * poorly (8 rows at avx2 ran at half the bandwidth of a row-by-row layout). Every pair's sum
- * still takes its products in the same order. */
+ * over ranges of RANGE_CHUNKS chunks, so that the group is still read once, in order, while a
+ * range stays in the L1 cache (each block going over all of K in turn read one line in
+ * GROUP / BLOCK per pass, a stride the prefetchers followed poorly: 8 rows at avx2 ran at half
+ * the bandwidth of the row-by-row layout), and each block asks for its share of the next
+ * range's lines (past the group's last range, the next group's). In between, a block's sums
+ * wait in `saved`; a range runs on a local copy, which the compiler keeps in registers (it
+ * cannot keep `saved` there: vector types may alias anything). Every pair's sum still takes
+ * its products in the same order. */
 #define RANGE_CHUNKS 8
 #define DEFINE_SPAN(T, SUFFIX)                                                                  \
     static inline __attribute__((always_inline)) void span_##SUFFIX(                            \
@@ -213,28 +217,30 @@ static inline __attribute__((always_inline)) void range_dot(
         const int BLOCKS = SPAN / BLOCK;                                                        \
         int64_t end = K - K % STEP_##SUFFIX;                                                    \
         int64_t range = BLOCKS == 1 ? end : RANGE_CHUNKS * CHUNK;                               \
-        vec saved[GROUP][MAX_ROWS][MAX_BLOCK]; /* [BLOCKS][ROWS][BLOCK] in use */               \
-        for (int b = 0; b < BLOCKS; b++)                                                        \
-            for (int m = 0; m < ROWS; m++)                                                      \
-                for (int j = 0; j < BLOCK; j++) saved[b][m][j] = vec_zero();                    \
+        vec saved[GROUP * MAX_ROWS]; /* block b's sum (m, j) at (b * ROWS + m) * BLOCK + j */  \
+        vec sum[MAX_ROWS][MAX_BLOCK];                                                           \
+        for (int i = 0; i < SPAN * ROWS; i++) saved[i] = vec_zero();                            \
         for (int64_t k0 = 0; k0 < end; k0 += range) {                                           \
             int64_t k1 = k0 + range < end ? k0 + range : end;                                   \
             for (int b = 0; b < BLOCKS; b++) {                                                  \
-                if (BLOCKS > 1) /* a share of the next range's lines (the next group's past */  \
-                    for (int i = 0; i < RANGE_CHUNKS * BLOCK; i++) /* the last range) */         \
+                vec *mine = saved + b * ROWS * BLOCK;                                           \
+                if (BLOCKS > 1)                                                                 \
+                    for (int i = 0; i < RANGE_CHUNKS * BLOCK; i++)                              \
                         __builtin_prefetch(AT(wr, k0) +                                         \
                                            (RANGE_CHUNKS * (GROUP + b * BLOCK) + i) * CHUNK);   \
-                vec sum[MAX_ROWS][MAX_BLOCK]; /* a local copy, which the compiler keeps in */   \
-                for (int m = 0; m < ROWS; m++) /* registers (saved, it must not: vector   */   \
-                    for (int j = 0; j < BLOCK; j++) sum[m][j] = saved[b][m][j]; /* types    */  \
+                for (int m = 0; m < ROWS; m++)                                                  \
+                    for (int j = 0; j < BLOCK; j++) sum[m][j] = mine[m * BLOCK + j];            \
                 RANGE_##SUFFIX(x, wr + b * BLOCK * CHUNK, sum, k0, k1, K, ROWS, BLOCK);         \
-                for (int m = 0; m < ROWS; m++) /* alias everything) */                          \
-                    for (int j = 0; j < BLOCK; j++) saved[b][m][j] = sum[m][j];                 \
+                for (int m = 0; m < ROWS; m++)                                                  \
+                    for (int j = 0; j < BLOCK; j++) mine[m * BLOCK + j] = sum[m][j];            \
             }                                                                                   \
         }                                                                                       \
-        for (int b = 0; b < BLOCKS; b++)                                                        \
-            finish_##SUFFIX(saved[b], x, wr + b * BLOCK * CHUNK, bias, out, n0 + b * BLOCK, N,  \
-                            K, end, ROWS, BLOCK);                                               \
+        for (int b = 0; b < BLOCKS; b++) {                                                      \
+            for (int m = 0; m < ROWS; m++)                                                      \
+                for (int j = 0; j < BLOCK; j++) sum[m][j] = saved[(b * ROWS + m) * BLOCK + j];  \
+            finish_##SUFFIX(sum, x, wr + b * BLOCK * CHUNK, bias, out, n0 + b * BLOCK, N, K,    \
+                            end, ROWS, BLOCK);                                                  \
+        }                                                                                       \
     }
 
 DEFINE_SPAN(float, f32)
@@ -272,19 +278,20 @@ DEFINE_SPAN(uint16_t, bf16)
             for (int64_t n0 = 0; n0 < stop; n0 += GROUP)                                        \
                 span_##SUFFIX(x, w, bias, out, n0, N, K, ROWS, BLOCK, GROUP);                   \
             _Pragma("omp for schedule(static)")                                                \
-            for (int64_t n = stop; n < N; n++) span_##SUFFIX(x, w, bias, out, n, N, K, ROWS, 1, 1); \
+            for (int64_t n = stop; n < N; n++)                                                  \
+                span_##SUFFIX(x, w, bias, out, n, N, K, ROWS, 1, 1);                            \
         }                                                                                       \
     }
 
-#define DEFINE_TYPE(T, SUFFIX)                                                            \
-    DEFINE_ROWS(T, SUFFIX, 1, BLOCK_1)                                                    \
-    DEFINE_ROWS(T, SUFFIX, 2, BLOCK_2)                                                    \
-    DEFINE_ROWS(T, SUFFIX, 3, BLOCK_3)                                                    \
-    DEFINE_ROWS(T, SUFFIX, 4, BLOCK_4)                                                    \
-    DEFINE_ROWS(T, SUFFIX, 5, BLOCK_5_TO_7)                                               \
-    DEFINE_ROWS(T, SUFFIX, 6, BLOCK_5_TO_7)                                               \
-    DEFINE_ROWS(T, SUFFIX, 7, BLOCK_5_TO_7)                                               \
-    DEFINE_ROWS(T, SUFFIX, 8, BLOCK_8)                                               \
+#define DEFINE_TYPE(T, SUFFIX)                                                                  \
+    DEFINE_ROWS(T, SUFFIX, 1, BLOCK_1)                                                          \
+    DEFINE_ROWS(T, SUFFIX, 2, BLOCK_2)                                                          \
+    DEFINE_ROWS(T, SUFFIX, 3, BLOCK_3)                                                          \
+    DEFINE_ROWS(T, SUFFIX, 4, BLOCK_4)                                                          \
+    DEFINE_ROWS(T, SUFFIX, 5, BLOCK_5_TO_7)                                                     \
+    DEFINE_ROWS(T, SUFFIX, 6, BLOCK_5_TO_7)                                                     \
+    DEFINE_ROWS(T, SUFFIX, 7, BLOCK_5_TO_7)                                                     \
+    DEFINE_ROWS(T, SUFFIX, 8, BLOCK_8)                                                          \
                                                                                                 \
     /* Returns -1 (and computes nothing) when rows is out of range. */                          \
     int linear_##SUFFIX(const T *x, const uint16_t *w, const T *bias, T *out, int64_t rows,     \
