@@ -170,6 +170,25 @@ def test_pack_linears_replaces_every_linear(pack):
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+def test_the_bf16_lm_head_takes_the_kernel_for_few_rows(gemv, pack):
+    if pack and not can_pack(torch.bfloat16, CPU, selected_level()):
+        pytest.skip("oneDNN has no bf16 path at this CPU's ISA level")
+    model = nn.Module()
+    model.proj = nn.Linear(64, 64).to(torch.bfloat16)
+    model.lm_head = nn.Linear(64, 40, bias=False).to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = F.linear(x, model.lm_head.weight).float()
+        assert pack_linears(model, batch_hint=64, gemv=gemv, pack=pack) == 2
+        head = model.lm_head
+        assert head.few_rows_in_forward and not model.proj.few_rows_in_forward
+        for rows in (1, 3, MAX_ROWS):
+            assert torch.equal(head(x[:rows]), head.few_rows(x[:rows]))  # the kernel, not oneDNN
+        torch.testing.assert_close(head(x).float(), expected, rtol=2e-2, atol=2e-2)  # past it
+    assert not PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), 64, gemv).few_rows_in_forward
+
+
 def test_packing_is_decided_by_the_isa_level_not_by_trying():
     assert not can_pack(torch.bfloat16, CPU, "avx2")
     assert not can_pack(torch.bfloat16, CPU, "generic")
