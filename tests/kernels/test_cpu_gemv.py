@@ -53,6 +53,22 @@ def test_a_row_does_not_depend_on_the_other_rows(gemv, dtype, n, k):
         assert all(torch.equal(together[r], alone[r]) for r in range(rows))
 
 
+@DTYPES
+def test_in_slices_gives_every_row_its_bits_alone(gemv, dtype):
+    # An LM head's rows past MAX_ROWS go MAX_ROWS at a time: each row the same bits as alone.
+    torch.manual_seed(4)
+    rows = 2 * MAX_ROWS + 3
+    x = torch.randn(rows, 100).to(dtype)
+    weight = (torch.randn(37, 100) / 10).to(torch.bfloat16)
+    bound = gemv.bind(weight, torch.randn(37).to(dtype), dtype)
+    together = bound.in_slices(x)
+    assert together.shape == (rows, 37) and together.dtype == dtype
+    assert all(torch.equal(together[r], bound(x[r : r + 1])[0]) for r in range(rows))
+    assert torch.equal(bound.in_slices(x[:3]), bound(x[:3]))
+    with pytest.raises(ValueError, match="bad input"):
+        bound.in_slices(x[:0])
+
+
 def test_strided_input_rows(gemv):
     x = torch.randn(2, 80).to(torch.bfloat16)[:, :64]
     weight = torch.randn(8, 64).to(torch.bfloat16)

@@ -17,9 +17,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.cpu_levels import kernel_at
 from yaied import LLM, SamplingParams
 from yaied.core.config import EngineConfig, LoopConfig, ModelConfig
-from yaied.kernels.cpu_quant import Q4_K, QUANT_TYPES, dequantize_reference, quantize, row_bytes
+from yaied.kernels.cpu_quant import (
+    MAX_ROWS,
+    Q4_K,
+    Q8_0,
+    QUANT_TYPES,
+    SLICED_MAX_ROWS,
+    CpuQuant,
+    dequantize_reference,
+    quantize,
+    row_bytes,
+)
 from yaied.worker.loader import load_model
 from yaied.worker.quantized import QuantizedLinear
 
@@ -278,6 +289,23 @@ def test_tied_embeddings_read_the_heads_blocks(tiny_model_dirs, tmp_path):
         assert all(len(o.token_ids) == 8 for o in out)
     finally:
         llm.close()
+
+
+def test_the_quantized_head_takes_the_kernel_in_slices(isa_level):
+    # Up to SLICED_MAX_ROWS rows (sampled ones) through the kernel MAX_ROWS at a time, each
+    # row the same bits as alone; past that the weight is unpacked for a matmul.
+    torch.manual_seed(2)
+    weight = torch.randn(48, 64) / 8
+    head = QuantizedLinear(Q8_0, quantize(weight, Q8_0), 64, None)
+    head.bind(kernel_at(CpuQuant, isa_level), torch.float32)
+    head.few_rows_in_forward = True
+    x = torch.randn(SLICED_MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        for rows in (1, MAX_ROWS + 3, SLICED_MAX_ROWS):
+            got = head(x[:rows])
+            assert all(torch.equal(got[r], head.few_rows(x[r : r + 1])[0]) for r in range(rows))
+        expected = torch.nn.functional.linear(x, dequantize_reference(Q8_0, head.blocks, 64))
+        torch.testing.assert_close(head(x), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_tensor_type_names_the_tensor(tiny_gguf, tmp_path):

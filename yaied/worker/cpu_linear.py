@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv, unpack_weight
+from yaied.kernels.cpu_gemv import MAX_ROWS, SLICED_MAX_ROWS, CpuGemv, unpack_weight
 from yaied.kernels.cpu_isa import level_rank
 
 # The plain weights' second copy (bf16 math) may take at most this share of physical memory,
@@ -103,8 +103,11 @@ class Bf16StoredLinear(nn.Module):
         self.few_rows_in_forward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _few_rows_take(self, x):
-            return self.few_rows(x)
+        # Without an fp32 copy in oneDNN's layout a matmul re-packs the weight each call, and
+        # the head's rows go through the kernel in slices up to SLICED_MAX_ROWS.
+        limit = MAX_ROWS if self.packed_f32 is not None else SLICED_MAX_ROWS
+        if _few_rows_take(self, x, limit):
+            return self.few_rows.in_slices(x)
         if self.packed_f32 is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
         weight = self.weight_f32 if self.weight_f32 is not None else self.bf16_weight().float()
@@ -117,10 +120,12 @@ class Bf16StoredLinear(nn.Module):
         return unpack_weight(self.few_rows.kernel_weight, self.out_features, self.in_features)
 
 
-def _few_rows_take(layer: PackedLinear | Bf16StoredLinear, x: torch.Tensor) -> bool:
+def _few_rows_take(
+    layer: PackedLinear | Bf16StoredLinear, x: torch.Tensor, limit: int = MAX_ROWS
+) -> bool:
     """Whether forward runs ``layer``'s few-row kernel: where it is the LM head's (see
-    pack_linears, store_linears_bf16) and x is [rows <= MAX_ROWS, in_features]."""
-    return layer.few_rows_in_forward and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+    pack_linears, store_linears_bf16) and x is [rows <= limit, in_features]."""
+    return layer.few_rows_in_forward and x.dim() == 2 and 1 <= x.shape[0] <= limit
 
 
 def can_pack(dtype: torch.dtype, device: torch.device, level: str) -> bool:

@@ -25,9 +25,9 @@ from torch import nn
 
 from yaied.kernels.cpu_quant import (
     BY_GGML_ID,
-    MAX_ROWS,
     Q8_0,
     QUANT_TYPES,
+    SLICED_MAX_ROWS,
     CpuQuant,
     QuantType,
     check_table,
@@ -76,8 +76,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
         self.few_rows = None
-        # The LM head takes the kernel in forward too: its rows are the sampled ones, one per
-        # sequence (prompt logprobs, many rows, unpack the weight like any matmul).
+        # The LM head takes the kernel in forward too, in slices up to SLICED_MAX_ROWS rows:
+        # its rows are the sampled ones, one per sequence (prompt logprobs, more rows, unpack
+        # the weight like any matmul).
         self.few_rows_in_forward = False
 
     def bind(self, kernel: CpuQuant | None, dtype: torch.dtype) -> None:
@@ -102,10 +103,10 @@ class QuantizedLinear(nn.Module):
             self.few_rows_in_forward
             and few_rows is not None
             and x.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS
+            and 1 <= x.shape[0] <= SLICED_MAX_ROWS
             and x.dtype == few_rows.dtype
         ):
-            return few_rows(x)
+            return few_rows.in_slices(x)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
