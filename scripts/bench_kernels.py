@@ -1,7 +1,8 @@
 """Micro-benchmarks of the CPU kernels against the torch code they replace, in one process.
 
 The x.clone() of the norm cases is timed on both sides (the kernel adds into the residual in
-place).
+place). The decode-attention case has no torch side: it times the kernel's pass over a W-mixed
+step's K/V from memory and reports the bytes it read per second.
 
 Each case times the kernel and its torch reference alternately (paired, interleaved), several
 rounds, and keeps the best round of each: on a shared 2-core machine the best round is the
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.kernels.cpu_fused import (
     CpuFusedOps,
     rms_norm_reference,
@@ -139,6 +141,35 @@ def fused_cases(ops: CpuFusedOps, dtype: torch.dtype, rows: int, rounds: int) ->
     return results
 
 
+def decode_step_case(kernel: CpuDecodeKernel, dtype: torch.dtype, rounds: int) -> dict:
+    """A decode step's attention in W-mixed's shape, from memory: 32 rows whose contexts are
+    64 to 576 positions, the default model's heads (3 kv heads of 3 query heads, head_dim 64),
+    16-position pages scattered over the pool, and 30 layers' caches (so that a pass reads K/V
+    from memory, as in a step, not from the last layer's pass in cache)."""
+    rows, kv_heads, group, head_dim, page_size, layers = 32, 3, 3, 64, 16, 30
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(64, 577, (rows,), generator=gen)
+    max_pages = -(-576 // page_size)
+    num_pages = 2 * rows * max_pages
+    table = torch.randperm(num_pages, generator=gen)[: rows * max_pages].view(rows, max_pages)
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers)]
+    q = torch.randn(rows, kv_heads * group, head_dim).to(dtype)
+
+    def step() -> None:
+        for k_cache, v_cache in caches:
+            kernel(q, k_cache, v_cache, table, lens, head_dim**-0.5)
+
+    seconds, _ = best_pair(step, lambda: None, rounds, 1)
+    read = 2 * int(lens.sum()) * kv_heads * head_dim * q.element_size() * layers
+    return {
+        "case": "decode attention, a W-mixed step (32 rows, 30 layers, from memory)",
+        "dtype": str(dtype)[6:],
+        "ms": round(seconds * 1e3, 2),
+        "kv_gb_s": round(read / seconds / 1e9, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -150,8 +181,8 @@ def main() -> None:
     dtypes = (
         [torch.bfloat16, torch.float32] if args.dtype == "both" else [getattr(torch, args.dtype)]
     )
-    kernel, ops = CpuPrefillKernel.load(), CpuFusedOps.load()
-    if kernel is None or ops is None:
+    kernel, ops, decode = CpuPrefillKernel.load(), CpuFusedOps.load(), CpuDecodeKernel.load()
+    if kernel is None or ops is None or decode is None:
         raise SystemExit("the CPU kernels could not be built (no C compiler?)")
     torch.manual_seed(0)
     for dtype in dtypes:
@@ -168,6 +199,7 @@ def main() -> None:
                 print(json.dumps(prefill_case(kernel, dtype, n, start, 3, 3, 64, args.rounds)))
             print(json.dumps(prefill_case(kernel, dtype, 512, 0, 8, 4, 128, args.rounds)))
         kernel.use_amx = True
+        print(json.dumps(decode_step_case(decode, dtype, args.rounds)))
         for rows in (512, 32, 1):
             for result in fused_cases(ops, dtype, rows, args.rounds):
                 print(json.dumps(result))
