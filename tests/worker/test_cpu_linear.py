@@ -136,32 +136,35 @@ def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gem
 
 
 def test_a_head_without_a_packed_copy_takes_the_kernel_in_slices(gemv, monkeypatch):
-    # A tied head's matmul would re-pack the embedding's fp32 weight every call: up to
-    # SLICED_MAX_ROWS rows it takes the kernel MAX_ROWS at a time (each row its bits alone);
-    # a head with an fp32 copy in oneDNN's layout keeps the matmul past MAX_ROWS.
+    # A tied head's matmul would re-pack the embedding's fp32 weight every call: from avx2 up
+    # it takes the kernel MAX_ROWS rows at a time up to SLICED_MAX_ROWS (each row its bits
+    # alone); the generic body only up to MAX_ROWS; a head with an fp32 copy in oneDNN's
+    # layout keeps the matmul past MAX_ROWS.
     torch.manual_seed(1)
     embed = nn.Embedding(40, 64)
     model = nn.Module()
     model.embed = embed
     model.lm_head = nn.Linear(64, 40, bias=False)
     model.lm_head.weight = embed.weight
-    x = torch.randn(SLICED_MAX_ROWS + 1, 64)
     with torch.inference_mode():
         store_linears_bf16(model, gemv)
         head = model.lm_head
-        assert head.packed_f32 is None
-        rows = 2 * MAX_ROWS + 1
+        limit = SLICED_MAX_ROWS if gemv.level != "generic" else MAX_ROWS
+        assert head.packed_f32 is None and head.sliced_max_rows == limit
+        x = torch.randn(limit + 1, 64)
+        rows = min(2 * MAX_ROWS + 1, limit)
         got = head(x[:rows])
         assert all(torch.equal(got[r], head.few_rows(x[r : r + 1])[0]) for r in range(rows))
         taken = []
         monkeypatch.setattr(BoundLinear, "in_slices", lambda self, x: taken.append(x) or x)
-        head(x[:SLICED_MAX_ROWS])
+        head(x[:limit])
         assert len(taken) == 1
         expected = F.linear(x, head.bf16_weight().float())
         torch.testing.assert_close(head(x), expected, rtol=1e-4, atol=1e-4)  # the matmul
         assert len(taken) == 1
         if cpu_linear._onednn_linear_available():  # an fp32 copy in oneDNN's layout
             untied = Bf16StoredLinear(nn.Linear(64, 40), gemv, keep_fp32=True, batch_hint=64)
+            assert untied.sliced_max_rows == MAX_ROWS
             untied.few_rows_in_forward = True
             untied(x[: MAX_ROWS + 1])
             assert len(taken) == 1

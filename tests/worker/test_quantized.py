@@ -292,16 +292,19 @@ def test_tied_embeddings_read_the_heads_blocks(tiny_model_dirs, tmp_path):
 
 
 def test_the_quantized_head_takes_the_kernel_in_slices(isa_level):
-    # Up to SLICED_MAX_ROWS rows (sampled ones) through the kernel MAX_ROWS at a time, each
-    # row the same bits as alone; past that the weight is unpacked for a matmul.
+    # Up to SLICED_MAX_ROWS rows (sampled ones) through the kernel MAX_ROWS at a time from avx2
+    # up (the generic body: MAX_ROWS), each row the same bits as alone; past that the weight
+    # is unpacked for a matmul.
     torch.manual_seed(2)
     weight = torch.randn(48, 64) / 8
     head = QuantizedLinear(Q8_0, quantize(weight, Q8_0), 64, None)
     head.bind(kernel_at(CpuQuant, isa_level), torch.float32)
     head.few_rows_in_forward = True
-    x = torch.randn(SLICED_MAX_ROWS + 1, 64)
+    limit = SLICED_MAX_ROWS if isa_level != "generic" else MAX_ROWS
+    assert head.sliced_max_rows == limit
+    x = torch.randn(limit + 1, 64)
     with torch.inference_mode():
-        for rows in (1, MAX_ROWS + 3, SLICED_MAX_ROWS):
+        for rows in sorted({1, min(MAX_ROWS + 3, limit), limit}):
             got = head(x[:rows])
             assert all(torch.equal(got[r], head.few_rows(x[r : r + 1])[0]) for r in range(rows))
         expected = torch.nn.functional.linear(x, dequantize_reference(Q8_0, head.blocks, 64))

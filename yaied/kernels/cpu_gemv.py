@@ -22,14 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from yaied.kernels.cpu_build import KernelLibrary, load_library
+from yaied.kernels.cpu_isa import level_rank
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 MAX_ROWS = 8  # as in cpu_gemv.c
-# An LM head whose matmul must widen or unpack its weight on every call (a tied fp32 head reads
-# the embedding's fp32 values, which MKL re-packs each time; a quantized head unpacks) takes
-# the kernel in slices of MAX_ROWS up to this many rows: 32 rows of the default model's head
-# in 13.5 ms against 24 (avx2, a Zen 4), still ahead at 128 (55 against 60).
-SLICED_MAX_ROWS = 128
+# An LM head whose matmul must widen its weight on every call (a tied fp32 head reads the
+# embedding's fp32 values, which MKL re-packs each time) takes the kernel in slices of MAX_ROWS
+# up to this many rows, from avx2 up: the default model's head, 32 rows, 13.5 ms against 24
+# (avx2, a Zen 4), 64 rows 27-32 against 34-38, 128 rows even at avx512. The generic body is
+# slower than the matmul past MAX_ROWS (32 rows 102 ms against 28).
+SLICED_MAX_ROWS = 64
 GROUP, CHUNK = 8, 32  # the streaming layout's rows and elements per step, as in cpu_gemv.c
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -47,6 +49,12 @@ class CpuGemv:
             function.argtypes = [_P, _P, _P, ctypes.c_float] + [_P] * 4 + [_I] * 5
             function.restype = ctypes.c_int
             self._functions[dtype] = function
+
+    @property
+    def sliced_max_rows(self) -> int:
+        """Up to how many rows an LM head without a packed matmul weight takes the kernel
+        (``BoundLinear.in_slices``)."""
+        return SLICED_MAX_ROWS if level_rank(self.level) >= level_rank("avx2") else MAX_ROWS
 
     @classmethod
     def load(

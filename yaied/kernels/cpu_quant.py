@@ -18,13 +18,15 @@ import torch
 
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 from yaied.kernels.cpu_gemv import BoundLinear
+from yaied.kernels.cpu_isa import level_rank
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 MAX_ROWS = 8  # as in cpu_quant.c
-# A quantized LM head takes the kernel in slices of MAX_ROWS up to this many rows, past which
-# unpacking the weight for a matmul is the faster (a Q8_0 head of the default model's shape at
-# avx2 on a Zen 4: 9 rows 8.2 against 24.9 ms, 32 rows even, 128 rows 114 against 65).
-SLICED_MAX_ROWS = 32
+# A quantized LM head takes the kernel in slices of MAX_ROWS up to this many rows, from avx2
+# up; past that, unpacking the weight for a matmul is the faster (a Q8_0 head of the default
+# model's shape on a Zen 4: 9 rows 8.2-12.5 against 25-34 ms, 16 rows 22.5 against 30, 32 rows
+# even at avx2 and slower at avx512). The generic body is slower already at 9 rows.
+SLICED_MAX_ROWS = 16
 
 
 class QuantType(NamedTuple):
@@ -141,6 +143,11 @@ class CpuQuant:
             unpack.argtypes = [_I, _P, _P, _I, _I, _I]
             unpack.restype = ctypes.c_int
             self._unpack[dtype] = unpack
+
+    @property
+    def sliced_max_rows(self) -> int:
+        """Up to how many rows a quantized LM head takes the kernel (in slices)."""
+        return SLICED_MAX_ROWS if level_rank(self.level) >= level_rank("avx2") else MAX_ROWS
 
     @classmethod
     def load(

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yaied.kernels.cpu_gemv import MAX_ROWS, SLICED_MAX_ROWS, CpuGemv, unpack_weight
+from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv, unpack_weight
 from yaied.kernels.cpu_isa import level_rank
 
 # The plain weights' second copy (bf16 math) may take at most this share of physical memory,
@@ -99,14 +99,15 @@ class Bf16StoredLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.few_rows = None if gemv is None else gemv.bind(rounded, self.bias, torch.float32)
         self.weight = rounded if gemv is None else None  # else the kernel's copy is the one
-        # The LM head may take the kernel in forward too (see store_linears_bf16).
+        # The LM head may take the kernel in forward too (see store_linears_bf16), in slices up
+        # to gemv.sliced_max_rows rows where a matmul would re-pack its weight on every call.
         self.few_rows_in_forward = False
+        self.sliced_max_rows = (
+            gemv.sliced_max_rows if gemv is not None and self.packed_f32 is None else MAX_ROWS
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Without an fp32 copy in oneDNN's layout a matmul re-packs the weight each call, and
-        # the head's rows go through the kernel in slices up to SLICED_MAX_ROWS.
-        limit = MAX_ROWS if self.packed_f32 is not None else SLICED_MAX_ROWS
-        if _few_rows_take(self, x, limit):
+        if _few_rows_take(self, x, self.sliced_max_rows):
             return self.few_rows.in_slices(x)
         if self.packed_f32 is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")

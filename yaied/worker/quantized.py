@@ -25,9 +25,9 @@ from torch import nn
 
 from yaied.kernels.cpu_quant import (
     BY_GGML_ID,
+    MAX_ROWS,
     Q8_0,
     QUANT_TYPES,
-    SLICED_MAX_ROWS,
     CpuQuant,
     QuantType,
     check_table,
@@ -76,7 +76,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
         self.few_rows = None
-        # The LM head takes the kernel in forward too, in slices up to SLICED_MAX_ROWS rows:
+        self.sliced_max_rows = MAX_ROWS
+        # The LM head takes the kernel in forward too, in slices up to sliced_max_rows rows:
         # its rows are the sampled ones, one per sequence (prompt logprobs, more rows, unpack
         # the weight like any matmul).
         self.few_rows_in_forward = False
@@ -87,6 +88,7 @@ class QuantizedLinear(nn.Module):
             self.bias = self.bias.to(dtype).contiguous()
         self.kernel = kernel
         self.few_rows = None
+        self.sliced_max_rows = MAX_ROWS if kernel is None else kernel.sliced_max_rows
         if kernel is not None:
             self.few_rows = kernel.bind(self.qtype, self.blocks, self.in_features, self.bias, dtype)
 
@@ -103,7 +105,7 @@ class QuantizedLinear(nn.Module):
             self.few_rows_in_forward
             and few_rows is not None
             and x.dim() == 2
-            and 1 <= x.shape[0] <= SLICED_MAX_ROWS
+            and 1 <= x.shape[0] <= self.sliced_max_rows
             and x.dtype == few_rows.dtype
         ):
             return few_rows.in_slices(x)
