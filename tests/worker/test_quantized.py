@@ -292,9 +292,9 @@ def test_tied_embeddings_read_the_heads_blocks(tiny_model_dirs, tmp_path):
 
 
 def test_the_quantized_head_takes_the_kernel_in_slices(isa_level):
-    # Up to SLICED_MAX_ROWS rows (sampled ones) through the kernel MAX_ROWS at a time from avx2
-    # up (the generic body: MAX_ROWS), each row the same bits as alone; past that the weight
-    # is unpacked for a matmul.
+    # Under fp32 math, up to SLICED_MAX_ROWS rows (sampled ones) through the kernel MAX_ROWS at
+    # a time from avx2 up (the generic body, and bf16 math: MAX_ROWS), each row the same bits
+    # as alone; past that the weight is unpacked for a matmul.
     torch.manual_seed(2)
     weight = torch.randn(48, 64) / 8
     head = QuantizedLinear(Q8_0, quantize(weight, Q8_0), 64, None)
@@ -302,6 +302,9 @@ def test_the_quantized_head_takes_the_kernel_in_slices(isa_level):
     head.few_rows_in_forward = True
     limit = SLICED_MAX_ROWS if isa_level != "generic" else MAX_ROWS
     assert head.sliced_max_rows == limit
+    bf16_head = QuantizedLinear(Q8_0, head.blocks, 64, None)
+    bf16_head.bind(kernel_at(CpuQuant, isa_level), torch.bfloat16)
+    assert bf16_head.sliced_max_rows == MAX_ROWS  # oneDNN's bf16 matmul is the faster past it
     x = torch.randn(limit + 1, 64)
     with torch.inference_mode():
         for rows in sorted({1, min(MAX_ROWS + 3, limit), limit}):

@@ -50,11 +50,11 @@ class CpuGemv:
             function.restype = ctypes.c_int
             self._functions[dtype] = function
 
-    @property
-    def sliced_max_rows(self) -> int:
-        """Up to how many rows an LM head without a packed matmul weight takes the kernel
-        (``BoundLinear.in_slices``)."""
-        return SLICED_MAX_ROWS if level_rank(self.level) >= level_rank("avx2") else MAX_ROWS
+    def sliced_max_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of ``dtype`` activations an LM head without a packed matmul
+        weight takes the kernel (``BoundLinear.in_slices``): measured for fp32 math."""
+        fast = dtype == torch.float32 and level_rank(self.level) >= level_rank("avx2")
+        return SLICED_MAX_ROWS if fast else MAX_ROWS
 
     @classmethod
     def load(

@@ -22,10 +22,11 @@ from yaied.kernels.cpu_isa import level_rank
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 MAX_ROWS = 8  # as in cpu_quant.c
-# A quantized LM head takes the kernel in slices of MAX_ROWS up to this many rows, from avx2
-# up; past that, unpacking the weight for a matmul is the faster (a Q8_0 head of the default
-# model's shape on a Zen 4: 9 rows 8.2-12.5 against 25-34 ms, 16 rows 22.5 against 30, 32 rows
-# even at avx2 and slower at avx512). The generic body is slower already at 9 rows.
+# A quantized LM head under fp32 math takes the kernel in slices of MAX_ROWS up to this many
+# rows, from avx2 up; past that, unpacking the weight for a matmul is the faster (a Q8_0 head
+# of the default model's shape on a Zen 4: 9 rows 8.2-12.5 against 25-34 ms, 16 rows 22.5
+# against 30, 32 rows even at avx2 and slower at avx512). The generic body is slower already
+# at 9 rows.
 SLICED_MAX_ROWS = 16
 
 
@@ -144,10 +145,12 @@ class CpuQuant:
             unpack.restype = ctypes.c_int
             self._unpack[dtype] = unpack
 
-    @property
-    def sliced_max_rows(self) -> int:
-        """Up to how many rows a quantized LM head takes the kernel (in slices)."""
-        return SLICED_MAX_ROWS if level_rank(self.level) >= level_rank("avx2") else MAX_ROWS
+    def sliced_max_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of ``dtype`` activations a quantized LM head takes the kernel
+        (in slices): under bf16 math oneDNN's matmul on the unpacked weight is the faster past
+        MAX_ROWS (AVX512-BF16, 16 rows: 11.0 against 18.2 ms)."""
+        fast = dtype == torch.float32 and level_rank(self.level) >= level_rank("avx2")
+        return SLICED_MAX_ROWS if fast else MAX_ROWS
 
     @classmethod
     def load(

@@ -100,10 +100,12 @@ class Bf16StoredLinear(nn.Module):
         self.few_rows = None if gemv is None else gemv.bind(rounded, self.bias, torch.float32)
         self.weight = rounded if gemv is None else None  # else the kernel's copy is the one
         # The LM head may take the kernel in forward too (see store_linears_bf16), in slices up
-        # to gemv.sliced_max_rows rows where a matmul would re-pack its weight on every call.
+        # to sliced_max_rows rows where a matmul would re-pack its weight on every call.
         self.few_rows_in_forward = False
         self.sliced_max_rows = (
-            gemv.sliced_max_rows if gemv is not None and self.packed_f32 is None else MAX_ROWS
+            gemv.sliced_max_rows(torch.float32)
+            if gemv is not None and self.packed_f32 is None
+            else MAX_ROWS
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

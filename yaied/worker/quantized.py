@@ -88,7 +88,7 @@ class QuantizedLinear(nn.Module):
             self.bias = self.bias.to(dtype).contiguous()
         self.kernel = kernel
         self.few_rows = None
-        self.sliced_max_rows = MAX_ROWS if kernel is None else kernel.sliced_max_rows
+        self.sliced_max_rows = MAX_ROWS if kernel is None else kernel.sliced_max_rows(dtype)
         if kernel is not None:
             self.few_rows = kernel.bind(self.qtype, self.blocks, self.in_features, self.bias, dtype)
 
