@@ -207,9 +207,9 @@ static inline __attribute__((always_inline)) void range_dot(
  * range's lines (past the group's last range, the next group's) into L2, not L1: an L1
  * prefetch holds one of the few L1 miss buffers until its line comes (2-4 rows read 12-19 GB/s
  * that way, 18-25 to L2, on a Zen 4; 8 rows at AVX512-BF16 14-15 -> 18-20 GB/s). In between,
- * a block's sums wait in `saved`; a range runs on a local copy, which the compiler keeps in registers (it
- * cannot keep `saved` there: vector types may alias anything). Every pair's sum still takes
- * its products in the same order. */
+ * a block's sums wait in `saved`; a range runs on a local copy, which the compiler keeps in
+ * registers (it cannot keep `saved` there: vector types may alias anything). Every pair's sum
+ * still takes its products in the same order. */
 #define RANGE_CHUNKS 8
 #define DEFINE_SPAN(T, SUFFIX)                                                                  \
     static inline __attribute__((always_inline)) void span_##SUFFIX(                            \

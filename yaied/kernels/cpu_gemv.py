@@ -37,6 +37,13 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
+def slice_limit(level: str, dtype: torch.dtype, measured: int) -> int:
+    """An LM head's row limit for a few-row kernel in slices: ``measured`` under fp32 math from
+    avx2 up, else MAX_ROWS (the generic bodies, and bf16 math where oneDNN is the faster)."""
+    fast = dtype == torch.float32 and level_rank(level) >= level_rank("avx2")
+    return measured if fast else MAX_ROWS
+
+
 class CpuGemv:
     """The compiled kernel at one ISA level; ``CpuGemv.load()`` returns None where it cannot be
     built."""
@@ -53,8 +60,7 @@ class CpuGemv:
     def sliced_max_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows of ``dtype`` activations an LM head without a packed matmul
         weight takes the kernel (``BoundLinear.in_slices``): measured for fp32 math."""
-        fast = dtype == torch.float32 and level_rank(self.level) >= level_rank("avx2")
-        return SLICED_MAX_ROWS if fast else MAX_ROWS
+        return slice_limit(self.level, dtype, SLICED_MAX_ROWS)
 
     @classmethod
     def load(
@@ -137,24 +143,15 @@ class BoundLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows <= MAX_ROWS, K] -> x @ weight.T + bias, [rows, N]."""
-        rows, n, k = x.shape[0], self.out_features, self.in_features
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
-        x = x.contiguous()
-        out = torch.empty((rows, n), dtype=self.dtype)
-        status = self.function(
-            None, None, None, 0.0, x.data_ptr(), self._weight, self._bias, out.data_ptr(),
-            rows, n, k, 0, _threads(),
-        )  # fmt: skip
-        self._check(status)
-        return out
+        return self.in_slices(x, MAX_ROWS)
 
-    def in_slices(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, K], any number of rows, MAX_ROWS at a time -> [rows, N]: each row's output
-        is the same bits as ``self(x)`` gives it in any slice (an LM head's logits do not
-        depend on which rows were sampled beside it)."""
+    def in_slices(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
+        """x [rows (<= max_rows where given), K] -> [rows, N], MAX_ROWS rows a kernel call:
+        each row's output is the same bits in any slice (an LM head's logits do not depend on
+        which rows were sampled beside it)."""
         rows, n, k = x.shape[0], self.out_features, self.in_features
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or rows < 1:
+        too_many = max_rows is not None and rows > max_rows
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != k or rows < 1 or too_many:
             raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for weight [{n}, {k}]")
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=self.dtype)

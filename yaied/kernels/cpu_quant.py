@@ -17,8 +17,7 @@ from typing import NamedTuple
 import torch
 
 from yaied.kernels.cpu_build import KernelLibrary, load_library
-from yaied.kernels.cpu_gemv import BoundLinear
-from yaied.kernels.cpu_isa import level_rank
+from yaied.kernels.cpu_gemv import BoundLinear, slice_limit
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 MAX_ROWS = 8  # as in cpu_quant.c
@@ -149,8 +148,7 @@ class CpuQuant:
         """Up to how many rows of ``dtype`` activations a quantized LM head takes the kernel
         (in slices): under bf16 math oneDNN's matmul on the unpacked weight is the faster past
         MAX_ROWS (AVX512-BF16, 16 rows: 11.0 against 18.2 ms)."""
-        fast = dtype == torch.float32 and level_rank(self.level) >= level_rank("avx2")
-        return SLICED_MAX_ROWS if fast else MAX_ROWS
+        return slice_limit(self.level, dtype, SLICED_MAX_ROWS)
 
     @classmethod
     def load(
