@@ -1,8 +1,9 @@
 """Micro-benchmarks of the CPU kernels against the torch code they replace, in one process.
 
 The x.clone() of the norm cases is timed on both sides (the kernel adds into the residual in
-place). The decode-attention case has no torch side: it times the kernel's pass over a W-mixed
-step's K/V from memory and reports the bytes it read per second.
+place). The decode-attention cases have no torch side: each times the kernel's pass over a
+step's K/V from memory (W-mixed's, W-single's, one long row) and reports the bytes it read per
+second; `--decode-only` runs just those.
 
 Each case times the kernel and its torch reference alternately (paired, interleaved), several
 rounds, and keeps the best round of each: on a shared 2-core machine the best round is the
@@ -141,15 +142,18 @@ def fused_cases(ops: CpuFusedOps, dtype: torch.dtype, rows: int, rounds: int) ->
     return results
 
 
-def decode_step_case(kernel: CpuDecodeKernel, dtype: torch.dtype, rounds: int) -> dict:
-    """A decode step's attention in W-mixed's shape, from memory: 32 rows whose contexts are
-    64 to 576 positions, the default model's heads (3 kv heads of 3 query heads, head_dim 64),
+def decode_step_case(
+    kernel: CpuDecodeKernel, dtype: torch.dtype, rounds: int, rows: int, lengths: tuple[int, int]
+) -> dict:
+    """A decode step's attention from memory: `rows` rows whose contexts are `lengths` (low,
+    high) positions, the default model's heads (3 kv heads of 3 query heads, head_dim 64),
     16-position pages scattered over the pool, and 30 layers' caches (so that a pass reads K/V
-    from memory, as in a step, not from the last layer's pass in cache)."""
-    rows, kv_heads, group, head_dim, page_size, layers = 32, 3, 3, 64, 16, 30
+    from memory, as in a step, not from the last layer's pass in cache). W-mixed's step: 32
+    rows of 64 to 576; W-single's: one row of 512 to 768."""
+    kv_heads, group, head_dim, page_size, layers = 3, 3, 64, 16, 30
     gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(64, 577, (rows,), generator=gen)
-    max_pages = -(-576 // page_size)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (rows,), generator=gen)
+    max_pages = -(-lengths[1] // page_size)
     num_pages = 2 * rows * max_pages
     table = torch.randperm(num_pages, generator=gen)[: rows * max_pages].view(rows, max_pages)
     shape = (kv_heads, num_pages, page_size, head_dim)
@@ -163,9 +167,10 @@ def decode_step_case(kernel: CpuDecodeKernel, dtype: torch.dtype, rounds: int) -
     seconds, _ = best_pair(step, lambda: None, rounds, 1)
     read = 2 * int(lens.sum()) * kv_heads * head_dim * q.element_size() * layers
     return {
-        "case": "decode attention, a W-mixed step (32 rows, 30 layers, from memory)",
+        "case": f"decode attention, {rows} rows of {lengths[0]}-{lengths[1]} positions, "
+        "30 layers, from memory",
         "dtype": str(dtype)[6:],
-        "ms": round(seconds * 1e3, 2),
+        "ms": round(seconds * 1e3, 3),
         "kv_gb_s": round(read / seconds / 1e9, 1),
     }
 
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=["bfloat16", "float32", "both"], default="both")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = every core")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode cases")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,6 +192,11 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built (no C compiler?)")
     torch.manual_seed(0)
     for dtype in dtypes:
+        # W-mixed's step (32 rows of 64-576), W-single's (one row of 512-768), one long row
+        for rows, lengths in ((32, (64, 576)), (1, (512, 768)), (1, (2048, 2048))):
+            print(json.dumps(decode_step_case(decode, dtype, args.rounds, rows, lengths)))
+        if args.decode_only:
+            continue
         peak = matmul_gflops(dtype, args.rounds)
         print(json.dumps({"case": "matmul 1024^3", "dtype": str(dtype)[6:], "gflops": round(peak)}))
         # Where the CPU has AMX, bf16 runs on the tiles and again with AVX512-BF16 dots alone.
@@ -199,7 +210,6 @@ def main() -> None:
                 print(json.dumps(prefill_case(kernel, dtype, n, start, 3, 3, 64, args.rounds)))
             print(json.dumps(prefill_case(kernel, dtype, 512, 0, 8, 4, 128, args.rounds)))
         kernel.use_amx = True
-        print(json.dumps(decode_step_case(decode, dtype, args.rounds)))
         for rows in (512, 32, 1):
             for result in fused_cases(ops, dtype, rows, args.rounds):
                 print(json.dumps(result))

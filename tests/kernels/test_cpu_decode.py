@@ -70,6 +70,45 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(kernel):
         assert torch.equal(alone[0], together[r])
 
 
+def _long_rows(lengths, kv_heads, group, head_dim, page_size, dtype, seed):
+    torch.manual_seed(seed)
+    rows = len(lengths)
+    max_pages = -(-max(lengths) // page_size)
+    table = torch.randperm(rows * max_pages + 3)[: rows * max_pages].view(rows, max_pages)
+    shape = (kv_heads, rows * max_pages + 3, page_size, head_dim)
+    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    q = (torch.randn(rows, kv_heads * group, head_dim) * 2).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(3, 3, 64), (1, 4, 128)])
+def test_long_contexts_in_partitions_match_torch_path(
+    kernel, dtype, tolerance, kv_heads, group, head_dim
+):
+    """Contexts past one partition (256 positions) are split and merged; past 16 partitions
+    the partitions grow (5000 positions: 10 of 512)."""
+    lengths = [256, 257, 549, 1, 4096, 5000]
+    args = _long_rows(lengths, kv_heads, group, head_dim, 16, dtype, seed=head_dim)
+    ours = kernel(*args, head_dim**-0.5)
+    theirs = reference(*args, head_dim**-0.5)
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_a_row_does_not_depend_on_the_threads(kernel):
+    """The partitions of a long context depend on its length alone: one thread computes the
+    same bits as the whole team."""
+    args = _long_rows([700, 3, 1500], 3, 3, 64, 16, torch.bfloat16, seed=9)
+    threads = torch.get_num_threads()
+    team = kernel(*args, 0.125)
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(*args, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, team)
+
+
 def test_launcher_checks_shapes(kernel):
     k = torch.zeros(2, 4, 16, 32)
     with pytest.raises(ValueError, match="shapes"):

@@ -87,7 +87,7 @@ class CpuDecodeKernel:
             0,
             *_rows_and_layout(rows, heads, k_cache, page_table, scale),
         )
-        _check(status == 0, "the CPU kernel rejected the shapes")
+        _check_status(status)
         return out
 
     def step(
@@ -128,7 +128,7 @@ class CpuDecodeKernel:
             out.data_ptr(),
             *_rows_and_layout(rows, heads, k_cache, page_table, scale),
         )
-        _check(status == 0, "the CPU kernel rejected the shapes")
+        _check_status(status)
         return out
 
 
@@ -140,6 +140,11 @@ def _rows_and_layout(
     kv_heads, num_pages, page_size, head_dim = k_cache.shape
     group = heads // kv_heads
     return rows, kv_heads, group, head_dim, num_pages, page_size, page_table.shape[1], scale
+
+
+def _check_status(status: int) -> None:
+    _check(status != -2, "the CPU kernel could not get scratch memory")
+    _check(status == 0, "the CPU kernel rejected the shapes")
 
 
 def _check(ok: bool, message: str) -> None:

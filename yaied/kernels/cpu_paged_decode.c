@@ -8,9 +8,9 @@
  *   context_lens [rows] int64: row r attends to positions [0, context_lens[r])
  *
  * Built by yaied/kernels/cpu_decode.py with the system C compiler; the torch reference is
- * yaied.worker.attention._decode_attention. (row, kv head) pairs are split across the calling
- * thread's OpenMP team (the engine's worker thread: torch's team). The `_step` entry does a
- * decode-only step's rotary and K/V write too, in the same parallel region.
+ * yaied.worker.attention._decode_attention. (row, kv head, partition) items are split across
+ * the calling thread's OpenMP team (the engine's worker thread: torch's team). The `_step` entry
+ * does a decode-only step's rotary and K/V write too, in the same parallel region.
  *
  * The pass is bound by memory: W-mixed's 32 rows over about 350 positions read 258 MB of K/V a
  * step. Two things keep it near the machine's bandwidth: the next pages are prefetched (the page
@@ -92,6 +92,54 @@ static inline vf exp2_nonpositive_v(vf x) {
     return EXP2_FRACTION(f) * (vf)((n + 127) << 23);
 }
 
+/* Long contexts are split into partitions, each a work item of its own, whose partial results
+ * are merged in partition order: at batch 1 the default model has 3 (row, kv head) pairs for 2
+ * or more threads, and one pair per thread left the rest idle. A row's partitions depend on its
+ * context length alone (PARTITION positions, more where that would make more than MAX_PARTS),
+ * never on the batch or the threads, so a row's output is the same bits in any batch; a context
+ * of at most PARTITION positions is one item, computed as before the split. */
+#define PARTITION 256 /* a multiple of BLOCK */
+#define MAX_PARTS 16
+
+typedef struct {
+    int64_t row, head, begin, end; /* positions [begin, end) of (row, kv head) */
+    int64_t part, parts;           /* this item's index among the pair's partitions */
+} DecodeItem;
+
+static inline int64_t partition_size(int64_t context_len) {
+    int64_t wanted = (context_len + MAX_PARTS - 1) / MAX_PARTS;
+    return wanted <= PARTITION ? PARTITION : (wanted + PARTITION - 1) / PARTITION * PARTITION;
+}
+
+/* The step's items in (row, kv head, partition) order into the calling thread's scratch, and
+ * room for the partitions' partial results (group x (max, sum, head_dim outputs) floats per
+ * item); returns the item count, or -1 without memory. */
+static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_t row_end,
+                          int64_t kv_heads, int64_t group, int64_t head_dim, DecodeItem **items,
+                          float **partials) {
+    int64_t count = 0;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        int64_t size = partition_size(context_lens[r]);
+        int64_t parts = context_lens[r] <= size ? 1 : (context_lens[r] + size - 1) / size;
+        count += kv_heads * parts;
+    }
+    *items = thread_scratch(0, (size_t)(count ? count : 1) * sizeof(DecodeItem));
+    size_t partial_floats = (size_t)(count ? count : 1) * group * (2 + head_dim);
+    *partials = thread_scratch(1, partial_floats * sizeof(float));
+    if (!*items || !*partials) return -1;
+    DecodeItem *it = *items;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        int64_t len = context_lens[r], size = partition_size(len);
+        int64_t parts = len <= size ? 1 : (len + size - 1) / size;
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t p = 0; p < parts; p++) {
+                int64_t end = parts == 1 ? len : (p + 1) * size < len ? (p + 1) * size : len;
+                *it++ = (DecodeItem){r, h, p * size, end, p, parts};
+            }
+    }
+    return count;
+}
+
 /* One (row, kv head) pair: `group` query heads against one kv head's context. A block's K and V
  * rows are widened to fp32 once and serve every query head of the group; each head's scores are
  * one vector, its softmax sum BLOCK partial sums, its output head_dim / BLOCK vectors. */
@@ -107,9 +155,9 @@ static inline vf exp2_nonpositive_v(vf x) {
     }                                                                                              \
                                                                                                    \
     static inline __attribute__((always_inline)) void NAME##_one(                                 \
-        const T *q, const T *k_cache, const T *v_cache, const int64_t *pages,                   \
-                           int64_t context_len, T *out, int64_t group, int64_t head_dim,           \
-                           int64_t page_size, int64_t page_stride, float scale) {                  \
+        const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, int64_t begin,     \
+        int64_t end, int64_t context_len, T *out, float *partial, int64_t group,                 \
+        int64_t head_dim, int64_t page_size, int64_t page_stride, float scale) {                 \
         const int64_t chunks = (head_dim + BLOCK - 1) / BLOCK;                                     \
         const float log2e = 1.44269504088896341f;                                                  \
         vf query[MAX_GROUP][chunks], acc[MAX_GROUP][chunks], key[BLOCK][chunks],                   \
@@ -124,8 +172,8 @@ static inline vf exp2_nonpositive_v(vf x) {
             running_max[g] = -INFINITY;                                                            \
             sums[g] = (vf){0};                                                                     \
         }                                                                                          \
-        for (int64_t start = 0; start < context_len; start += BLOCK) {                             \
-            int64_t n = context_len - start < BLOCK ? context_len - start : BLOCK;                 \
+        for (int64_t start = begin; start < end; start += BLOCK) {                                 \
+            int64_t n = end - start < BLOCK ? end - start : BLOCK;                                 \
             for (int64_t pos = start + AHEAD; pos < start + AHEAD + BLOCK && pos < context_len;    \
                  pos++) {                                                                          \
                 int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * head_dim;  \
@@ -175,6 +223,18 @@ static inline vf exp2_nonpositive_v(vf x) {
         for (int64_t g = 0; g < group; g++) {                                                      \
             float denom = 0.0f;                                                                    \
             for (int i = 0; i < BLOCK; i++) denom += sums[g][i];                                   \
+            if (partial) { /* a partition: its max, sum and unnormalised output, for the merge */  \
+                float *mine = partial + g * (2 + head_dim);                                        \
+                mine[0] = running_max[g];                                                          \
+                mine[1] = denom;                                                                   \
+                for (int64_t c = 0; c < chunks; c++) {                                             \
+                    float lanes[BLOCK];                                                            \
+                    memcpy(lanes, &acc[g][c], sizeof lanes);                                       \
+                    for (int64_t i = 0; i < BLOCK && c * BLOCK + i < head_dim; i++)                \
+                        mine[2 + c * BLOCK + i] = lanes[i];                                        \
+                }                                                                                  \
+                continue;                                                                          \
+            }                                                                                      \
             float result[MAX_HEAD_DIM + BLOCK];                                                    \
             for (int64_t c = 0; c < chunks; c++) {                                                 \
                 vf o = acc[g][c] / denom;                                                          \
@@ -184,46 +244,81 @@ static inline vf exp2_nonpositive_v(vf x) {
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* Rows [row_begin, row_end); q and out rows `q_stride` and `out_stride` elements apart. */    \
-    static void NAME##_rows(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,      \
-                            const int64_t *page_table, const int64_t *context_lens, T *out,        \
-                            int64_t out_stride, int64_t row_begin, int64_t row_end,                \
-                            int64_t kv_heads, int64_t group, int64_t head_dim,                     \
-                            int64_t num_pages, int64_t page_size, int64_t max_pages,               \
-                            float scale) {                                                         \
-        int64_t page_stride = page_size * head_dim;                                                \
-        int64_t head_stride = num_pages * page_stride;                                             \
-        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                        \
-        for (int64_t r = row_begin; r < row_end; r++) {                                            \
-            for (int64_t h = 0; h < kv_heads; h++) {                                               \
-                const T *qh = q + r * q_stride + h * group * head_dim;                             \
-                T *oh = out + r * out_stride + h * group * head_dim;                               \
-                const int64_t *pages = page_table + r * max_pages;                                 \
-                const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;          \
-                /* Constant head sizes let the compiler unroll and vectorise fully. */             \
-                if (head_dim == 64 && page_size == 16)                                             \
-                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, 64, 16, 16 * 64,     \
-                               scale);                                                             \
-                else if (head_dim == 128 && page_size == 16)                                       \
-                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, 128, 16,             \
-                               16 * 128, scale);                                                   \
-                else                                                                               \
-                    NAME##_one(qh, kh, vh, pages, context_lens[r], oh, group, head_dim,            \
-                               page_size, page_stride, scale);                                     \
+    /* A (row, kv head) pair's partitions merged in their order into out (see DecodeItem). */     \
+    static void NAME##_merge(const float *partials, int64_t parts, T *out, int64_t group,          \
+                             int64_t head_dim) {                                                   \
+        const float ln2 = 0.69314718055994531f; /* maxima are in log2 units */                    \
+        int64_t stride = group * (2 + head_dim);                                                   \
+        for (int64_t g = 0; g < group; g++) {                                                      \
+            const float *first = partials + g * (2 + head_dim);                                    \
+            float top = first[0], total = 0.0f, result[MAX_HEAD_DIM] = {0};                        \
+            for (int64_t p = 1; p < parts; p++)                                                    \
+                top = first[p * stride] > top ? first[p * stride] : top;                           \
+            for (int64_t p = 0; p < parts; p++) {                                                  \
+                const float *part = first + p * stride;                                            \
+                float weight = exp_nonpositive((part[0] - top) * ln2);                             \
+                total += weight * part[1];                                                         \
+                for (int64_t d = 0; d < head_dim; d++) result[d] += weight * part[2 + d];          \
             }                                                                                      \
+            for (int64_t d = 0; d < head_dim; d++)                                                 \
+                out[g * head_dim + d] = STORE(result[d] / total);                                  \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* The planned items (plan_items), then the merge of split pairs; q and out rows `q_stride`  \
+     * and `out_stride` elements apart. Called inside a parallel region. */                      \
+    static void NAME##_rows(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,      \
+                            const int64_t *page_table, const int64_t *context_lens, T *out,        \
+                            int64_t out_stride, const DecodeItem *items, int64_t count,            \
+                            float *partials, int64_t group, int64_t head_dim, int64_t num_pages,   \
+                            int64_t page_size, int64_t max_pages, float scale) {                   \
+        int64_t page_stride = page_size * head_dim;                                                \
+        int64_t head_stride = num_pages * page_stride;                                             \
+        int64_t partial_stride = group * (2 + head_dim);                                           \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t i = 0; i < count; i++) {                                                      \
+            const DecodeItem *it = items + i;                                                      \
+            int64_t r = it->row, h = it->head;                                                     \
+            const T *qh = q + r * q_stride + h * group * head_dim;                                 \
+            T *oh = out + r * out_stride + h * group * head_dim;                                   \
+            const int64_t *pages = page_table + r * max_pages;                                     \
+            const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
+            float *partial = it->parts > 1 ? partials + i * partial_stride : NULL;                 \
+            /* Constant head sizes let the compiler unroll and vectorise fully. */                 \
+            if (head_dim == 64 && page_size == 16)                                                 \
+                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
+                           group, 64, 16, 16 * 64, scale);                                         \
+            else if (head_dim == 128 && page_size == 16)                                           \
+                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
+                           group, 128, 16, 16 * 128, scale);                                       \
+            else                                                                                   \
+                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
+                           group, head_dim, page_size, page_stride, scale);                        \
+        } /* the implicit barrier: every partition is done before any merge */                     \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t i = 0; i < count; i++)                                                        \
+            if (items[i].part == 0 && items[i].parts > 1)                                          \
+                NAME##_merge(partials + i * partial_stride, items[i].parts,                        \
+                             out + items[i].row * out_stride + items[i].head * group * head_dim,   \
+                             group, head_dim);                                                     \
+    }                                                                                              \
+                                                                                                   \
+    /* Returns 0, -1 for sizes past MAX_GROUP or MAX_HEAD_DIM, -2 without scratch memory. */      \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *page_table,            \
              const int64_t *context_lens, T *out, int64_t row_begin, int64_t row_end,              \
              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_pages,                 \
              int64_t page_size, int64_t max_pages, float scale) {                                  \
         if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                               \
         int64_t row_stride = kv_heads * group * head_dim;                                          \
+        DecodeItem *items;                                                                         \
+        float *partials;                                                                           \
+        int64_t count = plan_items(context_lens, row_begin, row_end, kv_heads, group, head_dim,    \
+                                   &items, &partials);                                             \
+        if (count < 0) return -2;                                                                  \
         _Pragma("omp parallel")                                                                    \
         NAME##_rows(q, row_stride, k_cache, v_cache, page_table, context_lens, out, row_stride,    \
-                    row_begin, row_end, kv_heads, group, head_dim, num_pages, page_size,           \
-                    max_pages, scale);                                                             \
+                    items, count, partials, group, head_dim, num_pages, page_size, max_pages,      \
+                    scale);                                                                        \
         return 0;                                                                                  \
     }                                                                                              \
                                                                                                    \
@@ -239,6 +334,11 @@ static inline vf exp2_nonpositive_v(vf x) {
         if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                               \
         int64_t heads = kv_heads * group, half = head_dim / 2;                                     \
         int64_t head_stride = num_pages * page_size * head_dim;                                    \
+        DecodeItem *items;                                                                         \
+        float *partials;                                                                           \
+        int64_t count = plan_items(context_lens, 0, rows, kv_heads, group, head_dim, &items,       \
+                                   &partials);                                                     \
+        if (count < 0) return -2;                                                                  \
         _Pragma("omp parallel")                                                                    \
         {                                                                                          \
             _Pragma("omp for schedule(static)")                                                    \
@@ -253,9 +353,9 @@ static inline vf exp2_nonpositive_v(vf x) {
                            head_dim * sizeof(T));                                                  \
                 }                                                                                  \
             } /* the implicit barrier: every row's K/V is written before any row attends */        \
-            NAME##_rows(qkv, q_stride, k_cache, v_cache, page_table, context_lens, out, heads * head_dim, \
-                        0, rows, kv_heads, group, head_dim, num_pages, page_size, max_pages,       \
-                        scale);                                                                    \
+            NAME##_rows(qkv, q_stride, k_cache, v_cache, page_table, context_lens, out,            \
+                        heads * head_dim, items, count, partials, group, head_dim, num_pages,      \
+                        page_size, max_pages, scale);                                              \
         }                                                                                          \
         return 0;                                                                                  \
     }
