@@ -29,13 +29,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="requests decoding at once")
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--quantization", default="none", help="model.quantization (gguf, q8_0, ...)"
+    )
     parser.add_argument("--profile-steps", type=int, default=20, help="0: no python_share")
     args = parser.parse_args()
 
     from yaied.core.config import load_config
     from yaied.engine.async_engine import AsyncEngine
 
-    config = load_config(env={}, overrides={"model": args.model, "threads": args.threads})
+    config = load_config(
+        env={},
+        overrides={"model": args.model, "threads": args.threads, "quantization": args.quantization},
+    )
     engine = AsyncEngine(config, show_progress=False)
     rng = random.Random(0)
     for i in range(args.rows):
@@ -124,7 +130,9 @@ def _mark_native(runner) -> None:
         inputs.decode_kernel = MarkedDecodeKernel()
     loop = getattr(runner.model, "decode_loop", None)  # every layer in one call
     if loop is not None:
-        loop.loop._run = marked(loop.loop._run)
+        runs = loop.loop._runs  # one C entry per activation dtype
+        for dtype, run in list(runs.items()):
+            runs[dtype] = marked(run)
     for module in runner.model.modules():  # the few-row linear kernel (worker/cpu_linear.py)
         bound = getattr(module, "few_rows", None)
         if bound is not None:
