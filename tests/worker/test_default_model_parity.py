@@ -6,12 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tests.conftest import assert_greedy_equal, hf_greedy
 from yaied import LLM, SamplingParams
-from yaied.worker.model_files import DEFAULT_MODEL_NAME, find_default_model_gguf
+from yaied.worker.model_files import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow  # the default model, and transformers over its GGUF file
 
@@ -27,12 +25,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    gguf = find_default_model_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+def oracle(transformers_default_model):
+    return transformers_default_model
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,8 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_state_dict(default_gguf: Path) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    return {name: tensor.float() for name, tensor in model.state_dict().items()}
+def reference_state_dict(transformers_default_model) -> dict[str, torch.Tensor]:
+    return {name: t.float() for name, t in transformers_default_model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
