@@ -81,6 +81,7 @@ def test_w_single_with_compare_hf(tmp_path):
     assert record["workload"] == "W-single" and record["output_tokens"] == 256
     assert record["ttft_ms"] > 0 and record["decode_tok_s"] > 0 and record["hf_decode_tok_s"] > 0
     assert record["copy_bandwidth_gb_s"] > 0 and record["memory_floor_tok_s"] > 0
+    assert len(record["floor_bandwidth_gb_s"]) == 2 and min(record["floor_bandwidth_gb_s"]) > 0
     assert record["weight_bytes"] > 0 and record["kv_bytes_per_token"] > 0
 
 
