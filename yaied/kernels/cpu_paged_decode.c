@@ -111,6 +111,11 @@ static inline int64_t partition_size(int64_t context_len) {
     return wanted <= PARTITION ? PARTITION : (wanted + PARTITION - 1) / PARTITION * PARTITION;
 }
 
+/* How many partitions of `size` positions a context takes (a short one, or none, is one). */
+static inline int64_t partition_count(int64_t context_len, int64_t size) {
+    return context_len <= size ? 1 : (context_len + size - 1) / size;
+}
+
 /* The step's items in (row, kv head, partition) order into the calling thread's scratch, and
  * room for the partitions' partial results (group x (max, sum, head_dim outputs) floats per
  * item); returns the item count, or -1 without memory. */
@@ -118,11 +123,8 @@ static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_
                           int64_t kv_heads, int64_t group, int64_t head_dim, DecodeItem **items,
                           float **partials) {
     int64_t count = 0;
-    for (int64_t r = row_begin; r < row_end; r++) {
-        int64_t size = partition_size(context_lens[r]);
-        int64_t parts = context_lens[r] <= size ? 1 : (context_lens[r] + size - 1) / size;
-        count += kv_heads * parts;
-    }
+    for (int64_t r = row_begin; r < row_end; r++)
+        count += kv_heads * partition_count(context_lens[r], partition_size(context_lens[r]));
     *items = thread_scratch(0, (size_t)(count ? count : 1) * sizeof(DecodeItem));
     size_t partial_floats = (size_t)(count ? count : 1) * group * (2 + head_dim);
     *partials = thread_scratch(1, partial_floats * sizeof(float));
@@ -130,7 +132,7 @@ static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_
     DecodeItem *it = *items;
     for (int64_t r = row_begin; r < row_end; r++) {
         int64_t len = context_lens[r], size = partition_size(len);
-        int64_t parts = len <= size ? 1 : (len + size - 1) / size;
+        int64_t parts = partition_count(len, size);
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t p = 0; p < parts; p++) {
                 int64_t end = parts == 1 ? len : (p + 1) * size < len ? (p + 1) * size : len;
