@@ -65,7 +65,7 @@ def fastest_hf_model(
             best = (seconds[name], name, model)
         del model
     _, name, model = best
-    record = {"hf_dtype": name, "hf_probe_s": {k: round(v, 3) for k, v in seconds.items()}}
+    record = {"hf_dtype": name, "hf_probe_s": {k: round(v, 6) for k, v in seconds.items()}}
     return model, record
 
 

@@ -55,7 +55,8 @@ def test_w_nano_smoke_with_compare_hf(tmp_path):
     assert record["cpu_isa"] and record["copy_bandwidth_gb_s"] > 0 and record["cpu"]
     assert record["math_dtype"] == "float32" and record["weight_dtype"] == "float32"
     probe = record["hf_probe_s"]
-    assert record["hf_dtype"] == min(probe, key=probe.get) and set(probe) == {"bfloat16", "float32"}
+    assert set(probe) == {"bfloat16", "float32"}
+    assert probe[record["hf_dtype"]] == min(probe.values())  # a tie may go either way
 
 
 @pytest.mark.timeout(180)
