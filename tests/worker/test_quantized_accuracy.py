@@ -39,6 +39,14 @@ def reference():
     llm.close()
 
 
+@pytest.fixture(scope="module")
+def gguf_llm():
+    """The file's own blocks, loaded once for the log-likelihood and the greedy test."""
+    llm = LLM("smollm2-135m-instruct", quantization="gguf", **ENGINE)
+    yield llm
+    llm.close()
+
+
 Q4_0_MISSES = pytest.mark.xfail(
     strict=True,
     reason="Q4_0 packed from the file's Q4_1 weights loses 0.23 nats/token on this 135M model "
@@ -47,18 +55,21 @@ Q4_0_MISSES = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "q8_0", pytest.param("q4_0", marks=Q4_0_MISSES)])
-def test_log_likelihood_against_fp32_on_the_same_weights(reference, quantization):
+def test_log_likelihood_against_fp32_on_the_same_weights(reference, quantization, request):
     llm_fp32, ids, expected = reference
-    llm = LLM("smollm2-135m-instruct", quantization=quantization, **ENGINE)
-    try:
-        got = mean_log_likelihood(llm, ids)
-    finally:
-        llm.close()
+    if quantization == "gguf":
+        got = mean_log_likelihood(request.getfixturevalue("gguf_llm"), ids)
+    else:
+        llm = LLM("smollm2-135m-instruct", quantization=quantization, **ENGINE)
+        try:
+            got = mean_log_likelihood(llm, ids)
+        finally:
+            llm.close()
     print(f"{quantization}: {got:.4f} nats/token, fp32 {expected:.4f}, diff {got - expected:+.4f}")
     assert abs(got - expected) <= LIMITS[quantization]
 
 
-def test_greedy_parity_with_fp32_on_the_same_weights(reference):
+def test_greedy_parity_with_fp32_on_the_same_weights(reference, gguf_llm):
     """``gguf`` (the file's Q4_1 blocks, decoded by the quantized kernel) against the same
     weights in fp32: the same 32 tokens for at least 6 of 8 chat prompts (measured: 8 of 8)."""
     llm_fp32 = reference[0]
@@ -79,11 +90,7 @@ def test_greedy_parity_with_fp32_on_the_same_weights(reference):
     inputs = llm_fp32.engine.inputs
     ids = [inputs.prompt_token_ids(inputs.chat_prompt(p)[0], params) for p in prompts]
     theirs = [o.token_ids for o in llm_fp32.generate(ids, params)]
-    llm = LLM("smollm2-135m-instruct", quantization="gguf", **ENGINE)
-    try:
-        ours = [o.token_ids for o in llm.generate(ids, params)]
-    finally:
-        llm.close()
+    ours = [o.token_ids for o in gguf_llm.generate(ids, params)]
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     print(f"gguf greedy: {same} of 8 prompts agree")
     assert same >= 6, f"{same} of 8 prompts agree"
