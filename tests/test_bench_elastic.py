@@ -16,8 +16,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_elastic_bench_short_ramp():
-    args = ["--elastic", "--phases", "1,4,4", "--high-rate", "30", "--max-engines", "2"]
-    args += ["--window", "0.5", "--cooldown", "0.5", "--idle", "1", "--load-seconds", "0.2"]
+    # One fake engine serves 20 calls/s (4 slots, 10 tokens of 20 ms): the high phase's 40/s
+    # piles up calls in half a second. The fake engines sleep, so the ramp does not depend on
+    # how busy the machine is.
+    args = ["--elastic", "--phases", "0.5,2,1", "--high-rate", "40", "--tokens", "10"]
+    args += ["--max-engines", "2", "--window", "0.5", "--cooldown", "0.5", "--idle", "1"]
+    args += ["--load-seconds", "0.2"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_router.py"), *args],
         capture_output=True,
