@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -41,10 +42,11 @@ def body(stream: bool) -> dict:
     }
 
 
-def stream(url: str, session: str) -> list[dict]:
+def stream(client: httpx.Client, session: str, start: threading.Barrier) -> list[dict]:
     headers = {**ADMIN, "X-Session-Id": session}
     chunks = []
-    with httpx.stream("POST", url + "/v1/completions", json=body(True), headers=headers) as r:
+    start.wait(timeout=30)
+    with client.stream("POST", "/v1/completions", json=body(True), headers=headers) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -108,9 +110,23 @@ def open_streams(live, manager, n: int, session: str, then) -> tuple[list, set[i
     """``n`` streams of ``session``; once all stream, ``then()``; their chunks, and every
     /health status seen until they ended."""
     health: set[int] = set()
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(stream, live.url, session) for _ in range(n)]
-        wait_for(lambda: len(manager._calls) == n and manager.num_calls_waiting == 0)
+    # The streams leave together, over one client made beforehand: each started on its own
+    # (a client apiece, threads starting one by one) on a loaded machine, the first could end
+    # before the last had begun, and the moment when all n stream never came.
+    start = threading.Barrier(n)
+    limits = httpx.Limits(max_connections=n)
+    with (
+        httpx.Client(base_url=live.url, limits=limits, timeout=60) as client,
+        concurrent.futures.ThreadPoolExecutor(n) as pool,
+    ):
+        futures = [pool.submit(stream, client, session, start) for _ in range(n)]
+
+        def all_streaming() -> bool:
+            ended = [f for f in futures if f.done()]
+            assert not ended, f"{len(ended)} stream(s) ended before all {n} were streaming"
+            return len(manager._calls) == n and manager.num_calls_waiting == 0
+
+        wait_for(all_streaming)
         then()
         while not all(f.done() for f in futures):
             health.add(httpx.get(live.url + "/health").status_code)
