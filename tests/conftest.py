@@ -119,22 +119,6 @@ def default_model_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
-def transformers_default_model():
-    """transformers' own fp32 model of the embedded default model, read from its GGUF file by
-    transformers' gguf_file= loader (an oracle independent of our conversion). Loaded once:
-    it takes about 20 s, and two test files compare against it."""
-    from transformers import AutoModelForCausalLM
-
-    from yaied.worker.model_files import find_default_model_gguf
-
-    gguf = find_default_model_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {kind: make_tiny_model(kind, root / kind) for kind in TINY_CONFIGS}

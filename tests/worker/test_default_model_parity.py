@@ -1,15 +1,23 @@
-"""The embedded default model, greedy, against transformers fp32 reading the same GGUF file itself
-(its own gguf_file= loader), so a bug in our conversion cannot hide behind a shared one."""
+"""The embedded default model against transformers fp32 reading the same GGUF file itself (its own
+gguf_file= loader), so a bug in our conversion cannot hide behind a shared one: the converted
+weights, then greedy output."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import assert_greedy_equal, hf_greedy
 from yaied import LLM, SamplingParams
-from yaied.worker.model_files import DEFAULT_MODEL_NAME
+from yaied.worker.model_files import (
+    DEFAULT_MODEL_NAME,
+    find_default_model_gguf,
+    iter_safetensors_weights,
+)
 
 pytestmark = pytest.mark.slow  # the default model, and transformers over its GGUF file
 
@@ -25,8 +33,26 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def oracle(transformers_default_model):
-    return transformers_default_model
+def oracle():
+    """transformers' own fp32 model, read from the GGUF file by its gguf_file= loader (about
+    20 s: every test against it lives in this file, so it loads once)."""
+    gguf = find_default_model_gguf()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+def test_default_weights_equal_transformers_gguf_loader(oracle, default_model_folder: Path):
+    """Our conversion (worker/gguf_convert.py) gives transformers' weights, bit for bit."""
+    reference = {name: t.float() for name, t in oracle.state_dict().items()}
+    converted = dict(iter_safetensors_weights(default_model_folder, show_progress=False))
+    # Tied embeddings: transformers exposes lm_head.weight, the GGUF (and our folder) has none.
+    assert "lm_head.weight" not in converted
+    assert set(converted) == set(reference) - {"lm_head.weight"}
+    for name, tensor in converted.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, reference[name]), name
 
 
 @pytest.fixture(scope="module")
