@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,26 @@ def isa_level(request) -> str:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` need a CUDA device and compiled kernels."""
+    """Tests marked `cuda` need a CUDA device and compiled kernels. And every test gets an id
+    of its own (see _give_shared_ids_their_names)."""
+    _give_shared_ids_their_names(items)
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     reason = "needs CUDA with TRITON_INTERPRET unset"
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _give_shared_ids_their_names(items) -> None:
+    """schemathesis's per-operation tests (tests/server/test_schemathesis.py) carry the operation
+    in their name, but under pytest 9.2 they all get the bare function's node id. pytest-xdist
+    (scripts/test) schedules by node id and would run one operation of the twenty; such items
+    get an id from their name instead."""
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.name != item.nodeid.rpartition("::")[2]:
+            item._id = item.parent.id.child(item.name)
 
 
 # Shapes shared by every tiny config; each entry below says what makes its family different.
