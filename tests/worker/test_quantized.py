@@ -314,6 +314,36 @@ def test_the_quantized_head_takes_the_kernel_in_slices(isa_level):
         torch.testing.assert_close(head(x), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_matmul_unpacks_the_weight_in_tiles(isa_level, dtype, bias, monkeypatch):
+    """Many rows unpack the weight a tile of rows at a time (4 KiB tiles here: 64 rows, the
+    least a tile has, then a last one of 8); the result is the whole weight's matmul, and the
+    unpacking buffer holds one tile."""
+    import yaied.worker.quantized as quantized
+
+    monkeypatch.setattr(quantized, "TILE_BYTES", 4096)
+    monkeypatch.setattr(quantized._UnpackBuffer, "buffers", {})
+    torch.manual_seed(3)
+    n, k = 200, 64
+    weight = torch.randn(n, k) / 8
+    layer = QuantizedLinear(Q8_0, quantize(weight, Q8_0), k, torch.randn(n) if bias else None)
+    layer.bind(kernel_at(CpuQuant, isa_level), dtype)
+    x = torch.randn(40, k).to(dtype)  # past the few-row kernel's rows
+    rows = layer.tile_rows(dtype)
+    assert rows == 64 and n % rows
+    with torch.inference_mode():
+        got = layer(x)
+        whole = layer.unpacked(dtype).clone()
+        expected = torch.nn.functional.linear(x, whole, layer.bias)
+    torch.testing.assert_close(got, expected)
+    assert quantized._UnpackBuffer.buffers[dtype].numel() == n * k  # the whole, for `expected`
+    monkeypatch.setattr(quantized._UnpackBuffer, "buffers", {})
+    with torch.inference_mode():
+        layer(x)
+    assert quantized._UnpackBuffer.buffers[dtype].numel() == rows * k
+
+
 def test_unknown_tensor_type_names_the_tensor(tiny_gguf, tmp_path):
     """A tensor whose type number no GGUF reader knows (a corrupt header) stops the load with
     a message naming it, before any conversion."""
