@@ -34,6 +34,7 @@ import time
 import uvicorn
 
 from yaied.core.config import EngineConfig
+from yaied.core.processes import freeze_loaded_objects
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
@@ -150,6 +151,7 @@ def run_server(
             engine.on_dead = engine_died
             manager = EngineManager.single(engine, router_config)
         manager.autoscale = autoscale or manager.autoscale
+        freeze_loaded_objects()
         return manager
 
     def load_failed(exc: BaseException) -> None:

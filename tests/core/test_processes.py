@@ -1,4 +1,5 @@
-"""core/processes.py: every thread of a process moved to one nice value."""
+"""core/processes.py: every thread of a process moved to one nice value; the loaded objects out
+of the garbage collector's walk."""
 
 import os
 import subprocess
@@ -46,3 +47,31 @@ def test_a_refused_priority_is_a_reason_not_an_error(monkeypatch):
     problem = processes.match_niceness(now - 1)
     assert problem is not None and "RAY_worker_niceness=0" in problem
     assert processes.match_niceness(now) is None  # already there: nothing to do
+
+
+# In a child of its own: the freeze is process-wide.
+FREEZE_CHILD = """
+import gc, weakref
+from yaied.core.processes import freeze_loaded_objects
+
+class Loaded:  # stands for a loaded module: in a cycle
+    def __init__(self):
+        self.me = self
+
+gc.disable()  # no collection but the freeze's own
+loaded = Loaded()
+garbage = Loaded()
+gone = weakref.ref(garbage)
+del garbage  # a cycle nobody holds: collected by the freeze, not frozen with the rest
+freeze_loaded_objects()
+walked = any(o is loaded for o in gc.get_objects())  # the collector's generations
+print(gc.get_freeze_count() > 0, gone() is None, walked)
+"""
+
+
+def test_the_loaded_objects_leave_the_collectors_walk():
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE_CHILD], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False"]

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
-from yaied.core.processes import exit_with_parent
+from yaied.core.processes import exit_with_parent, freeze_loaded_objects
 from yaied.core.request import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ def child_main(
     # systemd's stop sends SIGTERM to every process of the service: while loading, it ends this
     # one at once (nothing to finish); once serving, the router drains and then stops it.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    freeze_loaded_objects()
     sender.put(("ready", engine.info))
     asyncio.run(ChildServer(engine, sender).serve(submit_conn, abort_conn))
     sender.close()

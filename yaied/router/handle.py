@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,9 @@ class InProcessHandle(EngineHandle):
         # then it is not waited for).
         self.health = Health.STOPPED
         await self.engine.shutdown()
+        # The daemon froze the loaded objects (core/processes.py): whatever of this engine is
+        # held in reference cycles goes back to the collector, or its weights would stay.
+        gc.unfreeze()
 
     def submit(
         self,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
-from yaied.core.processes import match_niceness
+from yaied.core.processes import freeze_loaded_objects, match_niceness
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class EngineActor:
         engine.step_observer = self._steps.append
         engine.on_dead = self._die
         self.engine = engine
+        freeze_loaded_objects()
         return engine.info
 
     def _die(self, exc: BaseException) -> None:
