@@ -12,11 +12,15 @@ per op lands on both sides, so read it as an estimate, and compare runs taken th
 
     .venv/bin/python scripts/step_overhead.py            # default model, 32 decode rows
     .venv/bin/python scripts/step_overhead.py --rows 1   # one stream
+    .venv/bin/python scripts/step_overhead.py --freeze   # the loaded objects frozen, as served
+
+``gc_*`` say what the garbage collector took during the timed steps, by generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -33,6 +37,9 @@ def main() -> None:
         "--quantization", default="none", help="model.quantization (gguf, q8_0, ...)"
     )
     parser.add_argument("--profile-steps", type=int, default=20, help="0: no python_share")
+    parser.add_argument(
+        "--freeze", action="store_true", help="freeze the loaded objects first, as the daemon does"
+    )
     args = parser.parse_args()
 
     from yaied.core.config import load_config
@@ -63,6 +70,11 @@ def main() -> None:
         engine.scheduler.waiting or engine._inbox
     ):
         engine.step()  # prefill until every request decodes
+    if args.freeze:
+        from yaied.core.processes import freeze_loaded_objects
+
+        freeze_loaded_objects()
+    collections = _CollectorClock()
     totals, workers = [], []
     for _ in range(args.steps):
         worker_seconds[0] = 0.0
@@ -70,6 +82,7 @@ def main() -> None:
         engine.step()
         totals.append(time.perf_counter() - started)
         workers.append(worker_seconds[0])
+    collections.stop()
     engine_part = [t - w for t, w in zip(totals, workers, strict=True)]
     record = {
         "rows": args.rows,
@@ -77,10 +90,36 @@ def main() -> None:
         "step_ms": round(statistics.median(totals) * 1e3, 3),
         "worker_ms": round(statistics.median(workers) * 1e3, 3),
         "engine_ms": round(statistics.median(engine_part) * 1e3, 3),
+        # The garbage collector during the timed steps, by generation (0, 1, 2).
+        "gc_collections": collections.count,
+        "gc_ms": [round(t * 1e3, 2) for t in collections.seconds],
+        "gc_longest_ms": [round(t * 1e3, 2) for t in collections.longest],
+        "frozen": args.freeze,
     }
     if args.profile_steps:
         record["python_share"] = round(_python_share(engine, args.profile_steps, worker_seconds), 3)
     print(json.dumps(record))
+
+
+class _CollectorClock:
+    """Times the garbage collector's passes (gc.callbacks) until stop()."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self.longest = [0, 0, 0], [0.0] * 3, [0.0] * 3
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation, took = info["generation"], time.perf_counter() - self._started
+        self.count[generation] += 1
+        self.seconds[generation] += took
+        self.longest[generation] = max(self.longest[generation], took)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _python_share(engine, steps: int, worker_seconds: list[float]) -> float:

@@ -330,7 +330,7 @@ def test_a_matmul_unpacks_the_weight_in_tiles(isa_level, dtype, bias, monkeypatc
     layer = QuantizedLinear(Q8_0, quantize(weight, Q8_0), k, torch.randn(n) if bias else None)
     layer.bind(kernel_at(CpuQuant, isa_level), dtype)
     x = torch.randn(40, k).to(dtype)  # past the few-row kernel's rows
-    rows = layer.tile_rows(dtype)
+    rows = layer.tile_rows(x.element_size())
     assert rows == 64 and n % rows
     with torch.inference_mode():
         got = layer(x)

@@ -111,9 +111,9 @@ class QuantizedLinear(nn.Module):
         buffer = _UnpackBuffer.get(dtype, (stop - start) * self.in_features)
         return self.kernel.dequantize(self.qtype, blocks, self.in_features, dtype, buffer)
 
-    def tile_rows(self, dtype: torch.dtype) -> int:
-        """Weight rows a matmul unpacks at a time (a multiple of 64, or all of them)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+    def tile_rows(self, itemsize: int) -> int:
+        """Weight rows a matmul in a dtype of ``itemsize`` bytes unpacks at a time (a multiple
+        of 64, or all of them)."""
         rows = max(64, TILE_BYTES // (self.in_features * itemsize) // 64 * 64)
         return min(rows, self.out_features)
 
@@ -130,7 +130,7 @@ class QuantizedLinear(nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        rows = self.tile_rows(x.dtype)
+        rows = self.tile_rows(x.element_size())
         if rows == self.out_features or x.dim() != 2:
             return F.linear(x, self.unpacked(x.dtype), bias)
         # Tile by tile, each as F.linear computes a 2-D input (addmm: the bias added before
