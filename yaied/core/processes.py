@@ -55,7 +55,7 @@ def freeze_loaded_objects() -> None:
     process, a Ray engine actor). A full collection walks every tracked object: after a load,
     torch's and transformers' modules and the model's own, about 370,000 of them for the
     default model, and one such collection took 200 ms in the middle of a decode step (32 rows,
-    a 52 ms step; scripts/step_overhead.py with the collector's callbacks timed). Frozen, they
+    a 52 ms step; scripts/step_overhead.py reports it as gc_longest_ms). Frozen, they
     are never walked again; what they hold is still freed by reference counting."""
     gc.collect()
     gc.freeze()
