@@ -96,28 +96,52 @@ def test_gguf_path_converts_once_and_again_when_changed(tmp_path: Path) -> None:
     assert resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False) == first
     assert first.stat().st_mtime_ns == stamp
 
+    # Touched but the same bytes: the same conversion. New bytes: a new one beside it.
     stat = gguf_path.stat()
     os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False) == first
+    with gguf_path.open("ab") as out:
+        out.write(b"\0" * 32)  # padding after the last tensor: still a valid file
     second = resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False)
     assert second != first and (second / "model.safetensors").is_file()
-    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == sorted(
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != ".digests") == sorted(
         [first.name, second.name]
     )
 
 
-def test_cache_key_follows_size_and_mtime(tmp_path: Path) -> None:
+def test_one_conversion_serves_every_copy_of_a_file(tmp_path: Path) -> None:
+    """Every clone's .venv holds the default model's wheel: one conversion serves them all."""
+    cache = tmp_path / "cache"
+    copies = [tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"]
+    for path in copies:
+        path.parent.mkdir()
+        _write_tiny_gguf(path)
+    folders = {resolve_model_folder(str(p), cache_dir=cache, show_progress=False) for p in copies}
+    assert len(folders) == 1
+    assert [p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")] == [
+        folders.pop().name
+    ]
+
+
+def test_cache_key_follows_the_content(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x" * 10)
-    key = gguf_cache_key(path)
-    assert key == gguf_cache_key(path) and len(key) == 12
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    touched = gguf_cache_key(path)
-    assert touched != key
-    mtime = path.stat().st_mtime_ns
-    path.write_bytes(b"x" * 11)
-    os.utime(path, ns=(mtime, mtime))
-    assert gguf_cache_key(path) not in (key, touched)
+    key = gguf_cache_key(path, cache)
+    assert key == gguf_cache_key(path, cache) and len(key) == 12
+    assert len(list((cache / ".digests").iterdir())) == 1  # remembered, not hashed each start
+    path.write_bytes(b"y" * 11)
+    assert gguf_cache_key(path, cache) != key
+    path.write_bytes(b"x" * 10)  # the first bytes again, with a new mtime: the first key
+    assert gguf_cache_key(path, cache) == key
+
+
+def test_cache_key_without_a_writable_cache(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x" * 10)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # the cache path is a file: nothing can be remembered there
+    assert gguf_cache_key(path, blocker) == gguf_cache_key(path, tmp_path / "cache")
 
 
 def test_hf_folder_is_used_as_is(tmp_path: Path) -> None:

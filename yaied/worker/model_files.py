@@ -14,6 +14,7 @@ import time); `local_files_only=True` is the guard that holds even if someone im
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -82,19 +83,40 @@ def gguf_file_of(model: str) -> Path | None:
     return None
 
 
-def gguf_cache_key(gguf_path: Path) -> str:
-    """12 hex chars naming one version of a GGUF file: its path, size and mtime, and our converter.
+def gguf_cache_key(gguf_path: Path, cache_dir: Path) -> str:
+    """12 hex chars naming one GGUF file's content and our converter.
 
-    A changed file (new size or mtime) gets a new key and so a fresh conversion; hashing the
-    content instead would read the whole file on every start.
+    Keyed by content, so the same file installed in many places (the default model's wheel in
+    every clone's `.venv`) shares one conversion. Hashing reads the whole file, so the digest is
+    remembered in ``cache_dir/.digests/`` under the file's path, size and mtime: a start reads
+    one small file, and a changed file (new size or mtime) is hashed again.
     """
     stat = gguf_path.stat()
-    identity = f"{CONVERTER_VERSION}\0{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+    stamp = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    remembered = cache_dir / ".digests" / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        digest = remembered.read_text().strip()
+        if len(digest) == 64:
+            return _versioned(digest)
+    content = hashlib.sha256()
+    with gguf_path.open("rb") as source:
+        while chunk := source.read(1 << 22):
+            content.update(chunk)
+    digest = content.hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache still works: it hashes each start
+        remembered.parent.mkdir(parents=True, exist_ok=True)
+        written = remembered.with_name(f"{remembered.name}.{os.getpid()}")
+        written.write_text(digest)
+        written.replace(remembered)
+    return _versioned(digest)
+
+
+def _versioned(content_digest: str) -> str:
+    return hashlib.sha256(f"{CONVERTER_VERSION}\0{content_digest}".encode()).hexdigest()[:12]
 
 
 def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
-    folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
+    folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path, cache_dir)}"
     if model_cache.is_complete(folder):
         return folder
     with model_cache.conversion_lock(folder):  # another process converting it: wait for it
