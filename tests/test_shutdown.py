@@ -178,5 +178,5 @@ def test_sigterm_during_a_model_conversion_exits_in_time(tmp_path):
     finally:
         with_group_killed(proc)
     assert seconds < STOP_TIMEOUT + EXIT_SLACK
-    [temporary] = [p for p in cache.iterdir() if p.is_dir()]
+    [temporary] = [p for p in cache.iterdir() if p.is_dir() and p.name.startswith(".tiny-")]
     assert model_cache.remove_stale_temporaries(cache) == [temporary]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.worker.test_model_files import _write_tiny_gguf
+from tests.worker.test_model_files import _write_tiny_gguf, converted_folders
 from yaied.worker import model_cache
 from yaied.worker.model_cache import COMPLETE_MARKER
 from yaied.worker.model_files import resolve_model_folder
@@ -63,7 +63,7 @@ def test_a_folder_without_the_marker_is_rebuilt(tiny_gguf, tmp_path):
     with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
         names = list(handle.keys())
     assert "model.embed_tokens.weight" in names
-    assert [p.name for p in cache.iterdir() if p.is_dir()] == [folder.name]
+    assert converted_folders(cache) == [folder.name]
 
 
 def test_stale_temporary_folders_go_at_start_and_live_ones_stay(tiny_gguf, tmp_path):
@@ -101,4 +101,4 @@ def test_a_conversion_waits_for_one_of_the_same_name(tiny_gguf, tmp_path):
         model_cache.seal(first)  # the "other process" finishes
     waiter.join(10)
     assert results == [first]
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert converted_folders(cache) == [first.name]

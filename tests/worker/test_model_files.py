@@ -59,6 +59,11 @@ def _write_tiny_gguf(path: Path) -> None:
     writer.close()
 
 
+def converted_folders(cache: Path) -> list[str]:
+    """The conversions in a cache folder (not the temporaries, nor .digests/)."""
+    return sorted(p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("YAIED_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path
@@ -104,9 +109,7 @@ def test_gguf_path_converts_once_and_again_when_changed(tmp_path: Path) -> None:
         out.write(b"\0" * 32)  # padding after the last tensor: still a valid file
     second = resolve_model_folder(str(gguf_path), cache_dir=cache, show_progress=False)
     assert second != first and (second / "model.safetensors").is_file()
-    assert sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != ".digests") == sorted(
-        [first.name, second.name]
-    )
+    assert converted_folders(cache) == sorted([first.name, second.name])
 
 
 def test_one_conversion_serves_every_copy_of_a_file(tmp_path: Path) -> None:
@@ -118,9 +121,7 @@ def test_one_conversion_serves_every_copy_of_a_file(tmp_path: Path) -> None:
         _write_tiny_gguf(path)
     folders = {resolve_model_folder(str(p), cache_dir=cache, show_progress=False) for p in copies}
     assert len(folders) == 1
-    assert [p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")] == [
-        folders.pop().name
-    ]
+    assert converted_folders(cache) == [folders.pop().name]
 
 
 def test_cache_key_follows_the_content(tmp_path: Path) -> None:
