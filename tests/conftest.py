@@ -24,10 +24,30 @@ def isa_level(request) -> str:
     return request.param
 
 
+# The files that take longest (seconds in a two-worker run of scripts/test, 2026-11-27), in that
+# order. pytest-xdist hands files out in collection order (`--dist loadfile`), so one of these
+# left for last would run alone on one worker at the end; they go first instead.
+_LONGEST_FILES = (
+    "tests/worker/test_quantized_accuracy.py",  # 88
+    "tests/router/test_ray_engines.py",  # 75
+    "tests/engine/test_structured.py",  # 58
+    "tests/engine/test_engine_fuzz.py",  # 54
+    "tests/test_shutdown.py",  # 47
+    "tests/test_bench_offline.py",  # 46
+    "tests/worker/test_default_model_parity.py",  # 45
+    "tests/test_soak.py",  # 41
+    "tests/test_daemon.py",  # 39
+    "tests/clients/test_lm_eval.py",  # 35
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` need a CUDA device and compiled kernels. And every test gets an id
-    of its own (see _give_shared_ids_their_names)."""
+    """Tests marked `cuda` need a CUDA device and compiled kernels. Every test gets an id of its
+    own (see _give_shared_ids_their_names), and under xdist the longest files come first."""
     _give_shared_ids_their_names(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     reason = "needs CUDA with TRITON_INTERPRET unset"
