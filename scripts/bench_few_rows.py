@@ -1,4 +1,4 @@
-"""Read bandwidth of the few-row linear kernel (yaied/kernels/cpu_gemv.c) from memory.
+"""Read bandwidth of the few-row linear kernels (yaied/kernels/cpu_gemv.c, cpu_quant.c) from memory.
 
 One pass runs every linear layer of the default model's shapes (SmolLM2-135M: 30 layers of
 q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536, and the 49152x576 LM head), each with
@@ -8,7 +8,11 @@ reference, the same process measures ``torch.sum`` over one tensor of the same b
 sequential read) and the copy bandwidth the W-single floor uses (scripts/single_stream.py). One
 JSON line per (level, activations, rows).
 
+``--weights q4_0|q4_1|q8_0`` runs cpu_quant.c's kernel over block tables of that type instead
+(random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it is arithmetic).
+
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py [--levels avx2,avx512_bf16] [--rows 1,8]
+    PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py --weights q4_1 --rows 1
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import torch
 from single_stream import copy_bandwidth
 
+from yaied.kernels import cpu_quant
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import runnable_levels
 
@@ -37,9 +42,23 @@ def best_seconds(fn, rounds: int) -> float:
     return best
 
 
+def random_blocks(qtype: cpu_quant.QuantType, n: int, k: int) -> torch.Tensor:
+    """A block table of random quants with small fp16 scales (and Q4_1 mins), [n, row bytes]."""
+    blocks = torch.randint(0, 256, (n, k // qtype.block_size, qtype.block_bytes), dtype=torch.uint8)
+    halves = 2 if qtype is cpu_quant.Q4_1 else 1  # d, then Q4_1's m
+    for h in range(halves):
+        value = torch.tensor([0.01 if h == 0 else -0.08], dtype=torch.float16)
+        blocks[:, :, 2 * h : 2 * h + 2] = value.view(torch.uint8)
+    return blocks.reshape(n, -1).contiguous()
+
+
 def sum_seconds(weights: list[torch.Tensor], rounds: int) -> float:
-    """torch.sum over one tensor of the weights' bytes: a plain sequential read."""
+    """torch.sum over one tensor of the weights' bytes: a plain sequential read. Block tables
+    (uint8) are read as fp32 words: torch sums bytes into int64 at a small fraction of the
+    bandwidth."""
     flat = torch.cat([w.flatten() for w in weights])
+    if flat.dtype == torch.uint8:
+        flat = flat[: flat.numel() // 4 * 4].view(torch.float32)
     return best_seconds(flat.sum, rounds)
 
 
@@ -49,16 +68,23 @@ def main() -> None:
     parser.add_argument("--levels", default=levels, help="ISA levels, comma-separated")
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "q4_0", "q4_1", "q8_0"])
     args = parser.parse_args()
     shapes = LAYER_SHAPES * LAYERS + [HEAD]
-    weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for n, k in shapes]
-    total = sum(w.numel() * 2 for w in weights)
+    qtype = None if args.weights == "bf16" else getattr(cpu_quant, args.weights.upper())
+    if qtype is None:
+        weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for n, k in shapes]
+    else:
+        weights = [random_blocks(qtype, n, k) for n, k in shapes]
+    total = sum(w.numel() * w.element_size() for w in weights)
+    num_weights = sum(n * k for n, k in shapes)
 
     read_s = sum_seconds(weights, args.rounds)
     print(
         json.dumps(
             {
                 "case": "reference",
+                "weights": args.weights,
                 "bytes": total,
                 "torch_sum_gb_s": round(total / read_s / 1e9, 1),
                 "copy_bandwidth_gb_s": round(copy_bandwidth() / 1e9, 1),
@@ -66,11 +92,19 @@ def main() -> None:
         )
     )
     for level in args.levels.split(","):
-        gemv = CpuGemv.load(level, strict=True)
+        kernels = CpuGemv.load(level, strict=True)
+        if qtype is not None:
+            kernels = cpu_quant.CpuQuant.load(level, strict=True)
         # bf16 activations where the level has bf16 dot products (bf16 math), else fp32
         dtypes = [torch.bfloat16, torch.float32] if level == "avx512_bf16" else [torch.float32]
         for dtype in dtypes:
-            bound = [gemv.bind(w, None, dtype) for w in weights]
+            if qtype is None:
+                bound = [kernels.bind(w, None, dtype) for w in weights]
+            else:
+                bound = [
+                    kernels.bind(qtype, w, k, dtype=dtype)
+                    for w, (_, k) in zip(weights, shapes, strict=True)
+                ]
             for rows in (int(r) for r in args.rows.split(",")):
                 inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
 
@@ -79,8 +113,9 @@ def main() -> None:
                         layer(inputs[k])
 
                 seconds = best_seconds(one_pass, args.rounds)
-                record = {"level": gemv.level, "activations": str(dtype)[6:], "rows": rows}
+                record = {"level": kernels.level, "activations": str(dtype)[6:], "rows": rows}
                 record["gb_s"] = round(total / seconds / 1e9, 1)
+                record["weights_g_s"] = round(num_weights / seconds / 1e9, 1)
                 record["pass_ms"] = round(seconds * 1e3, 2)
                 print(json.dumps(record), flush=True)
             del bound
