@@ -4,13 +4,10 @@ elastic pool scales up, and no call fails."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.test_imports import ROOT
+from tests.scripts import run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,13 +19,7 @@ def test_elastic_bench_short_ramp():
     args = ["--elastic", "--phases", "0.5,2,1", "--high-rate", "40", "--tokens", "10"]
     args += ["--max-engines", "2", "--window", "0.5", "--cooldown", "0.5", "--idle", "1"]
     args += ["--load-seconds", "0.2"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_router.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    result = run_script("bench_router.py", args, timeout=110)
     assert result.returncode == 0, result.stderr
     pools = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["pool"] for p in pools] == ["fixed-1", "fixed-2", "elastic-1..2"]

@@ -4,13 +4,10 @@ model's shapes, one pass each at the generic level (every machine runs it)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.test_imports import ROOT
+from tests.scripts import run_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,13 +15,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("weights", ["bf16", "q4_1"])
 def test_few_rows_bench_prints_a_pass(weights: str) -> None:
     args = ["--levels", "generic", "--rows", "1", "--rounds", "1", "--weights", weights]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_few_rows.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    result = run_script("bench_few_rows.py", args, timeout=170)
     assert result.returncode == 0, result.stderr
     reference, run = (json.loads(line) for line in result.stdout.splitlines())
     assert reference["weights"] == weights and reference["torch_sum_gb_s"] > 0
