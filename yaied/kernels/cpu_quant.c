@@ -213,18 +213,18 @@ static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
 #endif
 #define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
 
-/* 16 bytes of nibble pairs: each byte widened once to a 32-bit lane, both its nibbles taken
+/* 16 bytes of nibble pairs at p: each byte widened once to a 32-bit lane, both its nibbles taken
  * from there (an and, a shift), so 32 weights cost one widening shuffle per vector of lanes
  * instead of two. lo[g] holds the low nibbles of bytes [g LANES, (g + 1) LANES), hi[g] their
  * high nibbles, as fp32. */
-static inline void widen_nibbles(__m128i b, vec *lo, vec *hi) {
+static inline void widen_nibbles(const uint8_t *p, vec *lo, vec *hi) {
 #if defined(__AVX512F__)
-    __m512i wide = _mm512_cvtepu8_epi32(b);
+    __m512i wide = _mm512_cvtepu8_epi32(LOAD16(p));
     lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
     hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
 #else
-    for (int g = 0; g < GROUP; g++) {
-        __m256i wide = _mm256_cvtepu8_epi32(g ? _mm_srli_si128(b, 8) : b);
+    for (int g = 0; g < GROUP; g++) { /* 8 bytes a half, widened straight from memory */
+        __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * g)));
         lo[g] = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
         hi[g] = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
     }
@@ -313,7 +313,7 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
             const uint8_t *p = row + b * bytes;
             const float *xb = x + b * QK;
             vec lo[GROUP], hi[GROUP];
-            widen_nibbles(LOAD16(p + (with_min ? 4 : 2)), lo, hi);
+            widen_nibbles(p + (with_min ? 4 : 2), lo, hi);
             vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
             acc = vec_fma(t, vec_set1(d[b - first]), acc);
         }
@@ -353,8 +353,8 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
             const uint8_t *q = p + 16 + 32 * c;
             const float *xc = x + b * 256 + 64 * c;
             vec lo0[GROUP], hi0[GROUP], lo1[GROUP], hi1[GROUP];
-            widen_nibbles(LOAD16(q), lo0, hi0);
-            widen_nibbles(LOAD16(q + 16), lo1, hi1);
+            widen_nibbles(q, lo0, hi0);
+            widen_nibbles(q + 16, lo1, hi1);
             int sc0, m0, sc1, m1;
             q4k_scale_min(scales, 2 * c, &sc0, &m0);
             q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
@@ -528,7 +528,7 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
         }
         m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
         vec lo[GROUP], hi[GROUP];
-        widen_nibbles(LOAD16(p + (type == TYPE_Q4_1 ? 4 : 2)), lo, hi);
+        widen_nibbles(p + (type == TYPE_Q4_1 ? 4 : 2), lo, hi);
         for (int g = 0; g < GROUP; g++) {
             vec_store(o + g * LANES, vec_fma(lo[g], vec_set1(d), vec_set1(m)));
             vec_store(o + 16 + g * LANES, vec_fma(hi[g], vec_set1(d), vec_set1(m)));
