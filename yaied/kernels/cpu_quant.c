@@ -194,12 +194,13 @@ static inline float vec_sum(vec v) {
  * multiplied into the input row, the block's scale applied once to its partial sums and its
  * offset (Q4_0's -8 d, Q4_1's m, Q4_K's mins) through the input block's sum. */
 #define GROUP (16 / LANES) /* vectors in 16 weights */
-static inline void widen_s8(__m128i b, vec *out) {
+/* 16 int8 weights at p to fp32 (each 8 bytes widened straight from memory at avx2) */
+static inline void widen_s8(const uint8_t *p, vec *out) {
 #if defined(__AVX512F__)
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #else
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 #endif
 }
 static inline vec dot16(const vec *w, const float *x, vec acc) {
@@ -332,9 +333,9 @@ static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float
         for (int64_t b = first; b < end; b++) {
             const uint8_t *p = row + b * 34;
             const float *xb = x + b * QK;
-            widen_s8(LOAD16(p + 2), w);
+            widen_s8(p + 2, w);
             vec t = dot16(w, xb, vec_zero());
-            widen_s8(LOAD16(p + 18), w);
+            widen_s8(p + 18, w);
             t = dot16(w, xb + 16, t);
             acc = vec_fma(t, vec_set1(d[b - first]), acc);
         }
@@ -519,9 +520,9 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
         float d = half_to_float(p), m = 0.0f;
         float *o = out + b * QK;
         if (type == TYPE_Q8_0) {
-            widen_s8(LOAD16(p + 2), w);
+            widen_s8(p + 2, w);
             for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
-            widen_s8(LOAD16(p + 18), w);
+            widen_s8(p + 18, w);
             for (int g = 0; g < GROUP; g++)
                 vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
             continue;
