@@ -16,6 +16,7 @@ from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_quant import (
     MAX_ROWS,
     PACKABLE,
+    Q4_0,
     Q4_1,
     Q4_K,
     Q8_0,
@@ -106,6 +107,20 @@ def test_kernel_matches_the_reference_linear(quant, qtype, rows, n, bias):
     # fp32 sums in another order: a few ulps of the terms' magnitude
     scale = (x.abs() @ dequantize_reference(qtype, blocks, k).abs().T).max().item()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1], ids=["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("blocks_per_row", [1, 2, 4, 5, 15, 16, 17, 18, 20, 33])
+def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
+    """The scales of a row's blocks are read 16 at a time, the last few (up to 4) one by one
+    at avx512: rows of 1 to 33 blocks take every path (the default model's K = 576 is 18)."""
+    k, n = 32 * blocks_per_row, 7
+    blocks = table(qtype, n, k, seed=blocks_per_row)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(blocks_per_row))
+    reference = dequantize_reference(qtype, blocks, k)
+    got = quant.bind(qtype, blocks, k)(x)
+    scale = (x.abs() @ reference.abs().T).max().item()
+    torch.testing.assert_close(got, F.linear(x, reference), rtol=0, atol=1e-5 * scale + 1e-6)
 
 
 @TYPES
