@@ -194,10 +194,11 @@ static inline float vec_sum(vec v) {
  * multiplied into the input row, the block's scale applied once to its partial sums and its
  * offset (Q4_0's -8 d, Q4_1's m, Q4_K's mins) through the input block's sum. */
 #define GROUP (16 / LANES) /* vectors in 16 weights */
+#define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
 /* 16 int8 weights at p to fp32 (each 8 bytes widened straight from memory at avx2) */
 static inline void widen_s8(const uint8_t *p, vec *out) {
 #if defined(__AVX512F__)
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LOAD16(p)));
 #else
     out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
@@ -212,8 +213,6 @@ static inline vec vec_set1(float f) { return _mm512_set1_ps(f); }
 #else
 static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
 #endif
-#define LOAD16(p) _mm_loadu_si128((const __m128i *)(p))
-
 /* 16 bytes of nibble pairs at p: each byte widened once to a 32-bit lane, both its nibbles taken
  * from there (an and, a shift), so 32 weights cost one widening shuffle per vector of lanes
  * instead of two. lo[g] holds the low nibbles of bytes [g LANES, (g + 1) LANES), hi[g] their
@@ -436,9 +435,8 @@ static int qlinear(const float *x, const qweight *w, const float *bias, float *o
         for (int64_t n = 0; n < N; n++) {
             if (!scratch) continue;
             const uint8_t *row = table + n * row_bytes;
-            if (n + 1 < N)
-                for (int64_t at = 0; at < row_bytes; at += 64)
-                    __builtin_prefetch(row + PREFETCH_AHEAD + at);
+            for (int64_t at = 0; at < row_bytes; at += 64) /* a hint: past the table is fine */
+                __builtin_prefetch(row + PREFETCH_AHEAD + at);
             float b = bias ? bias[n] : 0.0f;
             for (int64_t m = 0; m < rows; m++)
                 out[m * N + n] = pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
