@@ -3,10 +3,11 @@
 One pass runs every linear layer of the default model's shapes (SmolLM2-135M: 30 layers of
 q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536, and the 49152x576 LM head), each with
 its own random bf16 weight, so that a pass reads 269 MB (8 times the L3 of the CPUs it was
-written on) as a decode step does. GB/s is those bytes over the best pass of ``--rounds``. For
-reference, the same process measures ``torch.sum`` over one tensor of the same bytes (a plain
-sequential read) and the copy bandwidth the W-single floor uses (scripts/single_stream.py). One
-JSON line per (level, activations, rows).
+written on) as a decode step does; ``--shape 1b`` runs Llama-3.2-1B's layers instead (with the
+default model's vocabulary, as scripts/bench_llamacpp.py's 1B file). GB/s is those bytes over
+the best pass of ``--rounds``. For reference, the same process measures ``torch.sum`` over one
+tensor of the same bytes (a plain sequential read) and the copy bandwidth the W-single floor
+uses (scripts/single_stream.py). One JSON line per (level, activations, rows).
 
 ``--weights q4_0|q4_1|q8_0`` runs cpu_quant.c's kernel over block tables of that type instead
 (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it is arithmetic).
@@ -28,8 +29,11 @@ from yaied.kernels import cpu_quant
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import runnable_levels
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-LAYERS, HEAD = 30, (49152, 576)
+# (layer shapes [(N, K)] of q/k/v, o, gate/up and down, layers, LM head)
+SHAPES = {
+    "default": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+    "1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16, (49152, 2048)),
+}
 
 
 def best_seconds(fn, rounds: int) -> float:
@@ -69,8 +73,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--weights", default="bf16", choices=["bf16", "q4_0", "q4_1", "q8_0"])
+    parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()
-    shapes = LAYER_SHAPES * LAYERS + [HEAD]
+    layer_shapes, layers, head = SHAPES[args.shape]
+    shapes = layer_shapes * layers + [head]
     qtype = None if args.weights == "bf16" else getattr(cpu_quant, args.weights.upper())
     if qtype is None:
         weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for n, k in shapes]
