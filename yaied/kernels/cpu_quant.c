@@ -17,6 +17,9 @@
  *   avx2         the same 8 wide
  *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
+ * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0 and Q4_1 meet them in
+ * bf16 dot products instead, each quant exact as a bf16 (fdot_q4_0_bf16, fdot_q4_1_bf16).
+ *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
  *   Q4_0  18 bytes / 32: d, 16 bytes; q[i] = low nibble of byte i,
@@ -321,6 +324,166 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
     return vec_sum(acc) + offset;
 }
 
+#if defined(__AVX512BF16__)
+/* bf16 activations (the bf16 math of CPUs with bf16 dot products) over Q4_0 / Q4_1: a block's
+ * 32 nibbles become bf16 weights in three instructions and meet the activations in one
+ * vdpbf16ps, against fdot_q4's eight instructions of widening, conversion and FMAs. The products
+ * are exact (bf16 times bf16 fits fp32), so the math is still fp32 over the weights' and the
+ * activations' exact values, up to the order and the rounding of the sums:
+ *
+ *   - the block's 16 bytes are broadcast to the four 128-bit lanes and the words of lane L shifted
+ *     right by 4 L bits, so that each word's low nibble is a quant: lane 0 holds quants
+ *     0, 2, .., 14 (low nibbles of the even bytes), lane 1 16, 18, .., 30 (their high nibbles),
+ *     lane 2 1, 3, .., 15, lane 3 17, 19, .., 31. The activations are stored once a call in that
+ *     order (PERMUTED), so that each weight meets its own activation;
+ *   - a quant q becomes the bf16 bits 0x4300 | q, the value 128 + q (exact: 8 significant bits),
+ *     so its and and or are one vpternlog;
+ *   - the 128 (Q4_0: 136, its -8 too) comes off inside the same vdpbf16ps: its accumulator
+ *     starts at -136 (x[2i] + x[2i + 1]) in lane i, the block's activations summed by pairs once
+ *     a call (`pairs`), so a lane ends at (q[2i] - 8) x[2i] + (q[2i + 1] - 8) x[2i + 1] without a
+ *     scalar offset per block. That cancellation costs about 7 bits of the fp32 sums, still
+ *     about 7 bits below the bf16 rounding of the output (a test bounds it). Q4_1's m x-sum
+ *     goes through the same pairs, into an accumulator of its own. */
+static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                    1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#define BF16_BIAS(with_min) ((with_min) ? 128.0f : 136.0f)
+
+/* out[b QK + i] = x[b QK + PERMUTED[i]] for each block b, pairs[b QK / 2 + i] =
+ * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact: two bf16 values and a bias of
+ * two set bits fit 24 bits), and sums[b] the block's sum. */
+static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
+                           float bias) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float sum = 0.0f;
+        for (int i = 0; i < QK; i += 2) {
+            uint16_t v0 = x[b * QK + PERMUTED[i]], v1 = x[b * QK + PERMUTED[i + 1]];
+            out[b * QK + i] = v0;
+            out[b * QK + i + 1] = v1;
+            float pair = bf16_to_float(v0) + bf16_to_float(v1);
+            pairs[(b * QK + i) / 2] = -bias * pair;
+            sum += pair;
+        }
+        sums[b] = sum;
+    }
+}
+
+static inline __m512bh nibbles_bf16(const uint8_t *p) {
+    __m512i bytes = _mm512_broadcast_i32x4(LOAD16(p));
+    __m512i shifts = _mm512_set_epi64(0x000C000C000C000CLL, 0x000C000C000C000CLL,
+                                      0x0008000800080008LL, 0x0008000800080008LL,
+                                      0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
+    __m512i quants = _mm512_srlv_epi16(bytes, shifts);
+    /* (quants & 15) | 0x4300: the ternary-logic table of (a & b) | c is 0xEA */
+    return (__m512bh)_mm512_ternarylogic_epi32(quants, _mm512_set1_epi16(15),
+                                               _mm512_set1_epi16(0x4300), 0xEA);
+}
+
+/* the fp16 at p in all 16 lanes: one broadcast load and one conversion */
+static inline __m512 half_in_lanes(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+}
+
+/* Block b's 32 weights (less their bias) times the activations, in 16 lanes, scaled by d into
+ * acc. */
+static inline void block_dot_bf16(const uint8_t *row, const uint16_t *x, const float *pairs,
+                                  int64_t b, int with_min, __m512 d, __m512 *acc) {
+    const uint8_t *p = row + b * (with_min ? 20 : 18);
+    __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + b * (QK / 2)),
+                                nibbles_bf16(p + (with_min ? 4 : 2)),
+                                (__m512bh)_mm512_loadu_si512(x + b * QK));
+    *acc = _mm512_fmadd_ps(t, d, *acc);
+}
+
+/* Q4_1's d and m of 16 blocks from the row's 320 bytes in 5 loads and 3 byte permutes, instead
+ * of a gather (slow on Zen 4) or a broadcast and a conversion for each (with the m's product,
+ * half of the body's instructions): byte o of the result is byte Q4_1_SCALE_BYTE(o) of the 16
+ * blocks, the 16 fp16 d first, then the 16 m. vpermi2b reads 128 bytes, so each byte comes from
+ * loads 0-1, 2-3 or 4 (its offset >> 7), at index offset & 127. */
+#define Q4_1_SCALE_BYTE(o) ((((o) & 31) >> 1) * 20 + ((o) & 1) + ((o) >> 5) * 2)
+#define SCALE_INDEX_4(o)                                                                        \
+    Q4_1_SCALE_BYTE(o) & 127, Q4_1_SCALE_BYTE((o) + 1) & 127, Q4_1_SCALE_BYTE((o) + 2) & 127,  \
+        Q4_1_SCALE_BYTE((o) + 3) & 127
+#define SCALE_INDEX_16(o)                                                                       \
+    SCALE_INDEX_4(o), SCALE_INDEX_4((o) + 4), SCALE_INDEX_4((o) + 8), SCALE_INDEX_4((o) + 12)
+#define SCALE_IN(o, r) ((uint64_t)((Q4_1_SCALE_BYTE(o) >> 7) == (r)) << (o))
+#define SCALE_MASK_4(o, r)                                                                      \
+    (SCALE_IN(o, r) | SCALE_IN((o) + 1, r) | SCALE_IN((o) + 2, r) | SCALE_IN((o) + 3, r))
+#define SCALE_MASK_16(o, r)                                                                     \
+    (SCALE_MASK_4(o, r) | SCALE_MASK_4((o) + 4, r) | SCALE_MASK_4((o) + 8, r) |                \
+     SCALE_MASK_4((o) + 12, r))
+#define SCALE_MASK(r)                                                                           \
+    (SCALE_MASK_16(0, r) | SCALE_MASK_16(16, r) | SCALE_MASK_16(32, r) | SCALE_MASK_16(48, r))
+static const uint8_t Q4_1_SCALE_INDEX[64] = {SCALE_INDEX_16(0), SCALE_INDEX_16(16),
+                                             SCALE_INDEX_16(32), SCALE_INDEX_16(48)};
+
+/* d of the 16 Q4_1 blocks at p into d[16], their m times the block sums into *mins */
+static inline void q4_1_group_scales(const uint8_t *p, const float *sums, float *d, __m512 *mins) {
+    __m512i index = _mm512_loadu_si512(Q4_1_SCALE_INDEX);
+    __m512i bytes = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), index,
+                                             _mm512_loadu_si512(p + 64));
+    bytes = _mm512_mask_mov_epi8(bytes, SCALE_MASK(1),
+                                 _mm512_permutex2var_epi8(_mm512_loadu_si512(p + 128), index,
+                                                          _mm512_loadu_si512(p + 192)));
+    bytes = _mm512_mask_mov_epi8(bytes, SCALE_MASK(2),
+                                 _mm512_permutexvar_epi8(index, _mm512_loadu_si512(p + 256)));
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_castsi512_si256(bytes)));
+    *mins = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(bytes, 1)),
+                            _mm512_loadu_ps(sums), *mins);
+}
+
+/* Block b with its own scales: d broadcast from the block, Q4_1's m x-sum through the pairs
+ * ((-m / 128) pairs, the division by a power of two exact). */
+static inline void block_dot_bf16_alone(const uint8_t *row, const uint16_t *x, const float *pairs,
+                                        int64_t b, int with_min, __m512 *acc, __m512 *mins) {
+    const uint8_t *p = row + b * (with_min ? 20 : 18);
+    block_dot_bf16(row, x, pairs, b, with_min, half_in_lanes(p), acc);
+    if (with_min)
+        *mins = _mm512_fmadd_ps(_mm512_mul_ps(half_in_lanes(p + 2), _mm512_set1_ps(-1.0f / 128)),
+                                _mm512_loadu_ps(pairs + b * (QK / 2)), *mins);
+}
+
+/* Two accumulators, even and odd blocks: with one, each block waited on the last one's FMA
+ * (in L2, one thread: 24 -> 35-40 G weights/s; fdot_q4's widening gains nothing from two).
+ * with_min a constant in each caller, so that the blocks' loop has no branch. Q4_1 takes its
+ * scales 16 blocks at a time (q4_1_group_scales: 1.1-1.3x), Q4_0 a block at a time (groups were
+ * 0.9x there: its one broadcast and conversion a block cost less than the permutes' wait). */
+static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, const uint16_t *x,
+                                                           const float *pairs, const float *sums,
+                                                           int64_t blocks, int with_min) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    int64_t b = 0;
+    float d[16];
+    for (; with_min && b + 16 <= blocks; b += 16) {
+        q4_1_group_scales(row + b * 20, sums + b, d, &mins);
+        __asm__ volatile("" ::: "memory"); /* each block's d a broadcast load, not a permute */
+        for (int j = 0; j < 16; j += 2) {
+            block_dot_bf16(row, x, pairs, b + j, with_min, _mm512_set1_ps(d[j]), &even);
+            block_dot_bf16(row, x, pairs, b + j + 1, with_min, _mm512_set1_ps(d[j + 1]), &odd);
+        }
+    }
+    for (; b + 1 < blocks; b += 2) {
+        block_dot_bf16_alone(row, x, pairs, b, with_min, &even, &mins);
+        block_dot_bf16_alone(row, x, pairs, b + 1, with_min, &odd, &mins);
+    }
+    if (b < blocks) block_dot_bf16_alone(row, x, pairs, b, with_min, &even, &mins);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even, odd), mins));
+}
+
+static __attribute__((noinline)) float fdot_q4_0_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    return q4_bf16(row, x, pairs, sums, blocks, 0);
+}
+
+static __attribute__((noinline)) float fdot_q4_1_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    return q4_bf16(row, x, pairs, sums, blocks, 1);
+}
+#endif
+
 static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float *x,
                                                  const float *xsum, int64_t blocks) {
     (void)xsum;
@@ -406,16 +569,40 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 }
 #endif
 
+/* Whether fdot_q4_bf16 takes this weight's pairs with bf16 activations. */
+static inline int bf16_dot_type(int64_t type) {
+#if defined(__AVX512BF16__)
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
 /* out [rows, N] = x @ w.T + bias, x fp32 [rows, K] (rows <= MAX_ROWS), in fp32 over the
- * weights' exact values (as the unpacked matmul computes, up to the order of the sums). */
-static int qlinear(const float *x, const qweight *w, const float *bias, float *out, int64_t rows,
-                   int64_t N, int64_t K, int64_t threads) {
+ * weights' exact values (as the unpacked matmul computes, up to the order of the sums); or, for
+ * the types of bf16_dot_type, with x_bf16 [rows, K] in place of x (NULL). */
+static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, const float *bias,
+                   float *out, int64_t rows, int64_t N, int64_t K, int64_t threads) {
     if (quant_block_bytes(w->type) < 0) return -3;
     int64_t row_bytes = K / quant_block_size(w->type) * quant_block_bytes(w->type);
     int64_t blocks = K / QK;
-    float *xsum = thread_scratch(5, (size_t)(rows * blocks) * sizeof(float));
+    /* the block sums [rows, blocks]; for x_bf16, after pairs [rows, K / 2] (permute_blocks) */
+    size_t floats = (size_t)(rows * blocks + (x_bf16 ? rows * K / 2 : 0));
+    float *xsum = thread_scratch(5, floats * sizeof(float));
     if (!xsum) return -2;
-    for (int64_t m = 0; m < rows; m++)
+    uint16_t *permuted = NULL;
+#if defined(__AVX512BF16__)
+    float *pairs = xsum;
+    if (x_bf16) {
+        permuted = thread_scratch(2, (size_t)(rows * K) * sizeof(uint16_t));
+        if (!permuted) return -2;
+        for (int64_t m = 0; m < rows; m++)
+            permute_blocks(x_bf16 + m * K, permuted + m * K, pairs + m * K / 2,
+                           pairs + rows * K / 2 + m * blocks, K, BF16_BIAS(w->type == TYPE_Q4_1));
+    }
+#endif
+    for (int64_t m = 0; !permuted && m < rows; m++)
         for (int64_t b = 0; b < blocks; b++) {
             float s = 0.0f;
             for (int i = 0; i < QK; i++) s += x[m * K + b * QK + i];
@@ -438,8 +625,18 @@ static int qlinear(const float *x, const qweight *w, const float *bias, float *o
             for (int64_t at = 0; at < row_bytes; at += 64) /* a hint: past the table is fine */
                 __builtin_prefetch(row + PREFETCH_AHEAD + at);
             float b = bias ? bias[n] : 0.0f;
-            for (int64_t m = 0; m < rows; m++)
+            for (int64_t m = 0; m < rows; m++) {
+#if defined(__AVX512BF16__)
+                if (permuted) {
+                    const uint16_t *xp = permuted + m * K;
+                    const float *pm = pairs + m * K / 2, *sums = pairs + rows * K / 2 + m * blocks;
+                    out[m * N + n] = (type == TYPE_Q4_1 ? fdot_q4_1_bf16(row, xp, pm, sums, blocks)
+                                                        : fdot_q4_0_bf16(row, xp, pm, sums, blocks)) + b;
+                    continue;
+                }
+#endif
                 out[m * N + n] = pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
+            }
         }
     }
     return failed ? -2 : 0;
@@ -451,15 +648,17 @@ static int qlinear(const float *x, const qweight *w, const float *bias, float *o
     static int qlinear_##SUFFIX(const T *x, const qweight *w, const T *bias, T *out,            \
                                 int64_t rows, int64_t N, int64_t K, int64_t threads) {          \
         if (sizeof(T) == sizeof(float))                                                         \
-            return qlinear((const float *)x, w, (const float *)bias, (float *)out, rows, N, K,  \
-                           threads);                                                            \
-        float *xf = thread_scratch(2, (size_t)(rows * K) * sizeof(float));                      \
+            return qlinear((const float *)x, NULL, w, (const float *)bias, (float *)out, rows,  \
+                           N, K, threads);                                                      \
+        int bf16_dot = bf16_dot_type(w->type);                                                  \
+        float *xf = bf16_dot ? NULL : thread_scratch(2, (size_t)(rows * K) * sizeof(float));    \
         float *of = thread_scratch(3, (size_t)(rows * N) * sizeof(float));                      \
         float *bf = bias ? thread_scratch(4, (size_t)N * sizeof(float)) : NULL;                 \
-        if (!xf || !of || (bias && !bf)) return -2;                                             \
-        for (int64_t i = 0; i < rows * K; i++) xf[i] = ROW_LOAD_##SUFFIX(x[i]);                 \
+        if ((!bf16_dot && !xf) || !of || (bias && !bf)) return -2;                              \
+        for (int64_t i = 0; !bf16_dot && i < rows * K; i++) xf[i] = ROW_LOAD_##SUFFIX(x[i]);    \
         for (int64_t i = 0; bias && i < N; i++) bf[i] = ROW_LOAD_##SUFFIX(bias[i]);             \
-        int status = qlinear(xf, w, bf, of, rows, N, K, threads);                               \
+        int status = qlinear(xf, bf16_dot ? (const uint16_t *)x : NULL, w, bf, of, rows, N, K,  \
+                             threads);                                                          \
         for (int64_t i = 0; i < rows * N; i++) out[i] = ROW_STORE_##SUFFIX(of[i]);              \
         return status;                                                                          \
     }                                                                                           \
