@@ -349,8 +349,8 @@ static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 
 #define BF16_BIAS(with_min) ((with_min) ? 128.0f : 136.0f)
 
 /* out[b QK + i] = x[b QK + PERMUTED[i]] for each block b, pairs[b QK / 2 + i] =
- * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact: two bf16 values and a bias of
- * two set bits fit 24 bits), and sums[b] the block's sum. */
+ * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact unless the pair's magnitudes
+ * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
                            float bias) {
     for (int64_t b = 0; b < K / QK; b++) {
