@@ -216,26 +216,31 @@ def test_greedy_parity_with_the_weights_unpacked_in_fp32(tiny_model_dirs, tmp_pa
     assert same >= 14, f"{same} of 16 prompts agree"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
-def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, kernels):
+def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, kernels, dtype):
     """Prefix hits, preemption (a pool of a few pages) and speculative decoding run over
-    quantized weights: every request finishes, every page comes back, and the tokens are those
-    of a plain run. The decode kernel computes in fp32 over the weights' exact values, like the
-    unpacked matmuls of recomputed and verified steps, so only a near-tie could part them: all
-    8 prompts agree (measured, on both paths); the test allows one."""
+    quantized weights, in fp32 and in bf16 math: every request finishes, every page comes back,
+    and the tokens are those of a plain run. In fp32 the decode kernel computes over the
+    weights' exact values, like the unpacked matmuls of recomputed and verified steps, so only a
+    near-tie could part them: all 8 prompts agree (measured, on both paths, and in bf16 on the
+    torch path); the test allows one."""
     if not kernels:
         monkeypatch.setenv("YAIED_DISABLE_CPU_KERNELS", "1")
     source = str(tiny_model_dirs["llama"])
     shared = _prompts(1, seed=3)[0] * 2
     prompts = [shared + p for p in _prompts(8, seed=4)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = LLM(source, quantization="q4_0", enable_prefix_caching=False, **ENGINE)
+    engine = dict(ENGINE, dtype=dtype)
+    plain = LLM(source, quantization="q4_0", enable_prefix_caching=False, **engine)
     try:
         expected = [o.token_ids for o in plain.generate(prompts, params)]
     finally:
         plain.close()
-    # 20 pages of 16 tokens, for 8 requests of up to 13 pages each: preemption
-    busy = dict(ENGINE, kv_cache_gib=0.00016, max_model_len=256, max_num_seqs=8)
+    # 20 pages of 16 tokens (bf16 pages are half the bytes), for 8 requests of up to 13 pages
+    # each: preemption
+    pool = 0.00016 if dtype == "float32" else 0.00008
+    busy = dict(engine, kv_cache_gib=pool, max_model_len=256, max_num_seqs=8)
     llm = LLM(source, quantization="q4_0", speculative_method="ngram", **busy)
     try:
         outputs = llm.generate(prompts, params)
@@ -247,6 +252,12 @@ def test_engine_features_over_quantized_weights(tiny_model_dirs, monkeypatch, ke
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert all(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
     same = sum(o.token_ids == e for o, e in zip(outputs, expected, strict=True))
+    if dtype == "bfloat16" and kernels:
+        # Under bf16 math the decode kernel multiplies the blocks' exact values, while
+        # recomputed and verified steps unpack the weights rounded to bf16: those steps part
+        # from a plain run's (measured: 4 of 8 prompts whole, with the fp32 body and with the
+        # bf16 dot products alike), so only the invariants and the first token hold there.
+        return
     assert same >= 7, f"{same} of 8 prompts agree"
 
 
