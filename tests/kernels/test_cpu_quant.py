@@ -136,14 +136,17 @@ def test_bf16_activations(quant, qtype):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1], ids=["q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q4_K], ids=["q4_0", "q4_1", "q4_k"])
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     """bf16 activations meet Q4 blocks in bf16 dot products where the level has them (each
-    quant as 128 + q, the 128 taken off through the block sums): the products are exact, so the
-    result is the fp32 one over the same bf16 values, rounded once to bf16, a bf16 step apart at
-    most where the fp32 sums' order tips a rounding."""
+    quant as 128 + q, the 128 taken off through the activations' pair sums): the products are
+    exact, so the result is the fp32 one over the same bf16 values, rounded once to bf16, a bf16
+    step apart at most where the fp32 sums' order tips a rounding. (Q4_K: rows of 1 to 8
+    super-blocks.)"""
     k, n = 32 * blocks_per_row, 300
+    if qtype is Q4_K:
+        k = 256 * (blocks_per_row % 8 + 1)
     blocks = table(qtype, n, k, seed=blocks_per_row + 40)
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(blocks_per_row))
     x = x.to(torch.bfloat16)

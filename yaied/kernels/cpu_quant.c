@@ -17,8 +17,8 @@
  *   avx2         the same 8 wide
  *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
- * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0 and Q4_1 meet them in
- * bf16 dot products instead, each quant exact as a bf16 (fdot_q4_0_bf16, fdot_q4_1_bf16).
+ * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and Q4_K meet
+ * them in bf16 dot products instead, each quant exact as a bf16 (fdot_q4_*_bf16).
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -324,6 +324,31 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
     return vec_sum(acc) + offset;
 }
 
+/* Q4_K's eight 6-bit scales (and mins) of a super-block as fp32 times d (and dmin): the 12 bytes
+ * read as three 32-bit words, four of each at once in the bytes of a word (q4k_scale_min's
+ * layout), then widened and converted eight at a time. */
+static inline void q4k_scales_mins(const uint8_t *s, float d, float dmin, __m256 *scales,
+                                   __m256 *mins) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    uint64_t sc = (uint64_t)(a & 0x3F3F3F3Fu) |
+                  (uint64_t)((c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t m = (uint64_t)(b & 0x3F3F3F3Fu) |
+                 (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4)) << 32;
+    __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
+    *scales = _mm256_mul_ps(sc8, _mm256_set1_ps(d));
+    *mins = _mm256_mul_ps(m8, _mm256_set1_ps(dmin));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
 #if defined(__AVX512BF16__)
 /* bf16 activations (the bf16 math of CPUs with bf16 dot products) over Q4_0 / Q4_1: a block's
  * 32 nibbles become bf16 weights in three instructions and meet the activations in one
@@ -346,17 +371,23 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
  *     goes through the same pairs, into an accumulator of its own. */
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#define BF16_BIAS(with_min) ((with_min) ? 128.0f : 136.0f)
+/* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, so its
+ * activations keep theirs */
+static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                    16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
-/* out[b QK + i] = x[b QK + PERMUTED[i]] for each block b, pairs[b QK / 2 + i] =
+/* out[b QK + i] = x[b QK + order[i]] for each block b, pairs[b QK / 2 + i] =
  * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact unless the pair's magnitudes
- * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. */
+ * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. The
+ * bias: 136 for Q4_0 (128 and its -8), 128 for Q4_1 and Q4_K. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
-                           float bias) {
+                           int64_t type) {
+    const int8_t *order = type == TYPE_Q4_K ? IN_ORDER : PERMUTED;
+    float bias = type == TYPE_Q4_0 ? 136.0f : 128.0f;
     for (int64_t b = 0; b < K / QK; b++) {
         float sum = 0.0f;
         for (int i = 0; i < QK; i += 2) {
-            uint16_t v0 = x[b * QK + PERMUTED[i]], v1 = x[b * QK + PERMUTED[i + 1]];
+            uint16_t v0 = x[b * QK + order[i]], v1 = x[b * QK + order[i + 1]];
             out[b * QK + i] = v0;
             out[b * QK + i + 1] = v1;
             float pair = bf16_to_float(v0) + bf16_to_float(v1);
@@ -482,6 +513,44 @@ static __attribute__((noinline)) float fdot_q4_1_bf16(const uint8_t *row, const 
                                                       int64_t blocks) {
     return q4_bf16(row, x, pairs, sums, blocks, 1);
 }
+
+/* Q4_K: each 32 bytes of quants hold two sub-blocks, the low nibbles one, the high the next,
+ * both in order: the bytes widened to words once, each half made bf16 (128 + q) by one or two
+ * instructions, one vdpbf16ps a sub-block, whose accumulator starts at -128 x the pair sums.
+ * Each sub-block's scale d sc_j applies to its sums; the mins, dmin m_j, go through the
+ * activations' sub-block sums, eight lanes at a time. blocks: super-blocks of 256. */
+static __attribute__((noinline)) float fdot_q4_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    __m256 offsets = _mm256_setzero_ps();
+    __m512i bias = _mm512_set1_epi16(0x4300);
+    float ds[8];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * 144;
+        __m256 scales, mins;
+        q4k_scales_mins(p + 4, half_to_float(p), half_to_float(p + 2), &scales, &mins);
+        offsets = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sums + 8 * b), offsets);
+        _mm256_storeu_ps(ds, scales);
+        __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
+        for (int c = 0; c < 4; c++) {
+            const __m256i *q = (const __m256i *)(p + 16 + 32 * c);
+            __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q));
+            __m512bh lo =
+                (__m512bh)_mm512_ternarylogic_epi32(words, _mm512_set1_epi16(15), bias, 0xEA);
+            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
+            int64_t j = 8 * b + 2 * c; /* the low nibbles' sub-block */
+            __m512 t0 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + j * (QK / 2)), lo,
+                                         (__m512bh)_mm512_loadu_si512(x + j * QK));
+            __m512 t1 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + (j + 1) * (QK / 2)), hi,
+                                         (__m512bh)_mm512_loadu_si512(x + (j + 1) * QK));
+            even = _mm512_fmadd_ps(t0, _mm512_set1_ps(ds[2 * c]), even);
+            odd = _mm512_fmadd_ps(t1, _mm512_set1_ps(ds[2 * c + 1]), odd);
+        }
+    }
+    __m512 both = _mm512_add_ps(even, odd);
+    return _mm512_reduce_add_ps(_mm512_add_ps(both, _mm512_zextps256_ps512(offsets)));
+}
 #endif
 
 static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float *x,
@@ -508,29 +577,27 @@ static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float
 static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float *x,
                                                  const float *xsum, int64_t blocks) {
     vec acc = vec_zero();
-    float offset = 0.0f;
+    __m256 offsets = _mm256_setzero_ps();
+    float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = row + b * 144, *scales = p + 4;
-        float d = half_to_float(p), dmin = half_to_float(p + 2), mins = 0.0f;
+        const uint8_t *p = row + b * 144;
+        __m256 scales, mins;
+        q4k_scales_mins(p + 4, half_to_float(p), half_to_float(p + 2), &scales, &mins);
+        offsets = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum + 8 * b), offsets);
+        _mm256_storeu_ps(ds, scales);
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = p + 16 + 32 * c;
             const float *xc = x + b * 256 + 64 * c;
             vec lo0[GROUP], hi0[GROUP], lo1[GROUP], hi1[GROUP];
             widen_nibbles(q, lo0, hi0);
             widen_nibbles(q + 16, lo1, hi1);
-            int sc0, m0, sc1, m1;
-            q4k_scale_min(scales, 2 * c, &sc0, &m0);
-            q4k_scale_min(scales, 2 * c + 1, &sc1, &m1);
             vec t = dot16(lo1, xc + 16, dot16(lo0, xc, vec_zero()));
-            acc = vec_fma(t, vec_set1(d * (float)sc0), acc);
+            acc = vec_fma(t, vec_set1(ds[2 * c]), acc);
             t = dot16(hi1, xc + 48, dot16(hi0, xc + 32, vec_zero()));
-            acc = vec_fma(t, vec_set1(d * (float)sc1), acc);
-            int64_t j = 8 * b + 2 * c;
-            mins += (float)m0 * xsum[j] + (float)m1 * xsum[j + 1];
+            acc = vec_fma(t, vec_set1(ds[2 * c + 1]), acc);
         }
-        offset -= dmin * mins;
     }
-    return vec_sum(acc) + offset;
+    return vec_sum(acc) + sum8(offsets);
 }
 
 static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
@@ -569,10 +636,10 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 }
 #endif
 
-/* Whether fdot_q4_bf16 takes this weight's pairs with bf16 activations. */
+/* Whether a bf16 body (fdot_q4_*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1;
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K;
 #else
     (void)type;
     return 0;
@@ -599,7 +666,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
         if (!permuted) return -2;
         for (int64_t m = 0; m < rows; m++)
             permute_blocks(x_bf16 + m * K, permuted + m * K, pairs + m * K / 2,
-                           pairs + rows * K / 2 + m * blocks, K, BF16_BIAS(w->type == TYPE_Q4_1));
+                           pairs + rows * K / 2 + m * blocks, K, w->type);
     }
 #endif
     for (int64_t m = 0; !permuted && m < rows; m++)
@@ -630,8 +697,10 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                 if (permuted) {
                     const uint16_t *xp = permuted + m * K;
                     const float *pm = pairs + m * K / 2, *sums = pairs + rows * K / 2 + m * blocks;
-                    out[m * N + n] = (type == TYPE_Q4_1 ? fdot_q4_1_bf16(row, xp, pm, sums, blocks)
-                                                        : fdot_q4_0_bf16(row, xp, pm, sums, blocks)) + b;
+                    float dot = type == TYPE_Q4_K   ? fdot_q4_k_bf16(row, xp, pm, sums, K / 256)
+                                : type == TYPE_Q4_1 ? fdot_q4_1_bf16(row, xp, pm, sums, blocks)
+                                                    : fdot_q4_0_bf16(row, xp, pm, sums, blocks);
+                    out[m * N + n] = dot + b;
                     continue;
                 }
 #endif
