@@ -324,23 +324,26 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
     return vec_sum(acc) + offset;
 }
 
-/* Q4_K's eight 6-bit scales (and mins) of a super-block as fp32 times d (and dmin): the 12 bytes
- * read as three 32-bit words, four of each at once in the bytes of a word (q4k_scale_min's
- * layout), then widened and converted eight at a time. */
-static inline void q4k_scales_mins(const uint8_t *s, float d, float dmin, __m256 *scales,
-                                   __m256 *mins) {
+/* The super-block at p's eight scales times d into ds[8] (its sub-blocks' d sc_j), and its
+ * mins' part, -dmin m_j times the activations' sub-block sums (sums[8]), into eight lanes of
+ * *offsets. The 6-bit scales and mins (q4k_scale_min's layout) come from the 12 bytes read as
+ * three 32-bit words, four at once in the bytes of a word, then eight widened and converted at
+ * once: unpacked one sub-block at a time they were most of the Q4_K bodies' time. */
+static inline void q4k_block_scales(const uint8_t *p, const float *sums, float *ds,
+                                    __m256 *offsets) {
     uint32_t a, b, c;
-    memcpy(&a, s, 4);
-    memcpy(&b, s + 4, 4);
-    memcpy(&c, s + 8, 4);
+    memcpy(&a, p + 4, 4);
+    memcpy(&b, p + 8, 4);
+    memcpy(&c, p + 12, 4);
     uint64_t sc = (uint64_t)(a & 0x3F3F3F3Fu) |
                   (uint64_t)((c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4)) << 32;
     uint64_t m = (uint64_t)(b & 0x3F3F3F3Fu) |
                  (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4)) << 32;
     __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
     __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
-    *scales = _mm256_mul_ps(sc8, _mm256_set1_ps(d));
-    *mins = _mm256_mul_ps(m8, _mm256_set1_ps(dmin));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(sc8, _mm256_set1_ps(half_to_float(p))));
+    __m256 mins = _mm256_mul_ps(m8, _mm256_set1_ps(half_to_float(p + 2)));
+    *offsets = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sums), *offsets);
 }
 
 static inline float sum8(__m256 v) {
@@ -528,10 +531,7 @@ static __attribute__((noinline)) float fdot_q4_k_bf16(const uint8_t *row, const 
     float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * 144;
-        __m256 scales, mins;
-        q4k_scales_mins(p + 4, half_to_float(p), half_to_float(p + 2), &scales, &mins);
-        offsets = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sums + 8 * b), offsets);
-        _mm256_storeu_ps(ds, scales);
+        q4k_block_scales(p, sums + 8 * b, ds, &offsets);
         __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
         for (int c = 0; c < 4; c++) {
             const __m256i *q = (const __m256i *)(p + 16 + 32 * c);
@@ -581,10 +581,7 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
     float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * 144;
-        __m256 scales, mins;
-        q4k_scales_mins(p + 4, half_to_float(p), half_to_float(p + 2), &scales, &mins);
-        offsets = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xsum + 8 * b), offsets);
-        _mm256_storeu_ps(ds, scales);
+        q4k_block_scales(p, xsum + 8 * b, ds, &offsets);
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = p + 16 + 32 * c;
             const float *xc = x + b * 256 + 64 * c;
