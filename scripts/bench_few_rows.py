@@ -72,7 +72,9 @@ def main() -> None:
     parser.add_argument("--levels", default=levels, help="ISA levels, comma-separated")
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--weights", default="bf16", choices=["bf16", "q4_0", "q4_1", "q4_k", "q8_0"])
+    parser.add_argument(
+        "--weights", default="bf16", choices=["bf16", "q4_0", "q4_1", "q4_k", "q8_0"]
+    )
     parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()
     layer_shapes, layers, head = SHAPES[args.shape]
