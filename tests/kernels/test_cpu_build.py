@@ -5,12 +5,15 @@ does not load is built again."""
 from __future__ import annotations
 
 import logging
+import platform
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from yaied.kernels import cpu_build
 from yaied.kernels.cpu_build import KernelBuildError, find_compiler, load_library
+from yaied.kernels.cpu_isa import LEVELS, portable_flags
 
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C compiler on this machine")
 
@@ -77,3 +80,20 @@ def test_disabled_kernels_build_nothing(tmp_path, monkeypatch):
 
 def _portable(level: str) -> tuple[str, ...]:
     return {"generic": (), "avx2": ("-mavx2", "-mfma")}.get(level, ())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's levels")
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_every_kernel_compiles_with_only_its_levels_extensions(tmp_path, level):
+    """The CPU's own level is built with -march=native, which may enable more than the level
+    promises (AVX512-VBMI on a Zen 4): each kernel must also compile for a CPU with the level's
+    extensions only (a Cooper Lake at avx512_bf16), where a missing guard would cost it the
+    level. Compile only and unoptimised: the intrinsics' target checks are what is tested."""
+    compiler = find_compiler()
+    for source in sorted(cpu_build.HERE.glob("*.c")):
+        output = tmp_path / f"{source.stem}.o"
+        flags = ["-O0", "-c", "-fopenmp", *portable_flags(level)]
+        flags.append(f"-DYAIED_ISA_LEVEL={LEVELS.index(level)}")
+        command = [compiler, *flags, f"-I{cpu_build.HERE}", str(source), "-o", str(output)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, f"{source.name} at {level}: {result.stderr[-3000:]}"

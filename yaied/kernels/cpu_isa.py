@@ -62,8 +62,15 @@ def compiler_flags(level: str) -> tuple[str, ...]:
         return ()
     if level == detected_level():
         return ("-march=native",)
-    flags = _LEVEL_FLAGS[level]
+    flags = portable_flags(level)
     return (*flags, "-mtune=native") if flags else ()
+
+
+def portable_flags(level: str) -> tuple[str, ...]:
+    """The extensions ``level`` promises and nothing more (x86): what a kernel may use without
+    a check of its own. -march=native may offer more (AVX512-VBMI on a Zen 4, not on a Cooper
+    Lake of the same level), so a kernel using more guards it."""
+    return _LEVEL_FLAGS[level]
 
 
 @cache

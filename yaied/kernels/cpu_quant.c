@@ -430,6 +430,7 @@ static inline void block_dot_bf16(const uint8_t *row, const uint16_t *x, const f
     *acc = _mm512_fmadd_ps(t, d, *acc);
 }
 
+#if defined(__AVX512VBMI__) /* not every CPU of the level has byte permutes (Cooper Lake) */
 /* Q4_1's d and m of 16 blocks from the row's 320 bytes in 5 loads and 3 byte permutes, instead
  * of a gather (slow on Zen 4) or a broadcast and a conversion for each (with the m's product,
  * half of the body's instructions): byte o of the result is byte Q4_1_SCALE_BYTE(o) of the 16
@@ -466,6 +467,7 @@ static inline void q4_1_group_scales(const uint8_t *p, const float *sums, float 
     *mins = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(bytes, 1)),
                             _mm512_loadu_ps(sums), *mins);
 }
+#endif
 
 /* Block b with its own scales: d broadcast from the block, Q4_1's m x-sum through the pairs
  * ((-m / 128) pairs, the division by a power of two exact). */
@@ -488,6 +490,7 @@ static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, c
                                                            int64_t blocks, int with_min) {
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
     int64_t b = 0;
+#if defined(__AVX512VBMI__)
     float d[16];
     for (; with_min && b + 16 <= blocks; b += 16) {
         q4_1_group_scales(row + b * 20, sums + b, d, &mins);
@@ -497,6 +500,9 @@ static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, c
             block_dot_bf16(row, x, pairs, b + j + 1, with_min, _mm512_set1_ps(d[j + 1]), &odd);
         }
     }
+#else
+    (void)sums;
+#endif
     for (; b + 1 < blocks; b += 2) {
         block_dot_bf16_alone(row, x, pairs, b, with_min, &even, &mins);
         block_dot_bf16_alone(row, x, pairs, b + 1, with_min, &odd, &mins);
