@@ -372,8 +372,9 @@ static inline float sum8(__m256 v) {
  *     starts at -136 (x[2i] + x[2i + 1]) in lane i, the block's activations summed by pairs once
  *     a call (`pairs`), so a lane ends at (q[2i] - 8) x[2i] + (q[2i + 1] - 8) x[2i + 1] without a
  *     scalar offset per block. That cancellation costs about 7 bits of the fp32 sums, still
- *     about 7 bits below the bf16 rounding of the output (a test bounds it). Q4_1's m x-sum
- *     goes through the same pairs, into an accumulator of its own. */
+ *     about 7 bits below the bf16 rounding of the output (a test bounds it). Q4_1's m x-sums
+ *     go into an accumulator of their own, through the block sums 16 blocks at a time (VBMI)
+ *     or through the same pairs a block at a time. */
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 /* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, so its
