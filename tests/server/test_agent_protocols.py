@@ -113,6 +113,26 @@ def test_anthropic_refusals_name_the_field(body, param):
     assert caught.value.status == 400 and caught.value.param == param
 
 
+def test_a_last_assistant_message_is_a_prefill():
+    ask = {"role": "user", "content": "A JSON object, please."}
+    body = {"max_tokens": 8, "messages": [ask, {"role": "assistant", "content": '{"a":'}]}
+    parsed = parse_anthropic(body).parsed
+    assert parsed.continue_final_message and not parsed.add_generation_prompt
+    assert parsed.messages[-1] == {"role": "assistant", "content": '{"a":'}
+    assert not parse_anthropic({**body, "messages": [ask]}).parsed.continue_final_message
+    # Anthropic's own rule, and the grammars a prefill would contradict
+    spaced = {**body, "messages": [ask, {"role": "assistant", "content": "Sure, "}]}
+    with pytest.raises(APIError, match="trailing whitespace"):
+        parse_anthropic(spaced)
+    tool = {"name": "w", "input_schema": {"type": "object"}}
+    forced = {**body, "tools": [tool], "tool_choice": {"type": "any"}}
+    with pytest.raises(APIError, match="forced tool call") as caught:
+        parse_anthropic(forced)
+    assert caught.value.param == "messages"
+    # a tool choice that lets the model write text first goes with a prefill
+    assert parse_anthropic({**forced, "tool_choice": {"type": "auto"}}).parsed.tools.active
+
+
 def test_blocks_follow_the_order_the_model_wrote():
     blocks = Blocks()
     events = blocks.feed(

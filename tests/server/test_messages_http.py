@@ -123,3 +123,29 @@ def test_output_config_format_constrains_the_json(client):
         output_config={"format": {"type": "json_schema", "schema": schema}},
     )  # fmt: skip
     jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_a_prefill_is_continued(client, live):
+    prefill = "My favourite colour is"
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": prefill}]  # fmt: skip
+    message = client.messages.create(
+        model=MODEL, max_tokens=8, messages=messages, extra_body=GREEDY
+    )
+    chat = httpx.post(
+        live.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+              "continue_final_message": True},
+    ).json()  # fmt: skip
+    text = chat["choices"][0]["message"]["content"]
+    assert message.content[0].text == text and text  # the continuation alone
+    with client.messages.stream(
+        model=MODEL, max_tokens=8, messages=messages, extra_body=GREEDY
+    ) as stream:
+        assert stream.get_final_text() == text
+    counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    usage = message.usage
+    assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    spaced = [messages[0], {"role": "assistant", "content": prefill + " "}]
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        client.messages.create(model=MODEL, max_tokens=8, messages=spaced)

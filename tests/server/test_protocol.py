@@ -180,6 +180,47 @@ def test_openai_fields_that_change_nothing_are_accepted():
     assert completion.prompts == ["a", "b"]
 
 
+PREFILLED = [*M, {"role": "assistant", "content": '{"name": "'}]
+
+
+def test_continue_final_message_turns_off_the_generation_prompt():
+    parsed = parse_chat({"messages": PREFILLED, "continue_final_message": True})
+    assert parsed.continue_final_message and not parsed.add_generation_prompt
+    # vLLM's clients send both fields; the same meaning
+    both = {"messages": PREFILLED, "continue_final_message": True, "add_generation_prompt": False}
+    assert parse_chat(both).continue_final_message
+    plain = parse_chat({"messages": PREFILLED})
+    assert plain.add_generation_prompt and not plain.continue_final_message
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"add_generation_prompt": True}, "add_generation_prompt", "add_generation_prompt false"),
+        ({"response_format": {"type": "json_object"}}, None, "structured output"),
+        ({"guided_choice": ["a", "b"]}, None, "structured output"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            None,
+            "forced tool call",
+        ),
+        ({"continue_final_message": "yes"}, None, "must be bool"),
+    ],
+)
+def test_a_continued_message_refuses_what_contradicts_it(extra, param, words):
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": PREFILLED, "continue_final_message": True, **extra})
+    assert info.value.status == 400 and info.value.param == (param or "continue_final_message")
+    assert words in info.value.message
+
+
+def test_a_message_with_tool_calls_is_not_continued():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [*M, {"role": "assistant", "content": "calling", "tool_calls": [call]}]
+    with pytest.raises(APIError, match="carries tool calls"):
+        parse_chat({"messages": messages, "continue_final_message": True})
+
+
 def test_value_errors_name_their_parameter():
     assert from_value_error(ValueError("top_p must be in (0, 1], got 2")).param == "top_p"
     err = from_value_error(ValueError("max_tokens must be at least 1"), {"max_tokens": "x"})

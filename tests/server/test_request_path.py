@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from tests.server.conftest import MODEL, LiveServer
+from yaied.core.errors import InputError
 from yaied.router.lifecycle import CallState
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -354,6 +355,41 @@ def test_add_generation_prompt_and_chat_template_kwargs_are_honoured(live):
         live.url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}
     ).json()
     assert counted["count"] == off["usage"]["prompt_tokens"]
+
+
+def test_continue_final_message_continues_the_last_message(live):
+    prefilled = [*CHAT, {"role": "assistant", "content": "My favourite colour is"}]
+    body = {"messages": prefilled, "max_tokens": 8, "temperature": 0}
+    chat = httpx.post(
+        live.v1 + "/chat/completions", json={**body, "continue_final_message": True}
+    ).json()
+    rendered = httpx.post(
+        live.url + "/tokenize", json={"messages": prefilled, "continue_final_message": True}
+    ).json()
+    # The prompt ends inside the assistant's message: no end of its turn, no new turn.
+    text = manager_of(live).tokenizer.decode(rendered["tokens"])
+    assert text.endswith("<|im_start|>assistant\nMy favourite colour is")
+    assert chat["usage"]["prompt_tokens"] == rendered["count"]
+    # The answer is what follows that text, and only that.
+    completion = httpx.post(
+        live.v1 + "/completions",
+        json={"prompt": rendered["tokens"], "max_tokens": 8, "temperature": 0},
+    ).json()
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    closed = httpx.post(live.v1 + "/chat/completions", json=body).json()  # a turn of its own
+    assert closed["usage"]["prompt_tokens"] > chat["usage"]["prompt_tokens"]
+
+
+def test_a_template_that_drops_the_last_message_cannot_continue_it(live):
+    inputs = manager_of(live).inputs
+    prefilled = [*CHAT, {"role": "assistant", "content": "Blue"}]
+    first_only = "{{ messages[0]['content'] }}"
+    with pytest.raises(InputError, match="cannot be continued"):
+        inputs.chat_prompt(prefilled, first_only, continue_final_message=True)
+    both = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert inputs.chat_prompt(prefilled, both, continue_final_message=True)[1] == (
+        "[Name a colour.][Blue"
+    )
 
 
 def test_chat_template_kwargs_reach_the_template(live):

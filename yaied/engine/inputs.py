@@ -125,11 +125,14 @@ class InputProcessor:
         chat_template: str = "",
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_format: str = FALLBACK_FORMAT,
     ) -> tuple[list[int], str]:
         """The messages through ``chat_template`` (else the tokenizer's own): token ids and text.
+        With ``continue_final_message`` the text ends where the last message's content does (no
+        end of turn, no generation prompt), so the output continues it: a prefill.
         ``template_kwargs`` (a request's chat_template_kwargs) are variables for the template.
         ``tools`` (OpenAI tool definitions) go to a template that renders tools; for one that
         does not, the tools and the tool history are written into the messages in
@@ -152,12 +155,20 @@ class InputProcessor:
                 messages,
                 chat_template=chat_template or None,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
                 **extra,
             )
         except TemplateError as exc:  # a template's raise_exception, say for roles out of order
             raise InputError(f"chat template: {exc}", "messages") from None
         except (TypeError, ValueError) as exc:
+            if continue_final_message and "continue_final_message" in str(exc):
+                # transformers' own check: the template dropped or rewrote the last message
+                raise InputError(
+                    "the chat template does not render the last message's content as sent, so "
+                    "it cannot be continued",
+                    "messages",
+                ) from None
             if not template_kwargs:
                 raise  # the template itself is broken: a server error
             # The template choked on a client's variable (say a string where it adds numbers).

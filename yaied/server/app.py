@@ -84,13 +84,14 @@ async def tokenize(request: Request) -> Response:
         raise APIError(400, "this model has no tokenizer")
     prompts, messages = parse_tokenize(body)
     if messages:
-        add_generation_prompt, template_kwargs = parse_template_options(body)
+        options = parse_template_options(body)
         try:
             tokens, _ = manager.inputs.chat_prompt(
                 messages,
                 server.config.chat_template,
-                add_generation_prompt=add_generation_prompt,
-                template_kwargs=template_kwargs,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                template_kwargs=options.kwargs,
                 tools=parse_tool_request(body).definitions() or None,
                 tool_format=server.chat_settings(manager).tool_format,
             )

@@ -55,6 +55,8 @@ async def count_tokens(request: Request) -> Response:
         manager.inputs.chat_prompt,
         parsed.messages,
         server.config.chat_template,
+        add_generation_prompt=parsed.add_generation_prompt,
+        continue_final_message=parsed.continue_final_message,
         template_kwargs=parsed.chat_template_kwargs,
         tools=parsed.tools.definitions() or None,
         tool_format=chat.tool_format,

@@ -7,6 +7,7 @@ server/error_shape.py). Content blocks become chat messages:
     assistant: text -> content; tool_use {id, name, input} -> tool_calls (input as JSON text);
                thinking / redacted_thinking -> dropped (as templates drop earlier thinking)
 
+A last message from the assistant is a prefill: the answer continues it (``_prefill``).
 ``system`` is the system message. ``max_tokens`` is required, as Anthropic requires it. Sampling
 fields come from the one table (core/sampling_fields.py, endpoint "messages"): max_tokens,
 temperature, top_p, top_k, stop_sequences.
@@ -26,6 +27,7 @@ from yaied.server.protocol import (
     ParsedRequest,
     _get,
     _refuse_unknown_fields,
+    check_continuation,
     parse_messages,
     parse_sampling,
 )
@@ -86,6 +88,8 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
     system = _system(body.get("system"))
     parsed.messages = parse_messages(system + _messages(body.get("messages")))
     parsed.tools = _tools(body)
+    if body["messages"][-1]["role"] == "assistant":
+        _prefill(parsed)
     thinking = _get(body, "thinking", (dict,))
     if thinking is not None:
         kind = thinking.get("type")
@@ -94,6 +98,19 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         # Templates that switch thinking (Qwen3's) read enable_thinking; others ignore it.
         parsed.chat_template_kwargs = {"enable_thinking": kind == "enabled"}
     return MessagesRequest(parsed, tuple(parsed.sampling.get("stop") or ()))
+
+
+def _prefill(parsed: ParsedRequest) -> None:
+    """A last message from the assistant is a prefill, as Anthropic's API has it: the answer
+    continues its text (and holds only what follows it). Anthropic refuses trailing whitespace
+    there, which would leave the model to start a word after a space token."""
+    text = parsed.messages[-1].get("content") or ""
+    if text != text.rstrip():
+        raise APIError(
+            400, "final assistant content cannot end with trailing whitespace", param="messages"
+        )
+    parsed.continue_final_message, parsed.add_generation_prompt = True, False
+    check_continuation(parsed, "messages")
 
 
 def _system(value: Any) -> list[dict[str, Any]]:

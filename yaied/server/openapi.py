@@ -126,6 +126,7 @@ _CHAT = {
     "messages": _MESSAGES,
     "logprobs": {"type": "boolean"},  # whether to return them; top_logprobs: how many others
     "add_generation_prompt": {"type": "boolean"},
+    "continue_final_message": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object"},
     "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
     # Accepted and ignored: they cannot change the output.
@@ -204,6 +205,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
                     "prompt": {"type": "string"},
                     "messages": _MESSAGES,
                     "add_generation_prompt": {"type": "boolean"},
+                    "continue_final_message": {"type": "boolean"},
                     "chat_template_kwargs": {"type": "object"},
                 },
                 [],

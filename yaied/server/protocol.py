@@ -11,7 +11,7 @@ that says so. Nothing a client sends is silently dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from yaied.core import sampling_fields
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, parse_structured_output
@@ -79,6 +79,7 @@ CHAT_FIELDS = frozenset(
         "modalities",  # ["text"] only
         "chat_template_kwargs",  # vLLM's: extra variables for the chat template
         "add_generation_prompt",  # vLLM's: end the prompt with the assistant's turn (default)
+        "continue_final_message",  # vLLM's: continue the last message (a prefill)
     }
 )
 _GRAMMAR_BACKENDS = ("xgrammar", "auto")
@@ -128,6 +129,8 @@ class ParsedRequest:
     # the call resumes after it (router/manager.py), and streams only what follows.
     resume_token_ids: list[int] = field(default_factory=list)
     add_generation_prompt: bool = True  # chat
+    # chat: the prompt ends inside the last message, which the output continues (a prefill)
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
     structured: GrammarSpec | None = None  # the output constraint; None: free text
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools and tool_choice
@@ -287,7 +290,11 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     _common(body, parsed)
     parsed.messages = parse_messages(body.get("messages"))
     parsed.tools = parse_tool_request(body)
-    parsed.add_generation_prompt, parsed.chat_template_kwargs = parse_template_options(body)
+    options = parse_template_options(body)
+    parsed.add_generation_prompt = options.add_generation_prompt
+    parsed.continue_final_message = options.continue_final_message
+    parsed.chat_template_kwargs = options.kwargs
+    check_continuation(parsed, "continue_final_message")
     top_logprobs = parsed.logprobs  # the table's chat name for SamplingParams.logprobs
     if _get(body, "logprobs", (bool,), False):
         parsed.logprobs = 0 if top_logprobs is None else top_logprobs
@@ -307,10 +314,25 @@ def _refuse_unimplemented_chat(body: dict[str, Any]) -> None:
         _get(body, name, kinds)
 
 
-def parse_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    """``add_generation_prompt`` (default true) and ``chat_template_kwargs``, vLLM's fields for
-    rendering the chat template; the kwargs become template variables."""
-    add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+class TemplateOptions(NamedTuple):
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs: dict[str, Any]
+
+
+def parse_template_options(body: dict[str, Any]) -> TemplateOptions:
+    """vLLM's fields for rendering the chat template: ``add_generation_prompt`` (default true,
+    false with ``continue_final_message``, which it contradicts) and ``chat_template_kwargs``,
+    which become template variables."""
+    continue_final = _get(body, "continue_final_message", (bool,), False)
+    add_generation_prompt = _get(body, "add_generation_prompt", (bool,), not continue_final)
+    if continue_final and add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message continues the last message; add_generation_prompt would "
+            "start a new one after it: send add_generation_prompt false, or leave it out",
+            param="add_generation_prompt",
+        )
     kwargs = _get(body, "chat_template_kwargs", (dict,), {})
     for key in kwargs:
         if not key.isidentifier():
@@ -326,7 +348,26 @@ def parse_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
                 "renderer itself",
                 param=f"chat_template_kwargs.{key}",
             )
-    return add_generation_prompt, dict(kwargs)
+    return TemplateOptions(add_generation_prompt, continue_final, dict(kwargs))
+
+
+def check_continuation(parsed: ParsedRequest, param: str) -> None:
+    """A continued last message (a prefill) and a grammar that holds the output to a whole
+    value (a structured output, a forced tool call) do not mix: the grammar would start that
+    value at the first generated token, as if nothing had been prefilled. A last message that
+    carries tool calls cannot be continued either: the text would end before its calls."""
+    if not parsed.continue_final_message:
+        return
+    if parsed.structured is not None:
+        raise APIError(
+            400, "a prefilled last message cannot be combined with a structured output", param
+        )
+    if parsed.tools.active and parsed.tools.choice.mode == "required":
+        raise APIError(
+            400, "a prefilled last message cannot be combined with a forced tool call", param
+        )
+    if parsed.messages and parsed.messages[-1].get("tool_calls"):
+        raise APIError(400, "the message to continue carries tool calls: it is complete", param)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:

@@ -181,6 +181,7 @@ def _tokenized_prompts(
             parsed.messages,
             chat_template,
             add_generation_prompt=parsed.add_generation_prompt,
+            continue_final_message=parsed.continue_final_message,
             template_kwargs=parsed.chat_template_kwargs,
             tools=parsed.tools.definitions() or None,
             tool_format=chat.tool_format,
