@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.cpu_levels import kernel_at
+from tests.cpu_levels import LEVELS, kernel_at
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.worker.attention import DecodeBucket, _decode_attention
 
@@ -93,6 +93,36 @@ def test_long_contexts_in_partitions_match_torch_path(
     ours = kernel(*args, head_dim**-0.5)
     theirs = reference(*args, head_dim**-0.5)
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize(
+    "kv_heads, group, head_dim, page_size",
+    [
+        (3, 3, 64, 16),
+        (2, 1, 64, 16),
+        (1, 8, 128, 16),
+        (2, 4, 64, 4),
+        (1, 5, 128, 32),
+        (1, 9, 64, 16),
+    ],
+)
+def test_the_bf16_dot_body_computes_what_the_widening_body_does(
+    kv_heads, group, head_dim, page_size
+):
+    """At avx512_bf16, bf16 K/V of head size 64 or 128 in groups of up to 8 take the dot body
+    (q . k by vdpbf16ps, 16 positions a block); at avx512 the widening body runs. The products
+    are exact in both and only the order of the fp32 sums differs, so each output is within
+    one bf16 step (plus the sums' own rounding) of the other's: over page tails, partial
+    blocks, one position, and contexts split into partitions (past 256 positions)."""
+    lengths = [1, 15, 16, 17, 33, 255, 256, 300, 700, 1500]
+    args = _long_rows(lengths, kv_heads, group, head_dim, page_size, torch.bfloat16, seed=group)
+    dot = kernel_at(CpuDecodeKernel, "avx512_bf16")(*args, head_dim**-0.5).float()
+    widening = kernel_at(CpuDecodeKernel, "avx512")(*args, head_dim**-0.5).float()
+    larger = torch.maximum(dot.abs(), widening.abs()).clamp_min(2**-126)
+    step = 2.0 ** (torch.floor(torch.log2(larger)) - 7)  # a bf16 step at that magnitude
+    assert ((dot - widening).abs() <= step + 1e-5).all()
+    assert (dot == widening).float().mean() > 0.9  # mostly the same bf16 outright
 
 
 def test_a_row_does_not_depend_on_the_threads(kernel):

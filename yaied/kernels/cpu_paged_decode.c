@@ -12,11 +12,14 @@
  * the calling thread's OpenMP team (the engine's worker thread: torch's team). The `_step` entry
  * does a decode-only step's rotary and K/V write too, in the same parallel region.
  *
- * The pass is bound by memory: W-mixed's 32 rows over about 350 positions read 258 MB of K/V a
- * step. Two things keep it near the machine's bandwidth: the next pages are prefetched (the page
- * table scatters them, so the hardware prefetcher stops at every page edge), and each block of
- * positions is widened to fp32 once for all the group's query heads, whose scores, softmax and
- * sums stay in vectors (GCC vector types, so the one source builds at every ISA level).
+ * W-mixed's 32 rows over about 350 positions read 258 MB of K/V a step. The next pages are
+ * prefetched (the page table scatters them, so the hardware prefetcher stops at every page
+ * edge), and each block of positions is widened to fp32 once for all the group's query heads,
+ * whose scores, softmax and sums stay in vectors (GCC vector types, so the one source builds at
+ * every ISA level). That widening body is bound by its arithmetic, not by memory (a layer's K/V
+ * in cache ran 1.6 of the 1.8 ms that 30 layers from memory took): with AVX512-BF16, bf16 K/V
+ * of the usual head sizes take a body of its own (dot_item_bf16) whose q . k are bf16 dot
+ * products on the rows as stored.
  */
 #include "cpu_rows.h"
 
@@ -140,6 +143,211 @@ static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_
             }
     }
     return count;
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* bf16 K/V where the CPU has bf16 dot products: a body of its own for head sizes 64 and 128 and
+ * groups of up to DOT_MAX_GROUP heads. The widening body above spent most of its time turning
+ * each K and V row into fp32 and keeping the widened block (64 vectors each) in memory; here
+ *
+ *   - q . k is two (four) vdpbf16ps on the bf16 rows as they are: the products are exact, as
+ *     the widened FMAs' were, and only the order of the fp32 sums differs. A block is 16
+ *     positions, whose 16 lane vectors one transposing tree of adds (sum_lanes16) turns into
+ *     the block's 16 scores, so the softmax runs 16 lanes wide;
+ *   - a V row becomes fp32 by two word unpacks against zero per 32 values (a bf16 is the high
+ *     half of its fp32), which leaves each vector's values in unpack order: the accumulators
+ *     keep that order and the output is put back in place once, at the end.
+ *
+ * Probabilities stay fp32, so P V is the widening body's arithmetic. */
+#define DOT_BLOCK 16
+#define DOT_MAX_GROUP 8
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* Lane j of the result: the sum of t[j]'s 16 lanes. Four levels of shuffles and adds leave
+ * position 4 i + L in lane 4 L + i (a 4 x 4 transpose), which one permute puts back. */
+static const int32_t LANE_TRANSPOSE[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+static inline __m512 sum_lanes16(const __m512 *t) {
+    __m512 a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++) /* 128-bit lanes 0-1: t[2j]'s halves summed; 2-3: t[2j + 1]'s */
+        a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++) /* 128-bit lane L: four partial sums of t[4j + L] */
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) /* lane L: two of t[8j + L], two of t[8j + 4 + L] */
+        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x88),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xDD));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(LANE_TRANSPOSE), r);
+}
+
+/* exp2_nonpositive_v for 16 lanes */
+static inline __m512 exp2_nonpositive_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    vi16 n = __builtin_convertvector(x, vi16) - 1;
+    __m512 f = x - __builtin_convertvector(n, __m512);
+    return EXP2_FRACTION(f) * (__m512)((n + 127) << 23);
+}
+
+/* The widening body's item (NAME##_one below: the same arguments, outputs and partials) for
+ * head_dim HD (64 or 128) and `group` <= DOT_MAX_GROUP. */
+static inline __attribute__((always_inline)) void dot_item_bf16(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *pages,
+    int64_t begin, int64_t end, int64_t context_len, uint16_t *out, float *partial,
+    const int64_t group, const int64_t HD, int64_t page_size, int64_t page_stride, float scale) {
+    const int64_t halves = HD / 32, chunks = HD / 16; /* 32 bf16 in a vector; 16 fp32 */
+    const float log2e = 1.44269504088896341f;
+    const __m512 score_scale = _mm512_set1_ps(scale * log2e); /* scores in log2 units */
+    const __m512i zero = _mm512_setzero_si512();
+    __m512bh query[DOT_MAX_GROUP][4];
+    __m512 acc[DOT_MAX_GROUP][8], sums[DOT_MAX_GROUP];
+    float running_max[DOT_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t h = 0; h < halves; h++)
+            query[g][h] = (__m512bh)_mm512_loadu_si512(q + g * HD + 32 * h);
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+        sums[g] = _mm512_setzero_ps();
+        running_max[g] = -INFINITY;
+    }
+    for (int64_t start = begin; start < end; start += DOT_BLOCK) {
+        int64_t n = end - start < DOT_BLOCK ? end - start : DOT_BLOCK;
+        __mmask16 live = (__mmask16)(n == DOT_BLOCK ? 0xFFFF : (1u << n) - 1);
+        for (int64_t pos = start + AHEAD; pos < start + AHEAD + DOT_BLOCK && pos < context_len;
+             pos++) {
+            int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * HD;
+            for (int64_t b = 0; b < HD * 2; b += 64) {
+                __builtin_prefetch((const char *)(k_cache + at) + b, 0, 1);
+                __builtin_prefetch((const char *)(v_cache + at) + b, 0, 1);
+            }
+        }
+        const uint16_t *krow[DOT_BLOCK], *vrow[DOT_BLOCK];
+        for (int64_t i = 0; i < DOT_BLOCK; i++) {
+            int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */
+            int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * HD;
+            krow[i] = k_cache + at;
+            vrow[i] = v_cache + at;
+        }
+        float probs[DOT_MAX_GROUP][DOT_BLOCK];
+        for (int64_t g = 0; g < group; g++) {
+            __m512 t[DOT_BLOCK];
+            for (int64_t i = 0; i < DOT_BLOCK; i++) {
+                t[i] = _mm512_setzero_ps();
+                for (int64_t h = 0; h < halves; h++)
+                    t[i] = _mm512_dpbf16_ps(t[i], query[g][h],
+                                            (__m512bh)_mm512_loadu_si512(krow[i] + 32 * h));
+            }
+            __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                               _mm512_mul_ps(sum_lanes16(t), score_scale));
+            float block_max = _mm512_reduce_max_ps(scores);
+            float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            if (new_max != running_max[g]) { /* seldom after the first blocks */
+                float rescale = running_max[g] == -INFINITY
+                                    ? 0.0f
+                                    : exp_nonpositive((running_max[g] - new_max) / log2e);
+                __m512 r = _mm512_set1_ps(rescale);
+                sums[g] = _mm512_mul_ps(sums[g], r);
+                for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
+                running_max[g] = new_max;
+            }
+            __m512 p = _mm512_maskz_mov_ps(
+                live, exp2_nonpositive_16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            sums[g] = _mm512_add_ps(sums[g], p);
+            _mm512_storeu_ps(probs[g], p);
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t h = 0; h < halves; h++) {
+                __m512i v = _mm512_loadu_si512(vrow[i] + 32 * h);
+                __m512 low = (__m512)_mm512_unpacklo_epi16(zero, v); /* values 8L .. 8L + 3 */
+                __m512 high = (__m512)_mm512_unpackhi_epi16(zero, v); /* 8L + 4 .. 8L + 7 */
+                for (int64_t g = 0; g < group; g++) {
+                    __m512 pg = _mm512_set1_ps(probs[g][i]);
+                    acc[g][2 * h] = _mm512_fmadd_ps(pg, low, acc[g][2 * h]);
+                    acc[g][2 * h + 1] = _mm512_fmadd_ps(pg, high, acc[g][2 * h + 1]);
+                }
+            }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float denom = _mm512_reduce_add_ps(sums[g]), result[128];
+        for (int64_t h = 0; h < halves; h++) { /* back from unpack order */
+            float low[16], high[16];
+            _mm512_storeu_ps(low, acc[g][2 * h]);
+            _mm512_storeu_ps(high, acc[g][2 * h + 1]);
+            for (int lane = 0; lane < 4; lane++)
+                for (int i = 0; i < 4; i++) {
+                    result[32 * h + 8 * lane + i] = low[4 * lane + i];
+                    result[32 * h + 8 * lane + 4 + i] = high[4 * lane + i];
+                }
+        }
+        if (partial) { /* a partition: its max, sum and unnormalised output, for the merge */
+            float *mine = partial + g * (2 + HD);
+            mine[0] = running_max[g];
+            mine[1] = denom;
+            memcpy(mine + 2, result, HD * sizeof(float));
+            continue;
+        }
+        for (int64_t d = 0; d < HD; d++) out[g * HD + d] = float_to_bf16(result[d] / denom);
+    }
+}
+
+/* Returns whether the dot body took the item: head sizes 64 and 128, groups up to
+ * DOT_MAX_GROUP, each combination with its sizes constant (and the usual page size: a position's
+ * page is then a shift, not a division). */
+#define DOT_ITEM(G, HD, PAGE, STRIDE)                                                             \
+    dot_item_bf16(q, k_cache, v_cache, pages, begin, end, context_len, out, partial, G, HD, PAGE, \
+                  STRIDE, scale)
+#define DOT_GROUP_CASE(G)                                                                         \
+    case G:                                                                                       \
+        if (head_dim == 64 && page_size == 16)                                                    \
+            DOT_ITEM(G, 64, 16, 16 * 64);                                                         \
+        else if (head_dim == 128 && page_size == 16)                                              \
+            DOT_ITEM(G, 128, 16, 16 * 128);                                                       \
+        else if (head_dim == 64)                                                                  \
+            DOT_ITEM(G, 64, page_size, page_stride);                                              \
+        else                                                                                      \
+            DOT_ITEM(G, 128, page_size, page_stride);                                             \
+        return 1;
+static int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *pages, int64_t begin, int64_t end, int64_t context_len,
+                         uint16_t *out, float *partial, int64_t group, int64_t head_dim,
+                         int64_t page_size, int64_t page_stride, float scale) {
+    if (head_dim != 64 && head_dim != 128) return 0;
+    switch (group) {
+        DOT_GROUP_CASE(1)
+        DOT_GROUP_CASE(2)
+        DOT_GROUP_CASE(3)
+        DOT_GROUP_CASE(4)
+        DOT_GROUP_CASE(5)
+        DOT_GROUP_CASE(6)
+        DOT_GROUP_CASE(7)
+        DOT_GROUP_CASE(8)
+    default: return 0;
+    }
+}
+#else
+static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *pages, int64_t begin,
+                                int64_t end, int64_t context_len, uint16_t *out, float *partial,
+                                int64_t group, int64_t head_dim, int64_t page_size,
+                                int64_t page_stride, float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
+    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
+    (void)page_stride, (void)scale;
+    return 0;
+}
+#endif
+
+/* fp32 K/V have no dot body. */
+static inline int dot_body_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int64_t *pages, int64_t begin, int64_t end,
+                               int64_t context_len, float *out, float *partial, int64_t group,
+                               int64_t head_dim, int64_t page_size, int64_t page_stride,
+                               float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
+    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
+    (void)page_stride, (void)scale;
+    return 0;
 }
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. A block's K and V
@@ -286,6 +494,9 @@ static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_
             const int64_t *pages = page_table + r * max_pages;                                     \
             const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
             float *partial = it->parts > 1 ? partials + i * partial_stride : NULL;                 \
+            if (dot_body_##SUFFIX(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh,      \
+                                  partial, group, head_dim, page_size, page_stride, scale))        \
+                continue;                                                                          \
             /* Constant head sizes let the compiler unroll and vectorise fully. */                 \
             if (head_dim == 64 && page_size == 16)                                                 \
                 NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
