@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from yaied.core.config import EngineConfig
+from yaied.worker import host_memory
 from yaied.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -22,15 +23,16 @@ def allocate_kv(
     model: nn.Module, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
     # Per layer: K and V pools [kv_heads, num_pages, page_size, head_dim] (see attention.py).
+    # On CPU on huge pages: decode attention reads their pages at scattered places.
     shape = model.shape
     kv_shape = (shape.num_kv_heads, num_pages, page_size, shape.head_dim)
-    return [
-        (
-            torch.zeros(kv_shape, dtype=dtype, device=device),
-            torch.zeros(kv_shape, dtype=dtype, device=device),
-        )
-        for _ in range(shape.num_layers)
-    ]
+
+    def pool() -> torch.Tensor:
+        if device.type == "cpu":
+            return host_memory.zeros(kv_shape, dtype)
+        return torch.zeros(kv_shape, dtype=dtype, device=device)
+
+    return [(pool(), pool()) for _ in range(shape.num_layers)]
 
 
 def num_sms(device: torch.device) -> int:
