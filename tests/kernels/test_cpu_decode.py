@@ -99,19 +99,18 @@ def test_long_contexts_in_partitions_match_torch_path(
 @pytest.mark.parametrize(
     "kv_heads, group, head_dim, page_size",
     [
-        (3, 3, 64, 16),
-        (2, 1, 64, 16),
-        (1, 8, 128, 16),
-        (2, 4, 64, 4),
-        (1, 5, 128, 32),
-        (1, 9, 64, 16),
+        *[(3, 3, 64, 16), (2, 4, 64, 16), (1, 4, 128, 16), (1, 8, 128, 16)],  # constant copies
+        *[(2, 1, 64, 16), (1, 7, 128, 16), (2, 4, 64, 4), (1, 5, 128, 32)],  # groups at run time
+        *[(2, 3, 32, 16), (1, 6, 96, 8)],  # head sizes at run time
+        *[(1, 9, 64, 16), (1, 2, 48, 16), (1, 2, 160, 16)],  # the widening body's
     ],
 )
 def test_the_bf16_dot_body_computes_what_the_widening_body_does(
     kv_heads, group, head_dim, page_size
 ):
-    """At avx512_bf16, bf16 K/V of head size 64 or 128 in groups of up to 8 take the dot body
-    (q . k by vdpbf16ps, 16 positions a block); at avx512 the widening body runs. The products
+    """At avx512_bf16, bf16 K/V of head sizes 32 to 128 (multiples of 32) in groups of up to 8
+    take the dot body (q . k by vdpbf16ps, 16 positions a block); at avx512 the widening body
+    runs. The products
     are exact in both and only the order of the fp32 sums differs, so each output is within
     one bf16 step (plus the sums' own rounding) of the other's: over page tails, partial
     blocks, one position, and contexts split into partitions (past 256 positions)."""
