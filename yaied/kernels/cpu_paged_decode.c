@@ -87,13 +87,15 @@ static inline float max_lanes(vf x) {
 
 /* 2^x for -125 <= x <= 0 on a vector: exp_nonpositive's polynomial (cpu_common.h) for 2^f on
  * (0, 1], with x = n + f and n = trunc(x) - 1 (truncation is the floor's ceiling for x < 0). */
-static inline vf exp2_nonpositive_v(vf x) {
-    vf low = (vf){0} - 125.0f;
-    x = (vf)(((vi)x & ~(x < low)) | ((vi)low & (x < low)));
-    vi n = __builtin_convertvector(x, vi) - 1;
-    vf f = x - __builtin_convertvector(n, vf);
-    return EXP2_FRACTION(f) * (vf)((n + 127) << 23);
-}
+#define DEFINE_EXP2_NONPOSITIVE(NAME, VF, VI)                                                   \
+    static inline VF NAME(VF x) {                                                               \
+        VF low = (VF){0} - 125.0f;                                                              \
+        x = (VF)(((VI)x & ~(x < low)) | ((VI)low & (x < low)));                                 \
+        VI n = __builtin_convertvector(x, VI) - 1;                                              \
+        VF f = x - __builtin_convertvector(n, VF);                                              \
+        return EXP2_FRACTION(f) * (VF)((n + 127) << 23);                                        \
+    }
+DEFINE_EXP2_NONPOSITIVE(exp2_nonpositive_v, vf, vi)
 
 /* Long contexts are split into partitions, each a work item of its own, whose partial results
  * are merged in partition order: at batch 1 the default model has 3 (row, kv head) pairs for 2
@@ -145,6 +147,20 @@ static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_
     return count;
 }
 
+/* The K and V rows of positions [from, to) (those before context_len) prefetched into L2
+ * (AHEAD above: why L2 and how far); a row is head_dim elements of `size` bytes. */
+static inline __attribute__((always_inline)) void prefetch_rows(
+    const void *k_cache, const void *v_cache, const int64_t *pages, int64_t from, int64_t to,
+    int64_t context_len, int64_t page_size, int64_t page_stride, int64_t head_dim, int64_t size) {
+    for (int64_t pos = from; pos < to && pos < context_len; pos++) {
+        int64_t at = (pages[pos / page_size] * page_stride + (pos % page_size) * head_dim) * size;
+        for (int64_t b = 0; b < head_dim * size; b += 64) {
+            __builtin_prefetch((const char *)k_cache + at + b, 0, 1);
+            __builtin_prefetch((const char *)v_cache + at + b, 0, 1);
+        }
+    }
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -185,13 +201,7 @@ static inline __m512 sum_lanes16(const __m512 *t) {
     return _mm512_permutexvar_ps(_mm512_loadu_si512(LANE_TRANSPOSE), r);
 }
 
-/* exp2_nonpositive_v for 16 lanes */
-static inline __m512 exp2_nonpositive_16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-    vi16 n = __builtin_convertvector(x, vi16) - 1;
-    __m512 f = x - __builtin_convertvector(n, __m512);
-    return EXP2_FRACTION(f) * (__m512)((n + 127) << 23);
-}
+DEFINE_EXP2_NONPOSITIVE(exp2_nonpositive_16, __m512, vi16) /* exp2_nonpositive_v, 16 lanes */
 
 /* The widening body's item (NAME##_one below: the same arguments, outputs and partials) for
  * head_dim HD (a multiple of 32, at most DOT_MAX_HEAD_DIM) and `group` <= DOT_MAX_GROUP. */
@@ -216,14 +226,8 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
     for (int64_t start = begin; start < end; start += DOT_BLOCK) {
         int64_t n = end - start < DOT_BLOCK ? end - start : DOT_BLOCK;
         __mmask16 live = (__mmask16)(n == DOT_BLOCK ? 0xFFFF : (1u << n) - 1);
-        for (int64_t pos = start + AHEAD; pos < start + AHEAD + DOT_BLOCK && pos < context_len;
-             pos++) {
-            int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * HD;
-            for (int64_t b = 0; b < HD * 2; b += 64) {
-                __builtin_prefetch((const char *)(k_cache + at) + b, 0, 1);
-                __builtin_prefetch((const char *)(v_cache + at) + b, 0, 1);
-            }
-        }
+        prefetch_rows(k_cache, v_cache, pages, start + AHEAD, start + AHEAD + DOT_BLOCK,
+                      context_len, page_size, page_stride, HD, sizeof(uint16_t));
         const uint16_t *krow[DOT_BLOCK], *vrow[DOT_BLOCK];
         for (int64_t i = 0; i < DOT_BLOCK; i++) {
             int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */
@@ -400,14 +404,8 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
         }                                                                                          \
         for (int64_t start = begin; start < end; start += BLOCK) {                                 \
             int64_t n = end - start < BLOCK ? end - start : BLOCK;                                 \
-            for (int64_t pos = start + AHEAD; pos < start + AHEAD + BLOCK && pos < context_len;    \
-                 pos++) {                                                                          \
-                int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * head_dim;  \
-                for (int64_t b = 0; b < head_dim * (int64_t)sizeof(T); b += 64) {                  \
-                    __builtin_prefetch((const char *)(k_cache + at) + b, 0, 1);                    \
-                    __builtin_prefetch((const char *)(v_cache + at) + b, 0, 1);                    \
-                }                                                                                  \
-            }                                                                                      \
+            prefetch_rows(k_cache, v_cache, pages, start + AHEAD, start + AHEAD + BLOCK,           \
+                          context_len, page_size, page_stride, head_dim, sizeof(T));               \
             for (int64_t i = 0; i < BLOCK; i++) {                                                  \
                 int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */      \
                 int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * head_dim;  \

@@ -28,7 +28,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor, on huge pages where the system gives them (see above). Every
     page is written here, so the kernel finds (or compacts) its huge pages now, not in a
     request's first step that touches them."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE or advice is None:
         return torch.zeros(shape, dtype=dtype)
