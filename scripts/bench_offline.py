@@ -198,6 +198,8 @@ def engine_overrides(
         overrides["gpu_memory_utilization"] = 0.5  # transformers shares the device (GPU only)
     if args.no_prefix_cache:
         overrides["enable_prefix_caching"] = False
+    if args.batch_invariant:
+        overrides["batch_invariant"] = True
     return overrides
 
 
@@ -265,6 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's model implementation (transformers: its own class on our KV cache)",
     )
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="engine.batch_invariant (CPU)"
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--runs", type=int, default=1, help="timed runs; run k uses seed k")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = every core")

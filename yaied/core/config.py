@@ -110,6 +110,10 @@ class LoopConfig:
     # Devices one engine spans (tensor parallelism, yaied/worker/parallel/): rank r runs on
     # cuda:(K + r) from device.device = cuda:K, or on its share of the cores on CPU.
     tensor_parallel_size: int = 1
+    # Every row computes the same bits whatever else shares its step (yaied/worker/
+    # batch_invariant.py): greedy output and logprobs do not depend on the load. CPU only;
+    # prompts prefill slower (every projection on the few-row kernel).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not self.step_timeout_s > 0:
@@ -159,6 +163,10 @@ class EngineConfig:
                 f"model.quantization = {self.model.quantization} does not run with "
                 "tensor parallelism (engine.tensor_parallel_size > 1); use one of them"
             )
+        if self.engine.batch_invariant and self.speculative.enabled:
+            raise ValueError("engine.batch_invariant does not run with speculative decoding")
+        if self.engine.batch_invariant and self.engine.tensor_parallel_size > 1:
+            raise ValueError("engine.batch_invariant does not run with tensor parallelism")
 
 
 T = TypeVar("T")

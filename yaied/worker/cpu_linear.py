@@ -56,12 +56,14 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.weight = None if pack else weight.contiguous()  # forward's, where nothing is packed
         self.few_rows = None if gemv is None else gemv.bind(weight, self.bias)
-        # The LM head takes the kernel in forward too (see pack_linears).
+        # The LM head takes the kernel in forward too (see pack_linears), and every layer
+        # with engine.batch_invariant, in slices of MAX_ROWS up to sliced_max_rows rows.
         self.few_rows_in_forward = False
+        self.sliced_max_rows = MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _few_rows_take(self, x):
-            return self.few_rows(x)
+        if _few_rows_take(self, x, self.sliced_max_rows):
+            return self.few_rows.in_slices(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

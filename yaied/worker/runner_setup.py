@@ -64,6 +64,7 @@ def build_runner(
         device,
         seed=config.model.seed,
         triton=triton,
+        batch_invariant=config.engine.batch_invariant,
     )
 
 

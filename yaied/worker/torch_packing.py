@@ -43,6 +43,7 @@ class TorchBatchPacker:
         kv_heads: int,
         decode_kernel,
         prefill_kernel,
+        lone_prompt_tokens_prefill: bool = False,
     ) -> None:
         self.page_size = page_size
         self.device = device
@@ -50,6 +51,16 @@ class TorchBatchPacker:
         self.kv_heads = kv_heads
         self.decode_kernel = decode_kernel  # CpuDecodeKernel or None
         self.prefill_kernel = prefill_kernel  # CpuPrefillKernel or None
+        # A single prompt token (a chunk's remainder, a prompt cached but its last token) runs
+        # as a decode row unless this is set (engine.batch_invariant): then as a one-token
+        # chunk, so a prompt token's numbers never depend on where the budget cut its prompt.
+        self.lone_prompt_tokens_prefill = lone_prompt_tokens_prefill
+
+    def is_decode(self, seq: ScheduledSeq) -> bool:
+        """Whether the sequence runs as a decode row (one token) rather than a chunk."""
+        if len(seq.token_ids) != 1:
+            return False
+        return not self.lone_prompt_tokens_prefill or bool(seq.sample and seq.num_output_tokens)
 
     def build_few_decodes(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         """What ``build`` gives for a step of a few single-token decodes on the decode kernel,
@@ -92,15 +103,15 @@ class TorchBatchPacker:
         if (
             self.decode_kernel is not None
             and len(seqs) <= FEW_DECODES
-            and all(len(s.token_ids) == 1 and not s.num_draft_tokens for s in seqs)
+            and all(self.is_decode(s) and not s.num_draft_tokens for s in seqs)
         ):
             return self.build_few_decodes(seqs)
-        decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+        decodes = sorted((s for s in seqs if self.is_decode(s)), key=lambda s: s.start_pos)
         # With the decode kernel, a decode carrying speculative drafts runs as one decode row
         # per position (each attends up to itself, K/V being written first): a prefill chunk
         # over cached context costs a gather and an SDPA call per layer, several times more.
         drafted = [s for s in seqs if s.num_draft_tokens and self.decode_kernel is not None]
-        chunks = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft_tokens] + [
+        chunks = [s for s in seqs if not self.is_decode(s) and not s.num_draft_tokens] + [
             s for s in seqs if s.num_draft_tokens and self.decode_kernel is None
         ]
         num_kernel_rows = len(decodes) + sum(len(s.token_ids) for s in drafted)
@@ -132,7 +143,7 @@ class TorchBatchPacker:
         prefill_chunks = [
             self._prefill_chunk(seq, first_row[seq.request_id], pages_t, start)
             for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True)
-            if len(seq.token_ids) > 1 and not (seq.num_draft_tokens and self.decode_kernel)
+            if not self.is_decode(seq) and not (seq.num_draft_tokens and self.decode_kernel)
         ]
         device = self.device
         meta = AttentionMetadata(

@@ -23,6 +23,9 @@ from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
 from yaied.kernels.cpu_quant import CpuQuant
+from yaied.worker.batch_invariant import check_device as check_batch_invariant
+from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
+from yaied.worker.batch_invariant import use_few_rows_everywhere
 from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears, store_linears_bf16
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -80,6 +83,7 @@ class Worker:
     ) -> None:
         self.config = config
         self.device = pick_device(config.device.device)
+        check_batch_invariant(config, self.device)
         if self.device.type == "cuda":
             # Triton launches, CUDA graph capture, events and bare synchronize() calls go to the
             # current device: make it ours (cuda:1 etc.). This thread runs every step too.
@@ -131,6 +135,8 @@ class Worker:
             )
         self.kv_caches = self._allocate_kv(num_pages)
         self.runner = self._runner(self.kv_caches)
+        if config.engine.batch_invariant:
+            check_batch_invariant_kernels(self.runner)
         if self._use_graphs():
             self.runner.graphs = self._capture_graphs(max_len)
         self.info = ModelInfo(
@@ -146,13 +152,14 @@ class Worker:
         )
         if self.isa is not None:
             log.info(
-                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s",
+                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s%s",
                 self.info.cpu_isa or "none (torch paths)",
                 detected_level(),
                 self.isa,
                 self.info.dtype,
                 self.info.weight_dtype,
                 f", projections {self.info.quantization}" if self.info.quantization else "",
+                "; batch-invariant" if config.engine.batch_invariant else "",
             )
 
     def _prepare_cpu_model(self, batch_hint: int) -> None:
@@ -179,6 +186,8 @@ class Worker:
                 self._kernels.append(fused)
             if model.use_decode_loop(loop):
                 self._kernels.append(loop)
+        if self.config.engine.batch_invariant:
+            use_few_rows_everywhere(model)
 
     def _kernel_level(self) -> str:
         """The lowest ISA level among the CPU kernels in use (a kernel that failed to build at
