@@ -79,11 +79,11 @@ def test_a_request_is_the_same_bits_alone_and_in_a_crowd(
 @pytest.mark.parametrize(
     "kind, quantization",
     [("qwen3", "none"), ("llama", "q4_0")],
-    ids=["qk-norm, no decode loop", "quantized"],
+    ids=["qk-norm", "quantized"],
 )
-def test_the_layer_path_and_quantized_weights_hold_it_too(kind, quantization, tiny_model_dirs):
-    """q/k norms keep a model off the decode loop (its decodes take the layers over the decode
-    step kernel); quantized weights take cpu_quant.c's few-row kernel."""
+def test_qk_norms_and_quantized_weights_hold_it_too(kind, quantization, tiny_model_dirs):
+    """A model with q/k norms (applied between the projection and rotary), and quantized
+    weights on cpu_quant.c's few-row kernel."""
     kernel_at(CpuGemv, "generic")  # skips where nothing builds
     alone, together = alone_and_together(
         tiny_model_dirs[kind], dtype="bfloat16", quantization=quantization
@@ -91,10 +91,40 @@ def test_the_layer_path_and_quantized_weights_hold_it_too(kind, quantization, ti
     assert together == alone
 
 
+def test_a_later_turn_and_a_preempted_request_go_on_from_the_same_bits(tiny_model_dirs):
+    """Every token takes the prefill path, so the K/V the prefix cache hands on are the same
+    bits as a fresh prompt's: a second turn that finds the first turn's answer cached, and
+    requests preempted (a pool of 12 pages for eight streams of five) and recomputed, give what
+    they give alone in a fresh engine."""
+    kernel_at(CpuGemv, "generic")
+    folder = str(tiny_model_dirs["llama"])
+    rng = random.Random(9)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[rng.randrange(256) for _ in range(40)] for _ in range(8)]
+    small = dict(kv_cache_gib=12 * 16 * 256 / 2**30, max_model_len=128, max_num_seqs=8)
+    with LLM(folder, dtype="bfloat16", batch_invariant=True, show_progress=False, **small) as llm:
+        assert llm.engine.pool.num_pages == 12
+        crowded = llm.generate(prompts, params)
+        assert llm.engine.stats()["num_preemptions"] > 0
+        turn_one = llm.generate([prompts[0][:30]], params)[0]
+        follow_up = prompts[0][:30] + turn_one.token_ids + [7, 8, 9]
+        turn_two = llm.generate([follow_up], params)[0]
+        assert turn_two.num_cached_tokens >= 64  # the first turn's answer among them
+    options = dict(kv_cache_gib=0.05, batch_invariant=True, show_progress=False)
+    with LLM(folder, dtype="bfloat16", **options) as llm:
+        alone = [llm.generate([p], params)[0] for p in prompts]
+    with LLM(folder, dtype="bfloat16", **options) as llm:
+        fresh = llm.generate([follow_up], params)[0]
+    for got, want in zip(crowded, alone, strict=True):
+        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+    assert (turn_two.token_ids, turn_two.logprobs) == (fresh.token_ids, fresh.logprobs)
+
+
 def test_the_default_model_prompt_cut_anywhere(default_model_folder):
     """The default model (head size 64, where the decode attention kernel's arithmetic is not
-    the prefill kernel's): a prompt whose last token is all the prefix cache lacks, and one
-    prefilled beside others, give the bits of the prompt prefilled alone and fresh."""
+    the prefill kernel's, so a lone token on the decode path would differ): a prompt whose last
+    token is all the prefix cache lacks, and one prefilled beside others, give the bits of the
+    prompt prefilled alone and fresh."""
     kernel_at(CpuGemv, "generic")
     rng = random.Random(2)
     prompt = [rng.randrange(100, 20000) for _ in range(33)]

@@ -13,7 +13,6 @@ from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.structured import TokenBitmask, apply_bitmask
-from yaied.worker.batch_invariant import forward_in_groups
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
 from yaied.worker.sampler import SamplingTensors, sample
 from yaied.worker.speculative import position_rows, verify
@@ -49,11 +48,10 @@ class ModelRunner:
         cpu_kernel = device.type == "cpu" and triton is None
         self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
         self.prefill_kernel = self._load_prefill_kernel(model) if cpu_kernel else None
-        # engine.batch_invariant: a step runs in groups (worker/batch_invariant.py)
-        self.batch_invariant = batch_invariant
+        # engine.batch_invariant (worker/batch_invariant.py): every row on the prefill path
         self.packer = TorchBatchPacker(
             page_size, device, self.dtype, kv_caches[0][0].shape[0], self.decode_kernel,
-            self.prefill_kernel, lone_prompt_tokens_prefill=batch_invariant,
+            self.prefill_kernel, every_token_prefill=batch_invariant,
         )  # fmt: skip
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -143,8 +141,6 @@ class ModelRunner:
         self, seqs: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """(hidden states of every row, the rows to sample, request id -> first row)."""
-        if self.triton is None and self.batch_invariant:
-            return forward_in_groups(self.model, self.packer, self.kv_caches, seqs)
         if self.triton is None:
             prepared = self.packer.build(seqs)
             hidden = self.model(

@@ -43,7 +43,7 @@ class TorchBatchPacker:
         kv_heads: int,
         decode_kernel,
         prefill_kernel,
-        lone_prompt_tokens_prefill: bool = False,
+        every_token_prefill: bool = False,
     ) -> None:
         self.page_size = page_size
         self.device = device
@@ -51,16 +51,14 @@ class TorchBatchPacker:
         self.kv_heads = kv_heads
         self.decode_kernel = decode_kernel  # CpuDecodeKernel or None
         self.prefill_kernel = prefill_kernel  # CpuPrefillKernel or None
-        # A single prompt token (a chunk's remainder, a prompt cached but its last token) runs
-        # as a decode row unless this is set (engine.batch_invariant): then as a one-token
-        # chunk, so a prompt token's numbers never depend on where the budget cut its prompt.
-        self.lone_prompt_tokens_prefill = lone_prompt_tokens_prefill
+        # engine.batch_invariant: every sequence runs as a chunk, a decode as a one-token chunk
+        # on the prefill path, so that a token's numbers (its K/V too, which the prefix cache
+        # hands on) never depend on how its sequence was cut into steps.
+        self.every_token_prefill = every_token_prefill
 
     def is_decode(self, seq: ScheduledSeq) -> bool:
         """Whether the sequence runs as a decode row (one token) rather than a chunk."""
-        if len(seq.token_ids) != 1:
-            return False
-        return not self.lone_prompt_tokens_prefill or bool(seq.sample and seq.num_output_tokens)
+        return len(seq.token_ids) == 1 and not self.every_token_prefill
 
     def build_few_decodes(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         """What ``build`` gives for a step of a few single-token decodes on the decode kernel,
