@@ -123,6 +123,42 @@ def test_a_query_gets_the_same_bits_in_any_chunk(kernel, path):
         kernel.use_bf16_dot = kernel.use_amx = True
 
 
+@pytest.mark.parametrize("path", ["amx", "bf16-dot", "portable", "fp32"])
+def test_many_chunks_in_one_call_give_each_its_own_bits(kernel, path):
+    """``chunks`` (one thread a chunk; engine.batch_invariant's one-token decodes) against a
+    call a chunk: sequences of one query and of several, over their own shuffled pages."""
+    if path == "amx" and not kernel.has_amx:
+        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
+    if path == "bf16-dot" and not kernel.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    kernel.use_amx = path == "amx"
+    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    generator = torch.Generator().manual_seed(4)
+    kv_heads, group, head_dim, page_size, num_pages = 3, 3, 64, 16, 120
+    k_cache = torch.randn(kv_heads, num_pages, page_size, head_dim, generator=generator)
+    v_cache = torch.randn(kv_heads, num_pages, page_size, head_dim, generator=generator)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    layout = [(1, 0), (1, 300), (5, 40), (1, 17), (33, 200), (1, 1000)]  # (rows, first position)
+    q = torch.randn(sum(n for n, _ in layout), kv_heads * group, head_dim, generator=generator)
+    q = q.to(dtype)
+    tables, info, row = [], [], 0
+    for n, start in layout:
+        used = -(-(start + n) // page_size)
+        info.append([row, n, start, sum(len(t) for t in tables)])
+        tables.append(torch.randperm(num_pages, generator=generator)[:used])
+        row += n
+    try:
+        out = torch.empty_like(q)
+        chunks = torch.tensor(info, dtype=torch.int64)
+        kernel.chunks(q, k_cache, v_cache, torch.cat(tables), chunks, 0.125, out)
+        for (first, n, start, _), table in zip(info, tables, strict=True):
+            one = kernel(q[first : first + n], k_cache, v_cache, table, start, 0.125)
+            assert torch.equal(out[first : first + n], one), (n, start)
+    finally:
+        kernel.use_bf16_dot = kernel.use_amx = True
+
+
 def test_paged_attention_runs_chunks_through_the_kernel(kernel):
     """Two chunks in one step (a fresh one and an extend), written by slot mapping first, as the
     model does: the kernel path equals the torch path."""

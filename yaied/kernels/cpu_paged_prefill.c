@@ -601,3 +601,60 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
     }
     return 0;
 }
+
+/* Many chunks in one call: engine.batch_invariant runs every decode as a one-token chunk, and a
+ * call a chunk and layer cost more than the chunk's work. Each chunk runs on one thread, its K/V
+ * packed in that thread's scratch, through the functions paged_prefill runs: the same bits.
+ * q and out hold every row ([rows, kv_heads * group, dim]); chunks is [num_chunks][4]: the
+ * chunk's first row, its rows, its first position and where its page table starts in pages.
+ * Returns 0, or -1 for shapes it does not take or scratch it cannot get. */
+int paged_prefill_chunks(const void *q, const void *k_cache, const void *v_cache,
+                         const int64_t *pages, const int64_t *chunks, void *out, int64_t num_chunks,
+                         int64_t bf16_in, int64_t allow_bf16_dot, int64_t kv_heads, int64_t group,
+                         int64_t dim, int64_t num_pages, int64_t page_size, float scale,
+                         int64_t threads, int64_t allow_amx) {
+    if (group > MAX_GROUP || dim > MAX_HEAD_DIM || dim % 16) return -1;
+    int bf16_dot = HAVE_BF16_DOT && bf16_in && allow_bf16_dot && dim % 64 == 0;
+    int amx = bf16_dot && allow_amx && paged_prefill_amx_ready();
+    size_t row_bytes = (size_t)(kv_heads * group * dim) * (bf16_in ? 2 : 4);
+    int failed = 0;
+    if (threads > num_chunks) threads = num_chunks;
+#pragma omp parallel num_threads(threads)
+    {
+#if HAVE_AMX
+        TileConfig saved;
+        if (amx) tiles_enter(&saved);
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < num_chunks; c++) {
+            const int64_t *info = chunks + 4 * c;
+            int64_t first = info[0], n = info[1], start = info[2];
+            Problem pr = {(const char *)q + first * row_bytes, k_cache, v_cache, pages + info[3],
+                          (char *)out + first * row_bytes, (int)bf16_in, bf16_dot, amx, n, start,
+                          start + n, kv_heads, group, dim, page_size, num_pages * page_size * dim,
+                          0, 0, scale, NULL};
+            pr.key_blocks = (pr.context_len + KEY_BLOCK - 1) / KEY_BLOCK;
+            pr.block_bytes = KEY_BLOCK * dim * (pr.bf16_dot ? 2 : 4);
+            pr.packed = n < 1 ? NULL
+                              : thread_scratch(7, (size_t)kv_heads * pr.key_blocks * 2 *
+                                                      pr.block_bytes);
+            if (!pr.packed) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t t = 0; t < kv_heads * pr.key_blocks; t++)
+                pack_block(&pr, t / pr.key_blocks, t % pr.key_blocks);
+            int64_t query_blocks = (n + QUERY_BLOCK - 1) / QUERY_BLOCK;
+            for (int64_t t = 0; t < kv_heads * query_blocks; t++) {
+                int64_t qb = query_blocks - 1 - t / kv_heads;
+                int64_t i1 = (qb + 1) * QUERY_BLOCK;
+                attend_item(&pr, t % kv_heads, qb * QUERY_BLOCK, i1 < n ? i1 : n);
+            }
+        }
+#if HAVE_AMX
+        if (amx) tiles_leave(&saved);
+#endif
+    }
+    return failed ? -1 : 0;
+}

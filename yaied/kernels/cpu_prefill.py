@@ -29,6 +29,10 @@ class CpuPrefillKernel:
         self._function = library.cdll.paged_prefill
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
+        self._chunks = library.cdll.paged_prefill_chunks
+        self._chunks.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
+        self._chunks.argtypes += [ctypes.c_float] + [ctypes.c_int64] * 2
+        self._chunks.restype = ctypes.c_int
         self.has_bf16_dot = bool(library.cdll.paged_prefill_has_bf16_dot())
         # AMX tiles: where the build targets them and Linux grants the process the tile state.
         self.has_amx = bool(library.cdll.paged_prefill_amx_ready())
@@ -103,6 +107,37 @@ class CpuPrefillKernel:
         )
         _check(status == 0, "the CPU kernel rejected the shapes")
         return out
+
+    def chunks(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        chunks: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Many chunks in one call, each the bits ``__call__`` gives it (one thread a chunk:
+        for many small ones, as engine.batch_invariant's one-token decodes). q, out: [rows,
+        heads, head_dim], out contiguous; chunks: [num_chunks, 4] int64 rows of (first row,
+        rows, first position, start of its page table in ``pages``), within q's rows."""
+        heads, head_dim = q.shape[1:]
+        kv_heads, num_pages, page_size, cache_dim = k_cache.shape
+        _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
+        _check(self.supports(q.dtype, heads // kv_heads, head_dim), "unsupported shapes or dtype")
+        _check(q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
+        _check(out.shape == q.shape and out.is_contiguous(), "out must be contiguous, like q")
+        _check(chunks.dtype == pages.dtype == torch.int64, "chunks and pages must be int64")
+        _check(chunks.dim() == 2 and chunks.shape[1] == 4, "chunks must be [num_chunks, 4]")
+        q, chunks, pages = q.contiguous(), chunks.contiguous(), pages.contiguous()
+        status = self._chunks(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pages.data_ptr(),
+            chunks.data_ptr(), out.data_ptr(), chunks.shape[0], int(q.dtype == torch.bfloat16),
+            int(self.use_bf16_dot), kv_heads, heads // kv_heads, head_dim, num_pages, page_size,
+            scale, torch.get_num_threads(), int(self.use_amx),
+        )  # fmt: skip
+        _check(status == 0, "the CPU kernel rejected the shapes")
 
 
 def _check(ok: bool, message: str) -> None:

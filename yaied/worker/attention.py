@@ -90,6 +90,9 @@ class AttentionMetadata:
     # where set (yaied.kernels.cpu_prefill)
     prefill_kernel: Callable[..., torch.Tensor] | None = None
     backend: AttentionBackend | None = None  # set instead of everything above on the GPU path
+    # One-token chunks (engine.batch_invariant's decodes), not in ``prefills``: the prefill
+    # kernel's ``chunks`` runs them in one call, from (chunks [n, 4], every page table flat).
+    one_token_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def store_kv(
@@ -184,6 +187,9 @@ def paged_attention(
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.start + bucket.count)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale)
+    if meta.one_token_chunks is not None:
+        chunks, pages = meta.one_token_chunks
+        meta.prefill_kernel.chunks(q, k_cache, v_cache, pages, chunks, scale, out)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if meta.prefill_kernel is not None:

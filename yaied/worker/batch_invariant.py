@@ -15,8 +15,9 @@ With the option (CPU only) every token takes the prefill path, a decode as a one
 - every linear layer runs the few-row kernel, MAX_ROWS rows a call, whose rows are the same
   bits in any slice (cpu_gemv.c, cpu_quant.c): the LM head included;
 - attention is the prefill kernel's, which gives a position the same bits however its
-  sequence was cut into chunks; the fused norm, rotary and SiLU kernels and the sampler (a
-  seeded draw keys on the seed and the position) work row by row.
+  sequence was cut into chunks (a step's one-token chunks in one call: its ``chunks`` entry);
+  the fused norm, rotary and SiLU kernels and the sampler (a seeded draw keys on the seed and
+  the position) work row by row.
 
 So a token's K/V are the same bits whether it was a prompt token or an output, computed in one
 chunk or another, alone or in a crowd: a later turn that finds an answer in the prefix cache,

@@ -138,11 +138,19 @@ class TorchBatchPacker:
         num_rows = len(input_ids)
         row_page_start = starts_t.repeat_interleave(lengths_t, output_size=num_rows)
         slots = pages_t[row_page_start + pos_t // size] * size + pos_t % size
-        prefill_chunks = [
-            self._prefill_chunk(seq, first_row[seq.request_id], pages_t, start)
-            for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True)
-            if not self.is_decode(seq) and not (seq.num_draft_tokens and self.decode_kernel)
-        ]
+        # engine.batch_invariant's one-token chunks go to the kernel in one call (their first
+        # row, rows, first position and page table start); the rest a chunk at a time.
+        batched = self.every_token_prefill and self.prefill_kernel is not None
+        prefill_chunks, ones = [], []
+        for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True):
+            if self.is_decode(seq) or (seq.num_draft_tokens and self.decode_kernel):
+                continue
+            row = first_row[seq.request_id]
+            if batched and len(seq.token_ids) == 1:
+                ones.append([row, 1, seq.start_pos, start])
+            else:
+                prefill_chunks.append(self._prefill_chunk(seq, row, pages_t, start))
+        one_token_chunks = (torch.tensor(ones, dtype=torch.int64), pages_t) if ones else None
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(device),
@@ -163,6 +171,7 @@ class TorchBatchPacker:
                 else None
             ),
             prefill_kernel=self.prefill_kernel,
+            one_token_chunks=one_token_chunks,
         )
         return PackedBatch(ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row)
 
