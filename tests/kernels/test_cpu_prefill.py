@@ -52,6 +52,19 @@ def reference(q, k_cache, v_cache, pages, start_pos, scale):
     return _prefill_attention(q, unused, unused, k_cache, v_cache, chunk, scale)
 
 
+def use_path(kernel, path: str) -> torch.dtype:
+    """Point the kernel at one of its bf16 paths (AMX tiles, AVX512-BF16 dots, or the slower
+    portable fp32 one) or at fp32, skipping where this CPU lacks the path; returns the dtype to
+    run. The tests put the flags back."""
+    if path == "amx" and not kernel.has_amx:
+        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
+    if path == "bf16-dot" and not kernel.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    kernel.use_amx = path == "amx"
+    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    return torch.float32 if path == "fp32" else torch.bfloat16
+
+
 @pytest.mark.parametrize(
     "dtype, path",
     [
@@ -77,13 +90,7 @@ def reference(q, k_cache, v_cache, pages, start_pos, scale):
 def test_kernel_matches_torch(
     kernel, dtype, path, kv_heads, group, head_dim, page_size, n, start_pos
 ):
-    if path == "amx" and not kernel.has_amx:
-        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
-    if path == "bf16-dot" and not kernel.has_bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16")
-    # Off: bf16 through the slower paths (AVX512-BF16 dots without AMX, or the portable fp32).
-    kernel.use_amx = path == "amx"
-    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    use_path(kernel, path)
     q, k_cache, v_cache, pages = make_case(
         dtype, kv_heads, group, head_dim, page_size, n, start_pos
     )
@@ -102,13 +109,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk(kernel, path):
     """The prefix cache relies on it: a prompt computed over its cached prefix gives the same
     greedy tokens as the same prompt fresh only if each query's row does not depend on where
     the chunk around it starts or ends."""
-    if path == "amx" and not kernel.has_amx:
-        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
-    if path == "bf16-dot" and not kernel.has_bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16")
-    dtype = torch.float32 if path == "fp32" else torch.bfloat16
-    kernel.use_amx = path == "amx"
-    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    dtype = use_path(kernel, path)
     q, k_cache, v_cache, pages = make_case(dtype, 3, 3, 64, 16, 150, 0, seed=3)
     try:
         whole = kernel(q, k_cache, v_cache, pages, 0, 0.125)
@@ -127,13 +128,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk(kernel, path):
 def test_many_chunks_in_one_call_give_each_its_own_bits(kernel, path):
     """``chunks`` (one thread a chunk; engine.batch_invariant's one-token decodes) against a
     call a chunk: sequences of one query and of several, over their own shuffled pages."""
-    if path == "amx" and not kernel.has_amx:
-        pytest.skip("this CPU (or its kernel build) has no AMX-BF16")
-    if path == "bf16-dot" and not kernel.has_bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16")
-    dtype = torch.float32 if path == "fp32" else torch.bfloat16
-    kernel.use_amx = path == "amx"
-    kernel.use_bf16_dot = path in ("amx", "bf16-dot")
+    dtype = use_path(kernel, path)
     generator = torch.Generator().manual_seed(4)
     kv_heads, group, head_dim, page_size, num_pages = 3, 3, 64, 16, 120
     k_cache = torch.randn(kv_heads, num_pages, page_size, head_dim, generator=generator)
