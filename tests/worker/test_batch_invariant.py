@@ -104,6 +104,9 @@ def test_a_later_turn_and_a_preempted_request_go_on_from_the_same_bits(tiny_mode
     small = dict(kv_cache_gib=12 * 16 * 256 / 2**30, max_model_len=128, max_num_seqs=8)
     with LLM(folder, dtype="bfloat16", batch_invariant=True, show_progress=False, **small) as llm:
         assert llm.engine.pool.num_pages == 12
+        # the few-row kernel's copy is the only weight left (oneDNN's packed one went)
+        head = llm.engine.worker.runner.model.lm_head
+        assert head.packed is None and head.few_rows is not None
         crowded = llm.generate(prompts, params)
         assert llm.engine.stats()["num_preemptions"] > 0
         turn_one = llm.generate([prompts[0][:30]], params)[0]

@@ -57,6 +57,8 @@ def use_few_rows_everywhere(model: nn.Module) -> None:
             continue
         module.few_rows_in_forward = True
         module.sliced_max_rows = sys.maxsize
+        if hasattr(module, "drop_matmul_weights"):  # oneDNN's packed copy, an fp32 one
+            module.drop_matmul_weights()
     if missing:
         raise ValueError(
             "engine.batch_invariant needs the CPU few-row kernel on every linear layer; "

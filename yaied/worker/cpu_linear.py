@@ -64,9 +64,18 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _few_rows_take(self, x, self.sliced_max_rows):
             return self.few_rows.in_slices(x)
+        if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row: the LM head's input
+            return x.new_empty((0, self.out_features))
         if self.packed is None:
+            if self.weight is None:
+                raise ValueError("this layer keeps only its few-row kernel: x is [rows, in]")
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def drop_matmul_weights(self) -> None:
+        """Forward takes the few-row kernel for every input (engine.batch_invariant): its
+        copy of the weight is the one left."""
+        self.packed = self.weight = None
 
 
 class Bf16StoredLinear(nn.Module):
@@ -113,10 +122,17 @@ class Bf16StoredLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _few_rows_take(self, x, self.sliced_max_rows):
             return self.few_rows.in_slices(x)
+        if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row: the LM head's input
+            return x.new_empty((0, self.out_features))
         if self.packed_f32 is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
         weight = self.weight_f32 if self.weight_f32 is not None else self.bf16_weight().float()
         return F.linear(x, weight, self.bias)
+
+    def drop_matmul_weights(self) -> None:
+        """Forward takes the few-row kernel for every input (engine.batch_invariant): the fp32
+        copies go (a tied one stays the embedding's)."""
+        self.packed_f32 = self.weight_f32 = None
 
     def bf16_weight(self) -> torch.Tensor:
         """The bf16 weight [out_features, in_features] (from the kernel's layout: a copy)."""
