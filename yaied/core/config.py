@@ -112,7 +112,7 @@ class LoopConfig:
     tensor_parallel_size: int = 1
     # Every row computes the same bits whatever else shares its step (yaied/worker/
     # batch_invariant.py): greedy output and logprobs do not depend on the load. CPU only;
-    # prompts prefill slower (every projection on the few-row kernel).
+    # slower (every projection on the few-row kernel, every decode on the prefill path).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

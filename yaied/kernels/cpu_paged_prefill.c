@@ -614,6 +614,7 @@ int paged_prefill_chunks(const void *q, const void *k_cache, const void *v_cache
                          int64_t dim, int64_t num_pages, int64_t page_size, float scale,
                          int64_t threads, int64_t allow_amx) {
     if (group > MAX_GROUP || dim > MAX_HEAD_DIM || dim % 16) return -1;
+    if (num_chunks < 1) return 0;
     int bf16_dot = HAVE_BF16_DOT && bf16_in && allow_bf16_dot && dim % 64 == 0;
     int amx = bf16_dot && allow_amx && paged_prefill_amx_ready();
     size_t row_bytes = (size_t)(kv_heads * group * dim) * (bf16_in ? 2 : 4);

@@ -46,9 +46,11 @@ class ModelRunner:
         self.triton = triton
         self.graphs: DecodeGraphs | None = None  # set by the worker once captured
         cpu_kernel = device.type == "cpu" and triton is None
-        self.decode_kernel = self._load_decode_kernel(model) if cpu_kernel else None
+        # engine.batch_invariant (worker/batch_invariant.py): every row on the prefill path, so
+        # no decode kernel (nor its build at start-up)
+        decodes = cpu_kernel and not batch_invariant
+        self.decode_kernel = self._load_decode_kernel(model) if decodes else None
         self.prefill_kernel = self._load_prefill_kernel(model) if cpu_kernel else None
-        # engine.batch_invariant (worker/batch_invariant.py): every row on the prefill path
         self.packer = TorchBatchPacker(
             page_size, device, self.dtype, kv_caches[0][0].shape[0], self.decode_kernel,
             self.prefill_kernel, every_token_prefill=batch_invariant,

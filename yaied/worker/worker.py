@@ -184,7 +184,9 @@ class Worker:
             fused, loop = CpuFusedOps.load(self.isa), CpuDecodeLoop.load(self.isa)
             if model.use_fused_ops(fused):
                 self._kernels.append(fused)
-            if model.use_decode_loop(loop):
+            # engine.batch_invariant runs decodes on the prefill path: no decode loop
+            invariant = self.config.engine.batch_invariant
+            if not invariant and model.use_decode_loop(loop):
                 self._kernels.append(loop)
         if self.config.engine.batch_invariant:
             use_few_rows_everywhere(model)
