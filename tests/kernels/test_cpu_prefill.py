@@ -81,6 +81,7 @@ def use_path(kernel, path: str) -> torch.dtype:
         (3, 3, 64, 16, 77, 0),  # the default model's heads, an odd fresh chunk
         (3, 3, 64, 16, 32, 16),  # the chunk starts on a page boundary
         (1, 4, 128, 16, 45, 333),  # extend mid-page over cached context
+        (3, 3, 64, 16, 80, 608),  # a later chat turn: its new tokens over a long cached context
         (2, 1, 32, 4, 1, 50),  # one query
         (4, 2, 16, 1, 7, 20),  # page size 1
         (2, 5, 64, 8, 40, 3),  # group 5: padded rows in the register tiles

@@ -435,12 +435,12 @@ static inline __m512 exp2_nonpositive_v(__m512 x) {
  * scale * log2 e), so one multiply scales and one exp2 exponentiates. The probabilities go to p
  * as bf16, and each row's running sum stays a vector of 16 partial sums of the rounded
  * probabilities (the values the products use) until the end. */
-static void softmax_block_bf16(const Problem *pr, const float *s, uint16_t *p, int64_t rows,
-                               int64_t real_rows, int64_t first_pos, int64_t key_start,
-                               float *row_max, float *sums, float *alpha) {
+static void softmax_block_bf16(const Problem *pr, const float *s, uint16_t *p, int64_t m_begin,
+                               int64_t m_end, int64_t real_rows, int64_t first_pos,
+                               int64_t key_start, float *row_max, float *sums, float *alpha) {
     const float log2e = 1.44269504088896341f;
     __m512 unit = _mm512_set1_ps(pr->scale * log2e), low = _mm512_set1_ps(-INFINITY);
-    for (int64_t m = 0; m < rows; m++) {
+    for (int64_t m = m_begin; m < m_end; m++) {
         int64_t pos = first_pos + (m < real_rows ? m : real_rows - 1) / pr->group;
         int64_t valid = pos - key_start + 1;
         valid = valid < 0 ? 0 : valid > KEY_BLOCK ? KEY_BLOCK : valid;
@@ -467,6 +467,84 @@ static void softmax_block_bf16(const Problem *pr, const float *s, uint16_t *p, i
         _mm256_storeu_si256((__m256i *)(p + m * KEY_BLOCK), b0);
         _mm256_storeu_si256((__m256i *)(p + m * KEY_BLOCK + 16), b1);
         row_max[m] = new_max;
+    }
+}
+#endif
+
+#if HAVE_AMX
+/* Head dim 64 (SmolLM2's, Llama 3.2 1B's) on AMX: a tile of 16 query rows runs through its key
+ * blocks with its output held in C tiles 0-3 the whole way, so O goes through memory only where
+ * a row's maximum moved (alpha != 1, rare after the first blocks); accumulate_amx loads and
+ * stores O every block, and those round trips (tile stores read back by vector code and tile
+ * loads) were the most of its time. The tile stops at the last block its own rows see. Tiles: O
+ * 0-3, S 4-5 (keys 0-15, 16-31), A 6 (Q's 32-dim halves, then P), B 7 (K, then V). The products
+ * and their order are accumulate_amx's and scores_amx's: the same bits as that path. */
+static void attend_rows_amx64(const Problem *pr, int64_t h, const uint16_t *q, float *s,
+                              uint16_t *p, float *o, float *row_max, float *sums, float *alpha,
+                              int64_t rows, int64_t real_rows, int64_t first_pos) {
+    const int64_t dim = 64, o_stride = dim * 4;
+    for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
+        int64_t last_row = m0 + AMX_ROWS <= real_rows ? m0 + AMX_ROWS - 1 : real_rows - 1;
+        int64_t last_pos = first_pos + last_row / pr->group;
+        float *ob = o + m0 * dim;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b * KEY_BLOCK <= last_pos; b++) {
+            const char *kb = pr->packed + (h * pr->key_blocks + b) * 2 * pr->block_bytes;
+            const uint32_t *kp = (const uint32_t *)kb;
+            const uint32_t *vp = (const uint32_t *)(kb + pr->block_bytes);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_loadd(6, q + m0 * dim, dim * 2);
+            _tile_loadd(7, kp, KEY_BLOCK * 4);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(7, kp + 16, KEY_BLOCK * 4);
+            _tile_dpbf16ps(5, 6, 7);
+            _tile_loadd(6, q + m0 * dim + 32, dim * 2);
+            _tile_loadd(7, kp + 16 * KEY_BLOCK, KEY_BLOCK * 4);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(7, kp + 16 * KEY_BLOCK + 16, KEY_BLOCK * 4);
+            _tile_dpbf16ps(5, 6, 7);
+            _tile_stored(4, s + m0 * KEY_BLOCK, KEY_BLOCK * 4);
+            _tile_stored(5, s + m0 * KEY_BLOCK + 16, KEY_BLOCK * 4);
+            softmax_block_bf16(pr, s, p, m0, m0 + AMX_ROWS, real_rows, first_pos, b * KEY_BLOCK,
+                               row_max, sums, alpha);
+            /* Block 0 finds O zero (its alpha is 0); later, rescale only if some maximum moved. */
+            int moved = 0;
+            for (int64_t m = m0; b > 0 && m < m0 + AMX_ROWS; m++) moved |= alpha[m] != 1.0f;
+            if (moved) {
+                _tile_stored(0, ob, o_stride);
+                _tile_stored(1, ob + 16, o_stride);
+                _tile_stored(2, ob + 32, o_stride);
+                _tile_stored(3, ob + 48, o_stride);
+                for (int64_t m = m0; m < m0 + AMX_ROWS; m++) {
+                    if (alpha[m] == 1.0f) continue;
+                    __m512 a = _mm512_set1_ps(alpha[m]);
+                    for (int64_t d = 0; d < dim; d += 16)
+                        _mm512_storeu_ps(o + m * dim + d,
+                                         _mm512_mul_ps(_mm512_loadu_ps(o + m * dim + d), a));
+                }
+                _tile_loadd(0, ob, o_stride);
+                _tile_loadd(1, ob + 16, o_stride);
+                _tile_loadd(2, ob + 32, o_stride);
+                _tile_loadd(3, ob + 48, o_stride);
+            }
+            _tile_loadd(6, p + m0 * KEY_BLOCK, KEY_BLOCK * 2);
+            _tile_loadd(7, vp, o_stride);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, vp + 16, o_stride);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(7, vp + 32, o_stride);
+            _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(7, vp + 48, o_stride);
+            _tile_dpbf16ps(3, 6, 7);
+        }
+        _tile_stored(0, ob, o_stride);
+        _tile_stored(1, ob + 16, o_stride);
+        _tile_stored(2, ob + 32, o_stride);
+        _tile_stored(3, ob + 48, o_stride);
     }
 }
 #endif
@@ -500,6 +578,12 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
                 ((float *)q)[m * dim + d] = load_any(pr->q, src + d, pr->bf16_in);
     }
     int64_t first_pos = pr->start_pos + i0, last_pos = pr->start_pos + i1 - 1;
+#if HAVE_AMX
+    if (pr->amx && dim == 64)
+        attend_rows_amx64(pr, h, (const uint16_t *)q, s, p, o, row_max, sums, alpha, rows,
+                          real_rows, first_pos);
+    else
+#endif
     for (int64_t b = 0; b * KEY_BLOCK <= last_pos; b++) {
         const char *kb = pr->packed + (h * pr->key_blocks + b) * 2 * pr->block_bytes;
         const char *vb = kb + pr->block_bytes;
@@ -511,8 +595,8 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
             else
 #endif
                 scores_bf16((const uint16_t *)q, (const uint32_t *)kb, s, rows, dim);
-            softmax_block_bf16(pr, s, p, rows, real_rows, first_pos, b * KEY_BLOCK, row_max, sums,
-                               alpha);
+            softmax_block_bf16(pr, s, p, 0, rows, real_rows, first_pos, b * KEY_BLOCK, row_max,
+                               sums, alpha);
 #if HAVE_AMX
             if (pr->amx)
                 accumulate_amx(p, (const uint32_t *)vb, o, alpha, rows, dim);
