@@ -85,21 +85,13 @@ def prefill_case(kernel, dtype, n, start_pos, kv_heads, group, head_dim, rounds)
     return {
         "case": f"prefill n={n} start={start_pos} kv={kv_heads} group={group} d={head_dim}",
         "dtype": str(dtype).removeprefix("torch."),
-        "path": kernel_path(kernel, dtype, head_dim),
+        "path": kernel.path(dtype, head_dim),
         "kernel_ms": round(ours * 1e3, 3),
         "torch_ms": round(theirs * 1e3, 3),
         "speedup": round(theirs / ours, 2),
         "kernel_gflops": round(flops / ours / 1e9, 1),
         "torch_gflops": round(flops / theirs / 1e9, 1),
     }
-
-
-def kernel_path(kernel: CpuPrefillKernel, dtype: torch.dtype, head_dim: int) -> str:
-    if dtype != torch.bfloat16 or head_dim % 64 or not kernel.use_bf16_dot:
-        return "fp32"
-    if kernel.has_amx and kernel.use_amx:
-        return "amx"
-    return "bf16-dot" if kernel.has_bf16_dot else "fp32"
 
 
 def fused_cases(ops: CpuFusedOps, dtype: torch.dtype, rows: int, rounds: int) -> list[dict]:

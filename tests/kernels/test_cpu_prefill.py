@@ -197,3 +197,17 @@ def test_launcher_checks_shapes(kernel):
         kernel(q, k_cache, v_cache, pages.int(), 0, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         kernel(q.bfloat16(), k_cache, v_cache, pages, 0, 1.0)
+
+
+def test_path_names_the_body_that_runs(kernel):
+    """What the start-up log reports: tiles or dot products only for bf16 with a head size that
+    is a multiple of 64, and AMX only where the CPU has it and Linux granted the tiles."""
+    assert kernel.path(torch.float32, 64) == "fp32"
+    assert kernel.path(torch.bfloat16, 32) == "fp32"
+    dot = "bf16-dot" if kernel.has_bf16_dot else "fp32"
+    assert kernel.path(torch.bfloat16, 64) == ("amx" if kernel.has_amx and dot != "fp32" else dot)
+    kernel.use_amx = False
+    try:
+        assert kernel.path(torch.bfloat16, 128) == dot
+    finally:
+        kernel.use_amx = True

@@ -56,6 +56,15 @@ class CpuPrefillKernel:
             and head_dim % 16 == 0
         )
 
+    def path(self, dtype: torch.dtype, head_dim: int) -> str:
+        """Which body runs a chunk of this dtype and head size: ``amx`` (tiles), ``bf16-dot``
+        (AVX512-BF16 dot products; bf16 and head_dim a multiple of 64, as the AMX path) or
+        ``fp32`` (everything converted, and the only path without AVX512-BF16)."""
+        dot = self.use_bf16_dot and self.has_bf16_dot
+        if dtype != torch.bfloat16 or head_dim % 64 or not dot:
+            return "fp32"
+        return "amx" if self.has_amx and self.use_amx else "bf16-dot"
+
     def __call__(
         self,
         q: torch.Tensor,

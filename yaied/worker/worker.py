@@ -151,14 +151,17 @@ class Worker:
             quantization=quantized_types(self.loaded.model),
         )
         if self.isa is not None:
+            prefill = self.runner.prefill_kernel
             log.info(
-                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s%s",
+                "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s"
+                "; prefill attention %s%s",
                 self.info.cpu_isa or "none (torch paths)",
                 detected_level(),
                 self.isa,
                 self.info.dtype,
                 self.info.weight_dtype,
                 f", projections {self.info.quantization}" if self.info.quantization else "",
+                prefill.path(self.runner.dtype, shape.head_dim) if prefill else "torch",
                 "; batch-invariant" if config.engine.batch_invariant else "",
             )
 
