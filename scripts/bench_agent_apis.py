@@ -5,7 +5,10 @@ uvicorn on a loopback port):
    same number of new (uncached) prompt tokens, and the cached-token share of turns 2+. Turn 1's
    TTFT as a function of its prompt length is fitted (least squares, a line) from fresh
    requests of several sizes; each later turn is compared with the fit at its own new-token
-   count (its input tokens minus the cached ones). TTFT: from sending the request to the first
+   count (its input tokens minus the cached ones). Each turn is also compared with a fresh
+   request of the same word count sent just before it (``paired_ratio``, the median over the
+   chains): that ratio does not move with the machine's speed over the run, as the fit, taken
+   once at the start, does. TTFT: from sending the request to the first
    ``response.output_text.delta`` (or output item) of the stream.
 2. Embeddings: 256 short inputs in one request against 256 requests one after another.
 
@@ -86,6 +89,10 @@ def streamed_turn(client: httpx.Client, body: dict[str, Any]) -> tuple[float, di
     return ttft, final
 
 
+def cached_tokens(response: dict[str, Any]) -> int:
+    return response["usage"]["input_tokens_details"]["cached_tokens"]
+
+
 def chains(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     base = {"model": "default", "max_output_tokens": args.output_tokens, "temperature": 0}
@@ -96,8 +103,7 @@ def chains(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
     for size in sorted(args.turn1_words):
         for _ in range(args.reps):
             ttft, final = streamed_turn(client, {**base, "input": words(rng, size), "store": False})
-            usage = final["usage"]
-            new = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+            new = final["usage"]["input_tokens"] - cached_tokens(final)
             fit_points.append((new, ttft))
             print(json.dumps({"kind": "turn1", "new_tokens": new, "ttft_s": round(ttft, 4)}))
     # The machine may be shared: medians per size (then a line through them) and per turn
@@ -109,21 +115,32 @@ def chains(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
     ys = [statistics.median(p[1] for p in points) for points in by_size.values()]
     slope, intercept = statistics.linear_regression(xs, ys)
     turns: dict[int, list[tuple[int, int, float]]] = {}
+    paired: dict[int, list[float]] = {}
+    control_rng = random.Random(2)  # its own words: the chains' inputs stay those of earlier runs
     for chain in range(args.reps):
         previous = None
         for turn in range(1, args.turns + 1):
+            # A fresh request of the turn's size just before it: the machine's speed drifts
+            # over a run, and a ratio to a neighbour does not move with it (the fit's slope
+            # makes up the few tokens by which their new-token counts differ).
+            control_s, control = streamed_turn(
+                client, {**base, "input": words(control_rng, args.turn_words), "store": False}
+            )
+            control_new = control["usage"]["input_tokens"] - cached_tokens(control)
             body = {**base, "input": words(rng, args.turn_words)}
             if previous is not None:
                 body["previous_response_id"] = previous
             ttft, final = streamed_turn(client, body)
             previous = final["id"]
             usage = final["usage"]
-            cached = usage["input_tokens_details"]["cached_tokens"]
+            cached = cached_tokens(final)
             new = usage["input_tokens"] - cached
             turns.setdefault(turn, []).append((usage["input_tokens"], cached, ttft))
+            paired.setdefault(turn, []).append(ttft / (control_s + slope * (new - control_new)))
             row = {"kind": "chain", "chain": chain, "turn": turn, "input_tokens":
                    usage["input_tokens"], "cached_tokens": cached, "new_tokens": new,
-                   "ttft_s": round(ttft, 4)}  # fmt: skip
+                   "ttft_s": round(ttft, 4), "control_ttft_s": round(control_s, 4),
+                   "control_new_tokens": control_new}  # fmt: skip
             print(json.dumps(row))
     per_turn = []
     for turn, rows in turns.items():
@@ -134,6 +151,7 @@ def chains(client: httpx.Client, args: argparse.Namespace) -> dict[str, Any]:
         per_turn.append({"turn": turn, "input_tokens": prompt, "cached_tokens": cached,
                          "new_tokens": prompt - cached, "ttft_s": round(ttft, 4),
                          "turn1_fit_s": round(fit, 4), "ratio": round(ttft / fit, 3),
+                         "paired_ratio": round(statistics.median(paired[turn]), 3),
                          "cached_share": round(cached / prompt, 3)})  # fmt: skip
     later = [row for row in per_turn if row["turn"] >= 2]
     return {
