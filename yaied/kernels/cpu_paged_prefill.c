@@ -243,16 +243,22 @@ static void scores_amx(const uint16_t *q, const uint32_t *kp, float *s, int64_t 
     }
 }
 
-/* o = o * alpha + P Vp: o is scaled in registers first, then each 16 x 16 block of it passes
- * through a C tile (4-7) with the P tile (0) against a V tile (1-3). */
-static void accumulate_amx(const uint16_t *p, const uint32_t *vp, float *o, const float *alpha,
-                           int64_t rows, int64_t dim) {
-    for (int64_t m = 0; m < rows; m++) {
+/* o[m] *= alpha[m] for rows [m_begin, m_end), in registers; a row whose alpha is 1 is left. */
+static void rescale_rows(float *o, const float *alpha, int64_t m_begin, int64_t m_end,
+                         int64_t dim) {
+    for (int64_t m = m_begin; m < m_end; m++) {
         if (alpha[m] == 1.0f) continue;
         __m512 a = _mm512_set1_ps(alpha[m]);
         for (int64_t d = 0; d < dim; d += 16)
             _mm512_storeu_ps(o + m * dim + d, _mm512_mul_ps(_mm512_loadu_ps(o + m * dim + d), a));
     }
+}
+
+/* o = o * alpha + P Vp: o is scaled in registers first, then each 16 x 16 block of it passes
+ * through a C tile (4-7) with the P tile (0) against a V tile (1-3). */
+static void accumulate_amx(const uint16_t *p, const uint32_t *vp, float *o, const float *alpha,
+                           int64_t rows, int64_t dim) {
+    rescale_rows(o, alpha, 0, rows, dim);
     for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
         _tile_loadd(0, p + m0 * KEY_BLOCK, KEY_BLOCK * 2);
         for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* dim is a multiple of 64 on this path */
@@ -519,13 +525,7 @@ static void attend_rows_amx64(const Problem *pr, int64_t h, const uint16_t *q, f
                 _tile_stored(1, ob + 16, o_stride);
                 _tile_stored(2, ob + 32, o_stride);
                 _tile_stored(3, ob + 48, o_stride);
-                for (int64_t m = m0; m < m0 + AMX_ROWS; m++) {
-                    if (alpha[m] == 1.0f) continue;
-                    __m512 a = _mm512_set1_ps(alpha[m]);
-                    for (int64_t d = 0; d < dim; d += 16)
-                        _mm512_storeu_ps(o + m * dim + d,
-                                         _mm512_mul_ps(_mm512_loadu_ps(o + m * dim + d), a));
-                }
+                rescale_rows(o, alpha, m0, m0 + AMX_ROWS, dim);
                 _tile_loadd(0, ob, o_stride);
                 _tile_loadd(1, ob + 16, o_stride);
                 _tile_loadd(2, ob + 32, o_stride);

@@ -184,13 +184,15 @@ class Worker:
             self._kernels.append(CpuGemv.load(self.isa) if gemv_fits(model) else None)
             pack_linears(model, batch_hint, self._kernels[-1], pack)
         if isinstance(model, LlamaForCausalLM):
-            fused, loop = CpuFusedOps.load(self.isa), CpuDecodeLoop.load(self.isa)
+            fused = CpuFusedOps.load(self.isa)
             if model.use_fused_ops(fused):
                 self._kernels.append(fused)
-            # engine.batch_invariant runs decodes on the prefill path: no decode loop
-            invariant = self.config.engine.batch_invariant
-            if not invariant and model.use_decode_loop(loop):
-                self._kernels.append(loop)
+            # engine.batch_invariant runs decodes on the prefill path: no decode loop, nor its
+            # build at start-up
+            if not self.config.engine.batch_invariant:
+                loop = CpuDecodeLoop.load(self.isa)
+                if model.use_decode_loop(loop):
+                    self._kernels.append(loop)
         if self.config.engine.batch_invariant:
             use_few_rows_everywhere(model)
 
