@@ -192,7 +192,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, shape: LlamaShape, inv_freq: torch.Tensor, rope_scaling: float) -> None:
         super().__init__()
         self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        # Built on the meta device (build_model): an Embedding's own normal_ init on meta runs
+        # torch's Python reference, which imports torch._dynamo and with it triton, 0.6 s and
+        # about 100 MB resident that a CPU daemon never uses. Its weight is loaded anyway.
+        empty = torch.empty(shape.vocab_size, shape.hidden_size)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
