@@ -11,10 +11,13 @@ One JSON line goes to stdout; logs go to stderr. Only loopback targets are allow
 
 ``--runs N`` repeats the load N times against the same daemon, run k with seed ``--seed + k``, so
 every run sends fresh prompts the prefix cache cannot serve; one JSON line per run.
-``--compare-hf`` then (the daemon stopped, so nothing competes for the cores) times transformers'
-left-padded greedy ``generate`` on each run's prompts in this process and adds its output tok/s
-and the ratio to that run's line (scripts/hf_baseline.py, as bench_offline.py does), in its
-fastest dtype on this machine (``--hf-dtype fastest``: bf16 and fp32 each time a probe).
+``--compare-hf`` times transformers' left-padded greedy ``generate`` on each run's prompts in this
+process right after that run (the daemon idle, so nothing competes for the cores) and adds its
+output tok/s and the ratio to that run's line (scripts/hf_baseline.py, as bench_offline.py does),
+in its fastest dtype on this machine (``--hf-dtype fastest``: bf16 and fp32 each time a probe,
+before the daemon starts). Each ratio pairs two neighbouring measurements: a shared machine's
+speed drifts from minute to minute, and transformers timed once after all the runs compared each
+run with another moment's machine.
 
 Every line says what it ran on: the CPU's model name, the daemon's kernel ISA level and dtypes
 (from its /health) and the copy bandwidth measured in this process before the daemon starts. A
@@ -109,23 +112,24 @@ def build_requests(args: argparse.Namespace, seed: int) -> tuple[list[list[int]]
 Dataset = tuple[list[list[int]], list[int]]  # prompts, output lengths
 
 
-def hf_output_tok_s(
-    args: argparse.Namespace, runs: list[Dataset]
-) -> tuple[list[float], dict[str, Any]]:
-    """transformers' generate on each run's prompts, in this process, in its fastest dtype:
-    output tok/s per run, and the dtype record (scripts/hf_baseline.py)."""
+def load_hf_reference(args: argparse.Namespace, probe: list[list[int]]) -> tuple[Any, dict]:
+    """transformers in its fastest dtype here (probed on ``probe``), and the dtype record
+    (scripts/hf_baseline.py)."""
     import torch
 
     sys.path.insert(0, str(SCRIPTS))
-    from hf_baseline import fastest_hf_model, run_hf
+    from hf_baseline import fastest_hf_model
 
-    device = torch.device("cpu")
-    model, record = fastest_hf_model(args, None, runs[0][0], device, args.hf_dtype)
-    rates = []
-    for prompts, output_lens in runs:
-        workload = argparse.Namespace(prompts=prompts, output_lens=output_lens)
-        rates.append(sum(output_lens) / run_hf(model, workload, device))
-    return rates, record
+    return fastest_hf_model(args, None, probe, torch.device("cpu"), args.hf_dtype)
+
+
+def hf_output_tok_s(model: Any, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """transformers' generate on one run's prompts: output tok/s."""
+    import torch
+    from hf_baseline import run_hf
+
+    workload = argparse.Namespace(prompts=prompts, output_lens=output_lens)
+    return sum(output_lens) / run_hf(model, workload, torch.device("cpu"))
 
 
 def machine_record(base_url: str, bandwidth: float) -> dict[str, Any]:
@@ -398,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     proc = None
     bandwidth = measured_copy_bandwidth()  # before the daemon competes for the memory
+    hf_model, hf_record = None, {}
+    if args.compare_hf:
+        _log("loading the transformers model")
+        hf_model, hf_record = load_hf_reference(args, datasets[0][0])
     try:
         base_url = args.base_url.rstrip("/")
         if args.launch:
@@ -411,20 +419,19 @@ def main(argv: list[str] | None = None) -> int:
             record = {"dataset": args.workload or args.dataset, "model": args.model}
             record |= {"seed": args.seed + k, "request_rate": rate}
             record |= {"max_concurrency": args.max_concurrency}
-            records.append(record | summarize(results, duration) | machine)
+            record |= summarize(results, duration) | machine
+            if hf_model is not None:  # now, while the machine runs as it just did for yaied
+                _log(f"run {k}: transformers generate on the same prompts")
+                hf = hf_output_tok_s(hf_model, prompts, output_lens)
+                record |= hf_record | {"hf_output_tok_s": round(hf, 2)}
+                record["ratio"] = round(record["output_throughput"] / hf, 3)
+            records.append(record)
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         if proc is not None:
             stop_daemon(proc)
-    if args.compare_hf:
-        _log("transformers generate on the same prompts")
-        rates, hf_record = hf_output_tok_s(args, datasets)
-        for record, hf in zip(records, rates, strict=True):
-            record |= hf_record
-            record["hf_output_tok_s"] = round(hf, 2)
-            record["ratio"] = round(record["output_throughput"] / hf, 3)
     for record in records:
         sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
     sys.stdout.flush()
