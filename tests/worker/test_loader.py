@@ -103,7 +103,7 @@ def test_build_model_allocates_in_the_requested_dtype():
 def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
     """torch._dynamo (and triton under it) cost a CPU daemon 0.6 s of start-up and about 100 MB
     resident; a meta-device Embedding's own init used to pull them in. A fresh interpreter,
-    since pytest's may have them already."""
+    since pytest's may have them already; on the CPU, since the CUDA path runs Triton."""
     import subprocess
     import sys
 
@@ -111,7 +111,8 @@ def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
     path.write_text(json.dumps(TINY_CONFIGS["llama"]))
     code = (
         "import sys; from yaied import LLM, SamplingParams\n"
-        f"llm = LLM({str(path)!r}, load_format='dummy', kv_cache_gib=0.01, show_progress=False)\n"
+        f"llm = LLM({str(path)!r}, load_format='dummy', kv_cache_gib=0.01, show_progress=False,"
+        " **{'device.device': 'cpu'})\n"
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))"
     )
