@@ -126,6 +126,8 @@ def load_hf_reference(args: argparse.Namespace, probe: list[list[int]]) -> tuple
 def hf_output_tok_s(model: Any, prompts: list[list[int]], output_lens: list[int]) -> float:
     """transformers' generate on one run's prompts: output tok/s."""
     import torch
+
+    sys.path.insert(0, str(SCRIPTS))
     from hf_baseline import run_hf
 
     workload = argparse.Namespace(prompts=prompts, output_lens=output_lens)
