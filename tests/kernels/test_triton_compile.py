@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from yaied.kernels import triton_decode, triton_extend, triton_store_kv
+from yaied.kernels import triton_decode, triton_extend, triton_fused, triton_store_kv
 
 H100_SHARED_BYTES = 227 * 1024
 
@@ -31,7 +31,7 @@ def compile_kernel(fn, dtype, constexprs):
         elif name.endswith("_ptr"):
             signature[name] = pointers.get(name, "*" + dtype)
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert kernel.metadata.shared <= H100_SHARED_BYTES, (fn.__name__, kernel.metadata.shared)
@@ -51,6 +51,10 @@ compile_kernel(triton_decode._decode_merge_kernel, "bf16", dict(
     HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64))
 compile_kernel(triton_store_kv._store_kv_kernel, "bf16", dict(
     KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
+for dtype in ("bf16", "fp32"):  # Qwen3-0.6B: hidden 1024, 16 heads of 128, MLP 3072
+    compile_kernel(triton_fused._add_rms_norm_kernel, dtype, dict(HAS_DELTA=True, BLOCK=1024))
+    compile_kernel(triton_fused._rotary_kernel, dtype, dict(HALF=64, BLOCK_H=16, BLOCK_HALF=64))
+    compile_kernel(triton_fused._silu_mul_kernel, dtype, dict(BLOCK=1024))
 print("compiled")
 """
 

@@ -90,6 +90,31 @@ def test_torch_decode_path_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_gpu_fused_kernels_give_the_same_tokens(kind, tiny_model_dirs, monkeypatch):
+    """The GPU path's fused Triton kernels (run here in Triton's interpreter on the CPU model's
+    tensors) in place of the torch elementwise ops: the same greedy tokens in fp32, batched with
+    chunked prefill (qwen3: the rotary on q and k after their norms)."""
+    from yaied.kernels.triton_common import interpreting
+    from yaied.kernels.triton_fused import TritonFusedOps
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/worker/test_gpu_parity.py runs them on a GPU)")
+    monkeypatch.setenv("YAIED_DISABLE_CPU_KERNELS", "1")  # the torch path, then the Triton ops
+    prompts = random_prompts(6, 3, 40, 256, seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    folder = str(tiny_model_dirs[kind])
+    # no prefix cache: the second pass must prefill every prompt through the Triton ops too
+    with LLM(folder, dtype="float32", kv_cache_gib=0.01, max_num_batched_tokens=32,
+             enable_prefix_caching=False, show_progress=False) as llm:  # fmt: skip
+        model = llm.engine.worker.runner.model
+        assert model.fused_ops is None
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+        model.fused_ops = TritonFusedOps()  # use_fused_ops refuses CPU weights; tests may not
+        fused = [o.token_ids for o in llm.generate(prompts, params)]
+    assert fused == plain
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch):
     """One stream in bf16 decodes through the CPU decode-step kernel and, where it builds, the

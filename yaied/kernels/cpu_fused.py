@@ -29,6 +29,8 @@ _SIGNATURES = {
 class CpuFusedOps:
     """The compiled kernels; ``CpuFusedOps.load()`` returns None where they cannot be built."""
 
+    device_type = "cpu"  # the tensors they take (TritonFusedOps: the GPU's)
+
     def __init__(self, library: KernelLibrary) -> None:
         self.level = library.level
         self._functions = {}

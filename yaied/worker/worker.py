@@ -124,6 +124,8 @@ class Worker:
         )
         if self.isa is not None:
             self._prepare_cpu_model(config.scheduler.max_num_batched_tokens)
+        elif self.backend == "triton" and self.parallel is None:
+            self._prepare_gpu_model()
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
         num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)
@@ -195,6 +197,16 @@ class Worker:
                     self._kernels.append(loop)
         if self.config.engine.batch_invariant:
             use_few_rows_everywhere(model)
+
+    def _prepare_gpu_model(self) -> None:
+        """The fused Triton kernels for a native model's elementwise work (before the KV pool
+        is sized: the warm-up pass then measures the activations they allocate). Tensor-
+        parallel ranks keep the torch ops, so rank 0 does the same and every rank rounds alike."""
+        from yaied.kernels.triton_fused import TritonFusedOps  # imports triton: GPU path only
+
+        model = self.loaded.model
+        if isinstance(model, LlamaForCausalLM):
+            model.use_fused_ops(TritonFusedOps())
 
     def _kernel_level(self) -> str:
         """The lowest ISA level among the CPU kernels in use (a kernel that failed to build at

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,11 @@ from yaied.worker.attention import (
     store_kv,
 )
 from yaied.worker.models.decode_loop import LlamaDecodeLoop
+
+if TYPE_CHECKING:  # imports triton: only the GPU path builds one
+    from yaied.kernels.triton_fused import TritonFusedOps
+
+    FusedOps = CpuFusedOps | TritonFusedOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +114,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        ops: CpuFusedOps | None = None,
+        ops: FusedOps | None = None,
     ) -> torch.Tensor:
         # x: [num_tokens, hidden]; cos, sin: [num_tokens, 1, head_dim], or with ops
         # [num_tokens, head_dim / 2] fp32
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and __call__ costs per layer
         return self.attend(qkv, cos, sin, kv_cache, meta, ops)
 
-    def attend(self, qkv, cos, sin, kv_cache, meta, ops: CpuFusedOps | None) -> torch.Tensor:
+    def attend(self, qkv, cos, sin, kv_cache, meta, ops: FusedOps | None) -> torch.Tensor:
         """The layer after the q/k/v projection: qkv [num_tokens, (heads + 2 kv_heads) * dim]."""
         n = qkv.shape[0]
         if ops is not None and self.q_norm is None:
@@ -167,7 +173,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, delta, cos, sin, kv_cache, meta, ops: CpuFusedOps):
+    def forward_fused(self, x, delta, cos, sin, kv_cache, meta, ops: FusedOps):
         """The same layer with the residual adds folded into the norms: x is the residual
         stream without the previous layer's output ``delta`` (None for the first layer); x is
         updated in place. Returns (x, this layer's output, not yet added)."""
@@ -204,14 +210,17 @@ class LlamaForCausalLM(nn.Module):
         # fp32 rotary frequencies; cos/sin are built per step for the positions in it.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
-        self.fused_ops: CpuFusedOps | None = None
+        self.fused_ops: FusedOps | None = None
         self.decode_loop: LlamaDecodeLoop | None = None
 
-    def use_fused_ops(self, ops: CpuFusedOps | None) -> bool:
-        """Run the elementwise work through ops from now on (CPU tensors of a dtype they
-        support); returns whether they are used."""
+    def use_fused_ops(self, ops: FusedOps | None) -> bool:
+        """Run the elementwise work through ops from now on (CpuFusedOps or TritonFusedOps,
+        for weights on their device type and of a dtype they support); returns whether they
+        are used."""
         weight = self.embed_tokens.weight
-        usable = ops is not None and weight.device.type == "cpu" and ops.supports(weight.dtype)
+        usable = (
+            ops is not None and weight.device.type == ops.device_type and ops.supports(weight.dtype)
+        )
         self.fused_ops = ops if usable else None
         return usable
 
