@@ -11,7 +11,15 @@ import torch.nn.functional as F
 
 from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_fused import CpuFusedOps
-from yaied.kernels.cpu_gemv import CHUNK, GROUP, MAX_ROWS, CpuGemv, pack_weight, unpack_weight
+from yaied.kernels.cpu_gemv import (
+    AMX_MAX_ROWS,
+    CHUNK,
+    GROUP,
+    MAX_ROWS,
+    CpuGemv,
+    pack_weight,
+    unpack_weight,
+)
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -136,3 +144,54 @@ def test_normed_is_the_fused_kernels_then_the_linear(gemv, dtype, rows, with_del
     got = bound.normed(delta, residual, norm_weight, 1e-5, silu)
     assert torch.equal(residual, expected_residual)
     assert torch.equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def amx_gemv():
+    """The kernel at this CPU's own level, where that build has the AMX body and the tiles."""
+    gemv = CpuGemv.load()
+    if gemv is None or not gemv.amx:
+        pytest.skip("no AMX tiles on this CPU (or the kernel was built without them)")
+    return gemv
+
+
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 16, 17, 31, AMX_MAX_ROWS])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (13, 50), (24, 64), (8, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_matches_linear(amx_gemv, rows, n, k, bias):
+    """Row counts that fill one, one and a bit, and two blocks of 16 input rows; weights of
+    one group, of an odd number of groups and with a part group; K not a multiple of CHUNK."""
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    layer = amx_gemv.bind(weight, b)
+    assert layer.amx_takes(x)
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    got = layer.amx(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_amx_row_does_not_depend_on_the_other_rows(amx_gemv):
+    torch.manual_seed(3)
+    x = torch.randn(AMX_MAX_ROWS, 576).to(torch.bfloat16)
+    layer = amx_gemv.bind((torch.randn(960, 576) / 24).to(torch.bfloat16))
+    whole = layer.amx(x)
+    for rows in (MAX_ROWS + 1, 16, 20):
+        for start in (0, AMX_MAX_ROWS - rows):
+            part = layer.amx(x[start : start + rows].clone())
+            assert torch.equal(part, whole[start : start + rows])
+
+
+def test_amx_takes_only_its_rows(amx_gemv):
+    layer = amx_gemv.bind(torch.randn(16, 64).to(torch.bfloat16))
+    assert not layer.amx_takes(torch.zeros(MAX_ROWS, 64, dtype=torch.bfloat16))
+    assert not layer.amx_takes(torch.zeros(AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+    assert not layer.amx_takes(torch.zeros(16, 64))  # fp32 activations
+    assert not amx_gemv.bind(torch.randn(16, 64).to(torch.bfloat16), dtype=torch.float32)\
+        .amx_takes(torch.zeros(16, 64))  # fmt: skip
+    with pytest.raises(ValueError, match="AMX"):
+        layer.amx(torch.zeros(AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="AMX"):
+        layer.amx(torch.zeros(16, 62, dtype=torch.bfloat16))  # K of another weight

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.cpu_levels import kernel_at
-from yaied.kernels.cpu_gemv import MAX_ROWS, SLICED_MAX_ROWS, BoundLinear, CpuGemv
+from yaied.kernels.cpu_gemv import AMX_MAX_ROWS, MAX_ROWS, SLICED_MAX_ROWS, BoundLinear, CpuGemv
 from yaied.kernels.cpu_isa import selected_level
 from yaied.worker import cpu_linear
 from yaied.worker.cpu_linear import (
@@ -82,6 +82,28 @@ def test_forward_is_onednn_and_few_rows_is_the_kernel():
         assert torch.equal(linear(x), onednn)
         torch.testing.assert_close(linear.few_rows(x).float(), onednn.float(), rtol=2e-2, atol=2e-2)
     assert PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), batch_hint=64).few_rows is None
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [MAX_ROWS, MAX_ROWS + 1, 24, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
+def test_forward_takes_the_amx_body_between_the_few_rows_and_onednn(rows):
+    """With the tiles, forward runs 9-32 rows on the AMX body (over the few-row kernel's copy
+    of the weight) and the rest on oneDNN; both agree with F.linear."""
+    gemv = CpuGemv.load()
+    if gemv is None or not gemv.amx:
+        pytest.skip("no AMX tiles on this CPU (or the kernel was built without them)")
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    layer = PackedLinear(linear, batch_hint=64, gemv=gemv)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        got = layer(x)
+        torch.testing.assert_close(got.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+    if MAX_ROWS < rows <= AMX_MAX_ROWS:
+        assert torch.equal(got, layer.few_rows.amx(x))
+    else:
+        assert torch.equal(got, onednn)
 
 
 @pytest.mark.parametrize(

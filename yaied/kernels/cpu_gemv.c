@@ -343,3 +343,170 @@ DEFINE_SPAN(uint16_t, bf16)
 
 DEFINE_TYPE(float, f32)
 DEFINE_TYPE(uint16_t, bf16)
+
+/* ---- AMX: bf16 linear layers of MAX_ROWS + 1 to AMX_MAX_ROWS rows over the same weights ----
+ *
+ * A decode step of 9-32 streams is still about one pass over the weights, but oneDNN's AMX
+ * matmul streams them at well under the bandwidth at those sizes (docs/benchmarks.md), and the
+ * dot-product bodies above grow with the rows. This reads the streaming layout with the tiles:
+ * one GROUP x CHUNK block of weight rows is an A tile (8 rows of 64 bytes, 64 apart), the input
+ * rows re-laid as B tiles (16 input rows x 16 pairs of K, the layout AMX multiplies in), so a C
+ * tile holds out^T for 8 weight rows x 16 input rows. A thread takes pairs of groups (a
+ * contiguous stretch of the weight), keeps 2 groups x 2 input blocks of sums in the C tiles
+ * over all of K, and asks for the weight a few chunks ahead into L2. Each output is its row's
+ * own sum whatever the other rows are (fp32, rounded once after the bias), but not in the
+ * order of the dot-product bodies: a row's bits differ from its few-row result, as oneDNN's do.
+ * Built where the compiler targets AMX (-march=native on a CPU with it); used once the process
+ * has the tile state (gemv_amx_ready). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_GEMV_AMX 1
+#else
+#define HAVE_GEMV_AMX 0
+#endif
+
+#define AMX_MAX_ROWS 64
+#define AMX_PREFETCH_CHUNKS 8
+
+#if HAVE_GEMV_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} GemvTileConfig;
+
+static int gemv_amx_permitted;
+
+/* The input rows as B tiles: per block of 16 rows and chunk of K, 16 rows (pairs of K) of 16
+ * input rows' pairs; x's pairs are 32-bit words, so this is a 16 x 16 transpose of words, with
+ * zeros past the rows and past K. */
+static void amx_lay_out_inputs(const uint16_t *x, uint32_t *tiles, int64_t rows, int64_t K,
+                               int64_t blocks, int64_t chunks) {
+    const uint32_t *pairs = (const uint32_t *)x;
+    int64_t row_pairs = K / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < chunks; c++) {
+            uint32_t *tile = tiles + (b * chunks + c) * 256;
+            for (int i = 0; i < 16; i++) {
+                int64_t m = b * 16 + i;
+                for (int p = 0; p < 16; p++) {
+                    int64_t q = c * 16 + p;
+                    tile[p * 16 + i] = m < rows && q < row_pairs ? pairs[m * row_pairs + q] : 0;
+                }
+            }
+        }
+}
+
+/* C tile sums [8 weight rows][16 input rows] -> out rows m0.., columns n0.., bias added. */
+static void amx_store(const float sums[8][16], const uint16_t *bias, uint16_t *out, int64_t m0,
+                      int64_t n0, int64_t rows, int64_t N) {
+    uint16_t rounded[8][16];
+    for (int i = 0; i < 8; i++) {
+        __m512 v = _mm512_loadu_ps(sums[i]);
+        if (bias && n0 + i < N) v = _mm512_add_ps(v, _mm512_set1_ps(bf16_to_float(bias[n0 + i])));
+        _mm256_storeu_si256((__m256i *)rounded[i], (__m256i)_mm512_cvtneps_pbh(v));
+    }
+    int64_t width = N - n0 < 8 ? N - n0 : 8, height = rows - m0 < 16 ? rows - m0 : 16;
+    for (int64_t j = 0; j < height; j++)
+        for (int64_t i = 0; i < width; i++) out[(m0 + j) * N + n0 + i] = rounded[i][j];
+}
+
+static inline void amx_prefetch(const uint16_t *chunk) {
+    for (int line = 0; line < GROUP * CHUNK * 2 / 64; line++)
+        _mm_prefetch((const char *)chunk + line * 64, _MM_HINT_T1);
+}
+#endif
+
+/* 1 where this build has the AMX body and the process may use the tiles (asked once). */
+int gemv_amx_ready(void) {
+#if HAVE_GEMV_AMX
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    if (!gemv_amx_permitted)
+        gemv_amx_permitted =
+            syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return gemv_amx_permitted == 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, N] = x [rows, K] @ w.T (+ bias), bf16, w in the streaming layout. Returns -1 where
+ * this build or process has no AMX, rows is outside 1..AMX_MAX_ROWS or K is odd, -2 when
+ * scratch memory cannot be had. */
+int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                    int64_t rows, int64_t N, int64_t K, int64_t threads) {
+#if HAVE_GEMV_AMX
+    if (gemv_amx_permitted != 1 || rows < 1 || rows > AMX_MAX_ROWS || K % 2) return -1;
+    int64_t chunks = padded_k(K) / CHUNK, blocks = (rows + 15) / 16;
+    int64_t groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
+    uint32_t *tiles = thread_scratch(0, (size_t)(blocks * chunks * 256) * sizeof(uint32_t));
+    if (!tiles) return -2;
+    amx_lay_out_inputs(x, tiles, rows, K, blocks, chunks);
+    const int64_t block_words = chunks * 256, group_elements = chunks * GROUP * CHUNK;
+#pragma omp parallel num_threads(threads)
+    {
+        GemvTileConfig config, saved;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) /* A: 0-1, B: 2-3, C: 4-7 */
+            config.colsb[t] = 64, config.rows[t] = t == 2 || t == 3 ? 16 : GROUP;
+        _tile_storeconfig(&saved); /* oneDNN's, say, restored after */
+        _tile_loadconfig(&config);
+        float sums[4][8][16];
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t g0 = 2 * pair;
+            int two_groups = g0 + 1 < groups;
+            const uint16_t *a0 = w + g0 * group_elements, *a1 = a0 + group_elements;
+            for (int64_t b = 0; b < blocks; b += 2) {
+                int two_blocks = b + 1 < blocks, first = b == 0;
+                const uint32_t *b0 = tiles + b * block_words, *b1 = b0 + block_words;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+                for (int64_t c = 0; c < chunks; c++) {
+                    const int64_t at = c * GROUP * CHUNK;
+                    const int64_t ahead = at + AMX_PREFETCH_CHUNKS * GROUP * CHUNK;
+                    /* past a group's end, a1's prefetch reaches the next pair (this thread's
+                     * next, under the static schedule); a prefetch never faults */
+                    if (first) {
+                        amx_prefetch(a0 + ahead);
+                        if (two_groups) amx_prefetch(a1 + ahead);
+                    }
+                    _tile_loadd(0, a0 + at, CHUNK * 2);
+                    _tile_loadd(2, b0 + c * 256, 64);
+                    _tile_dpbf16ps(4, 0, 2);
+                    if (two_blocks) {
+                        _tile_loadd(3, b1 + c * 256, 64);
+                        _tile_dpbf16ps(5, 0, 3);
+                    }
+                    if (two_groups) {
+                        _tile_loadd(1, a1 + at, CHUNK * 2);
+                        _tile_dpbf16ps(6, 1, 2);
+                        if (two_blocks) _tile_dpbf16ps(7, 1, 3);
+                    }
+                }
+                _tile_stored(4, sums[0], 64);
+                _tile_stored(5, sums[1], 64);
+                _tile_stored(6, sums[2], 64);
+                _tile_stored(7, sums[3], 64);
+                for (int t = 0; t < 4; t++) {
+                    if ((t & 1 && !two_blocks) || (t & 2 && !two_groups)) continue;
+                    int64_t m0 = (b + (t & 1)) * 16, n0 = (g0 + t / 2) * GROUP;
+                    amx_store(sums[t], bias, out, m0, n0, rows, N);
+                }
+            }
+        }
+        if (saved.palette)
+            _tile_loadconfig(&saved);
+        else
+            _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)rows, (void)N, (void)K, (void)threads;
+    return -1;
+#endif
+}

@@ -32,6 +32,11 @@ MAX_ROWS = 8  # as in cpu_gemv.c
 # (avx2, a Zen 4), 64 rows 27-32 against 34-38, 128 rows even at avx512. The generic body is
 # slower than the matmul past MAX_ROWS (32 rows 102 ms against 28).
 SLICED_MAX_ROWS = 64
+# bf16 layers of MAX_ROWS + 1 to this many rows take the AMX body where the CPU has the tiles
+# (cpu_gemv.c's amx_linear_bf16 takes up to 64): against oneDNN's AMX matmul over the default
+# model's 30 layers, 16 rows 11-15 ms against 15-22, 32 rows 15-25 against 16-36, and 48 or 64
+# rows no faster (docs/benchmarks.md).
+AMX_MAX_ROWS = 32
 GROUP, CHUNK = 8, 32  # the streaming layout's rows and elements per step, as in cpu_gemv.c
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -56,6 +61,11 @@ class CpuGemv:
             function.argtypes = [_P, _P, _P, ctypes.c_float] + [_P] * 4 + [_I] * 5
             function.restype = ctypes.c_int
             self._functions[dtype] = function
+        # The AMX body: where this build has it and Linux gives the process the tile state.
+        self.amx = bool(library.cdll.gemv_amx_ready())
+        self._amx_function = library.cdll.amx_linear_bf16
+        self._amx_function.argtypes = [_P] * 4 + [_I] * 4
+        self._amx_function.restype = ctypes.c_int
 
     def sliced_max_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows of ``dtype`` activations an LM head without a packed matmul
@@ -78,7 +88,10 @@ class CpuGemv:
         """The kernel for one linear layer: weight [N, K] bf16, bias [N] (in the activations'
         ``dtype``) or None. The result holds the weight in the kernel's layout (its own copy);
         the caller keeps bias alive for as long as it uses it."""
-        return BoundLinear(self._functions[dtype], dtype, weight, bias)
+        bound = BoundLinear(self._functions[dtype], dtype, weight, bias)
+        if self.amx and dtype == torch.bfloat16:
+            bound.amx_function = self._amx_function
+        return bound
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -108,7 +121,7 @@ class BoundLinear:
 
     __slots__ = (
         "function", "dtype", "kernel_weight", "_weight", "_bias", "_bias_tensor", "out_features",
-        "in_features",
+        "in_features", "amx_function",
     )  # fmt: skip
 
     def __init__(
@@ -135,6 +148,7 @@ class BoundLinear:
         self._bias = None if bias is None else bias.data_ptr()
         self._bias_tensor = bias  # the address above stays valid while the layer lives
         self.out_features, self.in_features = n, k
+        self.amx_function = None  # amx_linear_bf16, where CpuGemv.bind found the tiles
 
     @property
     def address(self) -> int:
@@ -163,6 +177,29 @@ class BoundLinear:
                 self._bias, out.data_ptr() + start * n * size, count, n, k, 0, threads,
             )  # fmt: skip
             self._check(status)
+        return out
+
+    def amx_takes(self, x: torch.Tensor) -> bool:
+        """Whether ``amx`` runs x: [MAX_ROWS < rows <= AMX_MAX_ROWS, K] bf16, with the tiles."""
+        return (
+            self.amx_function is not None
+            and x.dim() == 2
+            and MAX_ROWS < x.shape[0] <= AMX_MAX_ROWS
+            and x.dtype == torch.bfloat16
+            and x.shape[1] % 2 == 0
+        )
+
+    def amx(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, K] (``amx_takes``) -> x @ weight.T + bias, [rows, N], on the AMX tiles."""
+        if not self.amx_takes(x) or x.shape[1] != self.in_features:
+            raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for the AMX linear")
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
+        status = self.amx_function(
+            x.data_ptr(), self._weight, self._bias, out.data_ptr(), x.shape[0],
+            self.out_features, self.in_features, _threads(),
+        )  # fmt: skip
+        self._check(status)
         return out
 
     def normed(
