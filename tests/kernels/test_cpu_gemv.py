@@ -195,3 +195,47 @@ def test_amx_takes_only_its_rows(amx_gemv):
         layer.amx(torch.zeros(AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="AMX"):
         layer.amx(torch.zeros(16, 62, dtype=torch.bfloat16))  # K of another weight
+
+
+@pytest.fixture
+def dot_body_gemv(amx_gemv):
+    """The kernel at this CPU's level with the AMX body off: the dot-product body that CPUs with
+    AVX512-BF16 and no tiles run."""
+    assert not amx_gemv.use_amx(False)
+    yield amx_gemv
+    assert amx_gemv.use_amx(True)
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+def test_few_rows_take_the_amx_body_for_every_row_count(amx_gemv, rows):
+    """bf16 layers of 1-8 rows (the decode loop's) run on the tiles where the CPU has them: the
+    same bits as the AMX entry itself, and close to F.linear."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    weight = (torch.randn(960, 576) / 24).to(torch.bfloat16)
+    b = torch.randn(960).to(torch.bfloat16)
+    layer = amx_gemv.bind(weight, b)
+    got = layer(x)
+    direct = torch.empty_like(got)
+    status = amx_gemv.amx_function(
+        x.data_ptr(), layer.kernel_weight.data_ptr(), b.data_ptr(), direct.data_ptr(), rows, 960,
+        576, torch.get_num_threads(),
+    )  # fmt: skip
+    assert status == 0 and torch.equal(got, direct)
+    expected = F.linear(x.float(), weight.float(), b.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("n, k", [(960, 576), (13, 100)])
+def test_the_dot_body_where_the_tiles_are_off(dot_body_gemv, rows, n, k):
+    torch.manual_seed(rows + n)
+    x = torch.randn(MAX_ROWS, k).to(torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    layer = dot_body_gemv.bind(weight)
+    assert not layer.amx_takes(torch.zeros(16, k, dtype=torch.bfloat16))
+    whole = layer(x)
+    torch.testing.assert_close(
+        whole.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=1e-2
+    )
+    assert torch.equal(layer(x[:rows].clone()), whole[:rows])  # a row alone: the same bits

@@ -8,8 +8,9 @@
  * default on CPUs without bf16 dot products). The bodies, by the ISA level the file is built
  * for (yaied/kernels/cpu_isa.py):
  *
- *   avx512_bf16  bf16 activations: AVX512-BF16 dot products (32 elements an instruction);
- *                fp32 activations: as avx512
+ *   avx512_bf16  bf16 activations: AVX512-BF16 dot products (32 elements an instruction), or
+ *                on a CPU with AMX tiles the AMX body at the end of this file, for every row
+ *                count; fp32 activations: as avx512
  *   avx512       weights widened to fp32 in registers (a shift), 16-wide FMAs
  *   avx2         the same 8 wide (AVX2 + FMA)
  *   generic      plain C over 8-element arrays, which the compiler vectorises where it can
@@ -286,6 +287,21 @@ DEFINE_SPAN(uint16_t, bf16)
         }                                                                                       \
     }
 
+/* bf16 activations take the AMX body (below) for every row count where the process has the
+ * tiles and it is on (gemv_use_amx), else the dot-product body: one body for a row alone and in
+ * any batch, so a row's bits still do not depend on its neighbours. */
+int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                int64_t rows, int64_t N, int64_t K, int64_t threads);
+int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                    int64_t rows, int64_t N, int64_t K, int64_t threads);
+static void linear_or_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                               uint16_t *out, int64_t rows, int64_t N, int64_t K, int64_t threads) {
+    if (amx_linear_bf16(x, w, bias, out, rows, N, K, threads) != 0)
+        linear_bf16(x, w, bias, out, rows, N, K, threads);
+}
+#define LINEAR_f32 linear_f32
+#define LINEAR_bf16 linear_or_amx_bf16
+
 #define DEFINE_TYPE(T, SUFFIX)                                                                  \
     DEFINE_ROWS(T, SUFFIX, 1, BLOCK_1)                                                          \
     DEFINE_ROWS(T, SUFFIX, 2, BLOCK_2)                                                          \
@@ -334,7 +350,7 @@ DEFINE_SPAN(uint16_t, bf16)
             linear_out = thread_scratch(1, (size_t)(rows * N) * sizeof(T));                     \
             if (!linear_out) return -2;                                                         \
         }                                                                                       \
-        linear_##SUFFIX(x, w, bias, linear_out, rows, N, K, threads);                           \
+        LINEAR_##SUFFIX(x, w, bias, linear_out, rows, N, K, threads);                           \
         if (silu)                                                                               \
             for (int64_t r = 0; r < rows; r++)                                                  \
                 silu_mul_row_##SUFFIX(linear_out + r * N, out + r * (N / 2), N / 2);            \
@@ -344,11 +360,16 @@ DEFINE_SPAN(uint16_t, bf16)
 DEFINE_TYPE(float, f32)
 DEFINE_TYPE(uint16_t, bf16)
 
-/* ---- AMX: bf16 linear layers of MAX_ROWS + 1 to AMX_MAX_ROWS rows over the same weights ----
+/* ---- AMX: bf16 linear layers of 1 to AMX_MAX_ROWS rows over the same weights ----
  *
- * A decode step of 9-32 streams is still about one pass over the weights, but oneDNN's AMX
- * matmul streams them at well under the bandwidth at those sizes (docs/benchmarks.md), and the
- * dot-product bodies above grow with the rows. This reads the streaming layout with the tiles:
+ * A decode step of up to 32 streams is still about one pass over the weights, but oneDNN's AMX
+ * matmul streams them at well under the bandwidth at 9-32 rows, and the dot-product bodies above
+ * grow with the rows (at 8 rows 1.5-1.9x their one-row time; docs/benchmarks.md). On the tiles
+ * a pass costs about the same at 1 and at 32 rows, and at one row it was already faster than the
+ * dot products here (17.0-17.7 against 20.6-20.8 ms over the default model's linears and head).
+ * So few_rows_linear_bf16 takes this body for every row count where it runs (a row's bits then
+ * still do not depend on its batch), and forward takes it for 9-32 rows (BoundLinear.amx).
+ * This reads the streaming layout with the tiles:
  * one GROUP x CHUNK block of weight rows is an A tile (8 rows of 64 bytes, 64 apart), the input
  * rows re-laid as B tiles (16 input rows x 16 pairs of K, the layout AMX multiplies in), so a C
  * tile holds out^T for 8 weight rows x 16 input rows. A thread takes pairs of groups (a
@@ -377,6 +398,7 @@ typedef struct {
 } GemvTileConfig;
 
 static int gemv_amx_permitted;
+static int gemv_amx_off; /* gemv_use_amx(0): the dot-product body for every row count */
 
 /* The input rows as B tiles: per block of 16 rows and chunk of K, 16 rows (pairs of K) of 16
  * input rows' pairs; x's pairs are 32-bit words, so this is a 16 x 16 transpose of words, with
@@ -431,16 +453,30 @@ int gemv_amx_ready(void) {
 #endif
 }
 
+/* Whether the AMX body runs (1, the default) or the dot-product body does (0): for tests of the
+ * latter on a CPU with the tiles. Returns whether the AMX body is now used. */
+int gemv_use_amx(int64_t on) {
+#if HAVE_GEMV_AMX
+    gemv_amx_off = !on;
+    return gemv_amx_permitted == 1 && !gemv_amx_off;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* out [rows, N] = x [rows, K] @ w.T (+ bias), bf16, w in the streaming layout. Returns -1 where
  * this build or process has no AMX, rows is outside 1..AMX_MAX_ROWS or K is odd, -2 when
  * scratch memory cannot be had. */
 int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                     int64_t rows, int64_t N, int64_t K, int64_t threads) {
 #if HAVE_GEMV_AMX
-    if (gemv_amx_permitted != 1 || rows < 1 || rows > AMX_MAX_ROWS || K % 2) return -1;
+    if (gemv_amx_permitted != 1 || gemv_amx_off || rows < 1 || rows > AMX_MAX_ROWS || K % 2)
+        return -1;
     int64_t chunks = padded_k(K) / CHUNK, blocks = (rows + 15) / 16;
     int64_t groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
-    uint32_t *tiles = thread_scratch(0, (size_t)(blocks * chunks * 256) * sizeof(uint32_t));
+    /* slot 2: few_rows_linear_bf16 holds its normed input in 0 and its output in 1 */
+    uint32_t *tiles = thread_scratch(2, (size_t)(blocks * chunks * 256) * sizeof(uint32_t));
     if (!tiles) return -2;
     amx_lay_out_inputs(x, tiles, rows, K, blocks, chunks);
     const int64_t block_words = chunks * 256, group_elements = chunks * GROUP * CHUNK;

@@ -61,11 +61,22 @@ class CpuGemv:
             function.argtypes = [_P, _P, _P, ctypes.c_float] + [_P] * 4 + [_I] * 5
             function.restype = ctypes.c_int
             self._functions[dtype] = function
-        # The AMX body: where this build has it and Linux gives the process the tile state.
+        # The AMX body: where this build has it and Linux gives the process the tile state. It
+        # also runs inside few_rows_linear_bf16, for every row count (cpu_gemv.c).
         self.amx = bool(library.cdll.gemv_amx_ready())
-        self._amx_function = library.cdll.amx_linear_bf16
-        self._amx_function.argtypes = [_P] * 4 + [_I] * 4
-        self._amx_function.restype = ctypes.c_int
+        self.amx_function = library.cdll.amx_linear_bf16
+        self.amx_function.argtypes = [_P] * 4 + [_I] * 4
+        self.amx_function.restype = ctypes.c_int
+        self._use_amx = library.cdll.gemv_use_amx
+        self._use_amx.argtypes = [_I]
+
+    def use_amx(self, on: bool) -> bool:
+        """Run bf16 layers on the AMX body (the default, where the tiles are) or, off, on the
+        dot-product body, for every layer of this kernel library in the process (tests of
+        that body on a CPU with tiles). Returns whether the AMX body is now used."""
+        used = bool(self._use_amx(int(on)))
+        self.amx = used
+        return used
 
     def sliced_max_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows of ``dtype`` activations an LM head without a packed matmul
@@ -90,7 +101,7 @@ class CpuGemv:
         the caller keeps bias alive for as long as it uses it."""
         bound = BoundLinear(self._functions[dtype], dtype, weight, bias)
         if self.amx and dtype == torch.bfloat16:
-            bound.amx_function = self._amx_function
+            bound.amx_kernels = self
         return bound
 
     def __call__(
@@ -121,7 +132,7 @@ class BoundLinear:
 
     __slots__ = (
         "function", "dtype", "kernel_weight", "_weight", "_bias", "_bias_tensor", "out_features",
-        "in_features", "amx_function",
+        "in_features", "amx_kernels",
     )  # fmt: skip
 
     def __init__(
@@ -148,7 +159,7 @@ class BoundLinear:
         self._bias = None if bias is None else bias.data_ptr()
         self._bias_tensor = bias  # the address above stays valid while the layer lives
         self.out_features, self.in_features = n, k
-        self.amx_function = None  # amx_linear_bf16, where CpuGemv.bind found the tiles
+        self.amx_kernels = None  # the CpuGemv whose AMX body runs 9-32 rows (where it has tiles)
 
     @property
     def address(self) -> int:
@@ -182,7 +193,8 @@ class BoundLinear:
     def amx_takes(self, x: torch.Tensor) -> bool:
         """Whether ``amx`` runs x: [MAX_ROWS < rows <= AMX_MAX_ROWS, K] bf16, with the tiles."""
         return (
-            self.amx_function is not None
+            self.amx_kernels is not None
+            and self.amx_kernels.amx
             and x.dim() == 2
             and MAX_ROWS < x.shape[0] <= AMX_MAX_ROWS
             and x.dtype == torch.bfloat16
@@ -195,10 +207,12 @@ class BoundLinear:
             raise ValueError(f"bad input {tuple(x.shape)} {x.dtype} for the AMX linear")
         x = x.contiguous()
         out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
-        status = self.amx_function(
+        status = self.amx_kernels.amx_function(
             x.data_ptr(), self._weight, self._bias, out.data_ptr(), x.shape[0],
             self.out_features, self.in_features, _threads(),
         )  # fmt: skip
+        if status == -1:  # CpuGemv.use_amx(False) on another handle of this library
+            raise RuntimeError("the AMX body is off in this process")
         self._check(status)
         return out
 
