@@ -11,6 +11,10 @@ the launcher checks only what the C side relies on.
 The kernel reads its weight in a streaming layout (``pack_weight``): rows interleaved a cache
 line at a time, so that a block of rows is one sequential read. ``bind`` makes that copy; the
 caller keeps the plain weight only where something else needs it.
+
+On a CPU with AMX tiles, bf16 activations run on them (cpu_gemv.c's AMX body, over the same
+copy): inside the few-row entry for 1-8 rows, and through ``BoundLinear.amx`` for 9 to
+``AMX_MAX_ROWS`` rows, where oneDNN's matmul is the slower.
 """
 
 from __future__ import annotations
