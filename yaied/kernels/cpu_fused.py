@@ -62,11 +62,7 @@ class CpuFusedOps:
         """residual += delta in place (when given); returns weight * rms_norm(residual).
         delta, residual: [rows, hidden] contiguous; weight: [hidden]; one dtype."""
         rows, hidden = residual.shape
-        _check(residual.is_contiguous() and weight.is_contiguous(), "tensors must be contiguous")
-        _check(weight.shape == (hidden,) and weight.dtype == residual.dtype, "bad weight")
-        if delta is not None:
-            _check(delta.shape == residual.shape and delta.dtype == residual.dtype, "bad delta")
-            delta = delta.contiguous()
+        delta = check_add_rms_norm(delta, residual, weight)
         out = torch.empty_like(residual)
         self._functions["add_rms_norm", residual.dtype](
             None if delta is None else delta.data_ptr(),
@@ -85,10 +81,7 @@ class CpuFusedOps:
         x: [rows, >= heads * head_dim] with unit stride along each row (a slice of the fused
         qkv output works); cos, sin: [rows, head_dim / 2] fp32 contiguous."""
         rows, half = cos.shape
-        _check(x.dim() == 2 and x.shape[0] == rows and x.stride(1) == 1, "bad x")
-        _check(x.shape[1] >= heads * 2 * half, "x is narrower than its heads")
-        _check(cos.dtype == sin.dtype == torch.float32, "cos and sin must be fp32")
-        _check(cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape, "bad sin")
+        check_rotary(x, heads, cos, sin)
         self._functions["rotary", x.dtype](
             x.data_ptr(),
             x.stride(0),
@@ -103,7 +96,7 @@ class CpuFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""
         rows, double = gate_up.shape
-        _check(gate_up.is_contiguous() and double % 2 == 0, "gate_up must be contiguous, even")
+        check_silu_mul(gate_up)
         out = gate_up.new_empty(rows, double // 2)
         self._functions["silu_mul", gate_up.dtype](
             gate_up.data_ptr(), out.data_ptr(), rows, double // 2, torch.get_num_threads()
@@ -114,6 +107,37 @@ class CpuFusedOps:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+# What every implementation of the three kernels relies on (TritonFusedOps checks the same).
+
+
+def check_add_rms_norm(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor | None:
+    """residual [rows, hidden] and weight [hidden] contiguous, delta [rows, hidden] or None, one
+    dtype; returns delta made contiguous."""
+    hidden = residual.shape[1]
+    _check(residual.is_contiguous() and weight.is_contiguous(), "tensors must be contiguous")
+    _check(weight.shape == (hidden,) and weight.dtype == residual.dtype, "bad weight")
+    if delta is None:
+        return None
+    _check(delta.shape == residual.shape and delta.dtype == residual.dtype, "bad delta")
+    return delta.contiguous()
+
+
+def check_rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rows, half = cos.shape
+    _check(x.dim() == 2 and x.shape[0] == rows and x.stride(1) == 1, "bad x")
+    _check(x.shape[1] >= heads * 2 * half, "x is narrower than its heads")
+    _check(cos.dtype == sin.dtype == torch.float32, "cos and sin must be fp32")
+    _check(cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape, "bad sin")
+
+
+def check_silu_mul(gate_up: torch.Tensor) -> None:
+    _check(
+        gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0, "gate_up must be contiguous, even"
+    )
 
 
 # The torch references: what the model computes without the kernels.

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from yaied.kernels.triton_common import check, next_power_of_2
+from yaied.kernels.cpu_fused import check_add_rms_norm, check_rotary, check_silu_mul
+from yaied.kernels.triton_common import next_power_of_2
 
 SILU_BLOCK = 1024  # columns of one SiLU-and-multiply program
 
@@ -105,14 +106,9 @@ class TritonFusedOps:
         weight: torch.Tensor,
         eps: float,
     ) -> torch.Tensor:
-        """residual += delta in place (when given); returns weight * rms_norm(residual).
-        delta, residual: [rows, hidden]; residual contiguous; weight: [hidden]; one dtype."""
+        """CpuFusedOps.add_rms_norm: residual += delta in place, then weight * its norm."""
         rows, hidden = residual.shape
-        check(residual.is_contiguous() and weight.is_contiguous(), "tensors must be contiguous")
-        check(weight.shape == (hidden,) and weight.dtype == residual.dtype, "bad weight")
-        if delta is not None:
-            check(delta.shape == residual.shape and delta.dtype == residual.dtype, "bad delta")
-            delta = delta.contiguous()
+        delta = check_add_rms_norm(delta, residual, weight)
         out = torch.empty_like(residual)
         if rows:
             block = next_power_of_2(hidden)
@@ -130,14 +126,9 @@ class TritonFusedOps:
         return out
 
     def rotary(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate the first ``heads`` heads of every row of x in place (rotate-half layout).
-        x: [rows, >= heads * head_dim] with unit stride along each row (a slice of the fused
-        qkv output works); cos, sin: [rows, head_dim / 2] fp32 contiguous."""
+        """CpuFusedOps.rotary: the first ``heads`` heads of each row of x rotated in place."""
         rows, half = cos.shape
-        check(x.dim() == 2 and x.shape[0] == rows and x.stride(1) == 1, "bad x")
-        check(x.shape[1] >= heads * 2 * half, "x is narrower than its heads")
-        check(cos.dtype == sin.dtype == torch.float32, "cos and sin must be fp32")
-        check(cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape, "bad sin")
+        check_rotary(x, heads, cos, sin)
         if rows:
             _rotary_kernel[(rows,)](
                 x,
@@ -153,7 +144,7 @@ class TritonFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""
         rows, double = gate_up.shape
-        check(gate_up.is_contiguous() and double % 2 == 0, "gate_up must be contiguous, even")
+        check_silu_mul(gate_up)
         width = double // 2
         out = gate_up.new_empty(rows, width)
         if rows:
