@@ -124,8 +124,6 @@ class Bf16StoredLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _few_rows_take(self, x, self.sliced_max_rows):
             return self.few_rows.in_slices(x)
-        if self.few_rows is not None and self.few_rows.amx_takes(x):  # 9-32 rows, on tiles
-            return self.few_rows.amx(x)
         if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row: the LM head's input
             return x.new_empty((0, self.out_features))
         if self.packed_f32 is not None:
