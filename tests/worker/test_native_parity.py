@@ -115,6 +115,40 @@ def test_the_gpu_fused_kernels_give_the_same_tokens(kind, tiny_model_dirs, monke
     assert fused == plain
 
 
+def test_on_amx_tiles_the_decode_loop_takes_up_to_32_rows(tiny_model_dirs, caplog):
+    """Where bf16 layers run on AMX tiles, a decode step of 9-32 streams runs in the decode loop
+    (one C call) and gives the tokens the layer path gives (the same kernels, called from
+    Python): every row's bits are its own."""
+    from yaied.kernels.cpu_gemv import AMX_MAX_ROWS, CpuGemv
+
+    gemv = CpuGemv.load()
+    if gemv is None or not gemv.amx:
+        pytest.skip("no AMX tiles on this CPU (or the kernel was built without them)")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(AMX_MAX_ROWS, 5, 40, 256, seed=8)
+    folder = str(tiny_model_dirs["llama"])
+    with LLM(folder, dtype="bfloat16", kv_cache_gib=0.02, show_progress=False) as llm:
+        loop = llm.engine.worker.runner.model.decode_loop
+        assert loop is not None and loop.max_rows() == AMX_MAX_ROWS
+        kernel, rows = loop.loop, []
+
+        class Counting:  # the loop's C entry, counting the rows of each call
+            def __getattr__(self, name):
+                return getattr(kernel, name)
+
+            def __call__(self, *args):
+                rows.append(args[4].shape[0])  # x
+                return kernel(*args)
+
+        loop.loop = Counting()
+        in_loop = [o.token_ids for o in llm.generate(prompts, params)]
+        assert max(rows) > 8  # steps of more than 8 rows ran in the loop
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no step failed
+        loop.loop, loop.max_rows = kernel, lambda: 8  # the layer path above 8 rows
+        layer_path = [o.token_ids for o in llm.generate(prompts, params)]
+    assert in_loop == layer_path
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch):
     """One stream in bf16 decodes through the CPU decode-step kernel and, where it builds, the

@@ -39,6 +39,7 @@
 #endif
 
 #define MAX_ROWS 8
+#define AMX_MAX_ROWS 64 /* the AMX body's rows (few_rows_linear_bf16 takes them where it runs) */
 #define MAX_BLOCK 8
 #define GROUP 8  /* weight rows interleaved in the streaming layout (MAX_BLOCK divides it) */
 #define CHUNK 32 /* elements of a row per interleave step: 64 bytes, one cache line */
@@ -294,13 +295,18 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
                 int64_t rows, int64_t N, int64_t K, int64_t threads);
 int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                     int64_t rows, int64_t N, int64_t K, int64_t threads);
-static void linear_or_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-                               uint16_t *out, int64_t rows, int64_t N, int64_t K, int64_t threads) {
-    if (amx_linear_bf16(x, w, bias, out, rows, N, K, threads) != 0)
-        linear_bf16(x, w, bias, out, rows, N, K, threads);
+int gemv_amx_rows(void);
+static int linear_or_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                              uint16_t *out, int64_t rows, int64_t N, int64_t K, int64_t threads) {
+    if (amx_linear_bf16(x, w, bias, out, rows, N, K, threads) == 0) return 0;
+    return linear_bf16(x, w, bias, out, rows, N, K, threads); /* -1 past MAX_ROWS */
 }
 #define LINEAR_f32 linear_f32
 #define LINEAR_bf16 linear_or_amx_bf16
+/* Rows few_rows_linear_* takes: bf16 up to AMX_MAX_ROWS where the AMX body runs (a decode step
+ * of up to 32 streams then runs in one decode-loop call too), else MAX_ROWS. */
+#define ROWS_LIMIT_f32 MAX_ROWS
+#define ROWS_LIMIT_bf16 (gemv_amx_rows() > MAX_ROWS ? gemv_amx_rows() : MAX_ROWS)
 
 #define DEFINE_TYPE(T, SUFFIX)                                                                  \
     DEFINE_ROWS(T, SUFFIX, 1, BLOCK_1)                                                          \
@@ -336,7 +342,7 @@ static void linear_or_amx_bf16(const uint16_t *x, const uint16_t *w, const uint1
                                  const T *x, const uint16_t *w, const T *bias, T *out,          \
                                  int64_t rows, int64_t N, int64_t K, int64_t silu,              \
                                  int64_t threads) {                                             \
-        if (rows < 1 || rows > MAX_ROWS) return -1;                                             \
+        if (rows < 1 || rows > ROWS_LIMIT_##SUFFIX) return -1;                                  \
         if (norm_weight) {                                                                      \
             T *normed = thread_scratch(0, (size_t)(rows * K) * sizeof(T));                      \
             if (!normed) return -2;                                                             \
@@ -350,7 +356,8 @@ static void linear_or_amx_bf16(const uint16_t *x, const uint16_t *w, const uint1
             linear_out = thread_scratch(1, (size_t)(rows * N) * sizeof(T));                     \
             if (!linear_out) return -2;                                                         \
         }                                                                                       \
-        LINEAR_##SUFFIX(x, w, bias, linear_out, rows, N, K, threads);                           \
+        int status = LINEAR_##SUFFIX(x, w, bias, linear_out, rows, N, K, threads);              \
+        if (status) return status;                                                              \
         if (silu)                                                                               \
             for (int64_t r = 0; r < rows; r++)                                                  \
                 silu_mul_row_##SUFFIX(linear_out + r * N, out + r * (N / 2), N / 2);            \
@@ -387,7 +394,6 @@ DEFINE_TYPE(uint16_t, bf16)
 #define HAVE_GEMV_AMX 0
 #endif
 
-#define AMX_MAX_ROWS 64
 #define AMX_PREFETCH_CHUNKS 8
 
 #if HAVE_GEMV_AMX
@@ -448,6 +454,15 @@ int gemv_amx_ready(void) {
         gemv_amx_permitted =
             syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return gemv_amx_permitted == 1;
+#else
+    return 0;
+#endif
+}
+
+/* The rows the AMX body takes now: AMX_MAX_ROWS, or 0 where it does not run. */
+int gemv_amx_rows(void) {
+#if HAVE_GEMV_AMX
+    return gemv_amx_permitted == 1 && !gemv_amx_off ? AMX_MAX_ROWS : 0;
 #else
     return 0;
 #endif

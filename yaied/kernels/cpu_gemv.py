@@ -36,10 +36,10 @@ MAX_ROWS = 8  # as in cpu_gemv.c
 # (avx2, a Zen 4), 64 rows 27-32 against 34-38, 128 rows even at avx512. The generic body is
 # slower than the matmul past MAX_ROWS (32 rows 102 ms against 28).
 SLICED_MAX_ROWS = 64
-# bf16 layers of MAX_ROWS + 1 to this many rows take the AMX body where the CPU has the tiles
-# (cpu_gemv.c's amx_linear_bf16 takes up to 64): against oneDNN's AMX matmul over the default
-# model's 30 layers, 16 rows 11-15 ms against 15-22, 32 rows 15-25 against 16-36, and 48 or 64
-# rows no faster (docs/benchmarks.md).
+# bf16 layers of MAX_ROWS + 1 to this many rows take the AMX body where the CPU has the tiles,
+# in forward and in the decode loop (cpu_gemv.c's body takes up to 64): against oneDNN's AMX
+# matmul over the default model's 30 layers, 16 rows 11-15 ms against 15-22, 32 rows 15-25
+# against 16-36, and 48 or 64 rows no faster (docs/benchmarks.md).
 AMX_MAX_ROWS = 32
 GROUP, CHUNK = 8, 32  # the streaming layout's rows and elements per step, as in cpu_gemv.c
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
@@ -193,6 +193,13 @@ class BoundLinear:
             )  # fmt: skip
             self._check(status)
         return out
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one call of ``function`` takes: AMX_MAX_ROWS where bf16 layers run on
+        the tiles (the decode loop then takes steps of that many rows), else MAX_ROWS."""
+        on_tiles = self.amx_kernels is not None and self.amx_kernels.amx
+        return AMX_MAX_ROWS if on_tiles else MAX_ROWS
 
     def amx_takes(self, x: torch.Tensor) -> bool:
         """Whether ``amx`` runs x: [MAX_ROWS < rows <= AMX_MAX_ROWS, K] bf16, with the tiles."""

@@ -2,7 +2,8 @@
 
 Where it applies (on CPU, bf16 math or fp32 math over bf16 weights, the few-row linear kernel
 on every projection, the fused elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward``
-hands a decode-only step of up to MAX_ROWS rows, each decoding an output token, to
+hands a decode-only step of up to ``max_rows()`` rows (MAX_ROWS, or AMX_MAX_ROWS where bf16
+layers run on AMX tiles), each decoding an output token, to
 ``LlamaDecodeLoop`` instead of running the layers from Python: about 1.2 ms of Python calls a
 step at batch 1. Its linear layers are the few-row kernel, which accumulates in another order
 than oneDNN (the last bf16 bit differs in about one output in ten thousand): a prompt token
@@ -18,7 +19,6 @@ import torch
 from torch import nn
 
 from yaied.kernels.cpu_decode_loop import CpuDecodeLoop, DecodeShape, LayerTensors
-from yaied.kernels.cpu_gemv import MAX_ROWS
 from yaied.worker.attention import AttentionMetadata
 
 
@@ -42,6 +42,7 @@ class LlamaDecodeLoop:
         )
         self.dtype = model.embed_tokens.weight.dtype  # the activations'
         self.linear = attn.qkv_proj.few_rows.address
+        self._bound = attn.qkv_proj.few_rows  # every projection has its kernel entry (fits)
         self._layers: tuple[int, ctypes.Array] | None = None  # (pools' address, the pointers)
 
     @classmethod
@@ -63,6 +64,10 @@ class LlamaDecodeLoop:
         # One kernel entry for every projection: all bf16, or all quantized (whatever types)
         return len(addresses) == 1
 
+    def max_rows(self) -> int:
+        """The most rows a step may have to run here (the kernel entry's, now)."""
+        return self._bound.max_rows
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -75,7 +80,7 @@ class LlamaDecodeLoop:
         the step is not a few decodes on the decode kernel: the caller runs the layers."""
         fused = meta.kernel_decodes
         rows = x.shape[0]
-        if fused is None or fused.count != rows or not 0 < rows <= MAX_ROWS:
+        if fused is None or fused.count != rows or not 0 < rows <= self.max_rows():
             return None
         if not fused.output_decodes:  # a prompt token: the layer path, as in a prefill
             return None
