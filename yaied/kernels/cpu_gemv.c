@@ -32,6 +32,7 @@
  * linear (q/k/v and gate/up projections), SiLU-and-multiply after it (gate/up), with the bodies
  * of cpu_fused.c's kernels (cpu_rows.h) and so the same results.
  */
+#include "cpu_amx.h"
 #include "cpu_rows.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -386,9 +387,7 @@ DEFINE_TYPE(uint16_t, bf16)
  * order of the dot-product bodies: a row's bits differ from its few-row result, as oneDNN's do.
  * Built where the compiler targets AMX (-march=native on a CPU with it); used once the process
  * has the tile state (gemv_amx_ready). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if HAVE_AMX_TILES && defined(__AVX512BF16__)
 #define HAVE_GEMV_AMX 1
 #else
 #define HAVE_GEMV_AMX 0
@@ -397,13 +396,7 @@ DEFINE_TYPE(uint16_t, bf16)
 #define AMX_PREFETCH_CHUNKS 8
 
 #if HAVE_GEMV_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} GemvTileConfig;
-
-static int gemv_amx_permitted;
+static int gemv_amx_permitted; /* gemv_amx_ready's answer: 1 yes, -1 no, 0 not asked */
 static int gemv_amx_off; /* gemv_use_amx(0): the dot-product body for every row count */
 
 /* The input rows as B tiles: per block of 16 rows and chunk of K, 16 rows (pairs of K) of 16
@@ -449,10 +442,7 @@ static inline void amx_prefetch(const uint16_t *chunk) {
 /* 1 where this build has the AMX body and the process may use the tiles (asked once). */
 int gemv_amx_ready(void) {
 #if HAVE_GEMV_AMX
-    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    if (!gemv_amx_permitted)
-        gemv_amx_permitted =
-            syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    gemv_amx_permitted = amx_permitted() ? 1 : -1;
     return gemv_amx_permitted == 1;
 #else
     return 0;
@@ -497,13 +487,9 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     const int64_t block_words = chunks * 256, group_elements = chunks * GROUP * CHUNK;
 #pragma omp parallel num_threads(threads)
     {
-        GemvTileConfig config, saved;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) /* A: 0-1, B: 2-3, C: 4-7 */
-            config.colsb[t] = 64, config.rows[t] = t == 2 || t == 3 ? 16 : GROUP;
-        _tile_storeconfig(&saved); /* oneDNN's, say, restored after */
-        _tile_loadconfig(&config);
+        static const uint8_t rows_of[8] = {GROUP, GROUP, 16, 16, GROUP, GROUP, GROUP, GROUP};
+        TileConfig saved; /* A: 0-1, B: 2-3, C: 4-7 */
+        tiles_enter(&saved, rows_of);
         float sums[4][8][16];
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < pairs; pair++) {
@@ -550,10 +536,7 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                 }
             }
         }
-        if (saved.palette)
-            _tile_loadconfig(&saved);
-        else
-            _tile_release();
+        tiles_leave(&saved);
     }
     return 0;
 #else

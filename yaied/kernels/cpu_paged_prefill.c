@@ -20,6 +20,7 @@
  * without it) everything is converted to fp32 while packing and multiplied in fp32.
  * The torch reference is yaied.worker.attention._prefill_attention.
  */
+#include "cpu_amx.h"
 #include "cpu_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -29,11 +30,9 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-/* AMX: built where the compiler targets it (-march=native on a CPU with it), used only once the
- * kernel has asked Linux for the tile state (paged_prefill_amx_ready). */
-#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+/* AMX (cpu_amx.h): built where the compiler targets it, used only once the kernel has asked
+ * Linux for the tile state (paged_prefill_amx_ready). */
+#if HAVE_BF16_DOT && HAVE_AMX_TILES
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
@@ -191,37 +190,7 @@ static void accumulate_bf16(const uint16_t *p, const uint32_t *vp, float *o, con
 /* Every tile is configured 16 rows x 64 bytes: A tiles hold 16 rows of 32 bf16, B tiles 16 rows
  * of 16 bf16 pairs, C tiles 16 x 16 fp32. Rows are padded to 16 (AMX_ROWS) on this path. */
 #define AMX_ROWS 16
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int amx_permitted;
-
-/* Linux hands out the tile state on request only (arch_prctl ARCH_REQ_XCOMP_PERM, kernel 5.16
- * on); without it the first tile instruction kills the process. */
-static int request_amx(void) {
-    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-/* Load our configuration and return the one the thread had (oneDNN's, say), to restore after. */
-static void tiles_enter(TileConfig *saved) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_storeconfig(saved);
-    _tile_loadconfig(&config);
-}
-
-static void tiles_leave(const TileConfig *saved) {
-    if (saved->palette)
-        _tile_loadconfig(saved);
-    else
-        _tile_release();
-}
+static const uint8_t TILE_ROWS[8] = {16, 16, 16, 16, 16, 16, 16, 16};
 
 /* Raw S[rows][KEY_BLOCK] = Q Kp^T, 16 rows at a time: C tiles 0-1 (keys 0-15, 16-31), the Q
  * tile 2, the K tiles 4-5, each loaded once per 32 dims. */
@@ -633,8 +602,7 @@ int paged_prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 /* 1 where this build has the AMX path and the process may use the tiles (asked once). */
 int paged_prefill_amx_ready(void) {
 #if HAVE_AMX
-    if (!amx_permitted) amx_permitted = request_amx() ? 1 : -1;
-    return amx_permitted == 1;
+    return amx_permitted();
 #else
     return 0;
 #endif
@@ -667,7 +635,7 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
     {
 #if HAVE_AMX
         TileConfig saved;
-        if (pr.amx) tiles_enter(&saved);
+        if (pr.amx) tiles_enter(&saved, TILE_ROWS);
 #endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < kv_heads * pr.key_blocks; t++)
@@ -708,7 +676,7 @@ int paged_prefill_chunks(const void *q, const void *k_cache, const void *v_cache
     {
 #if HAVE_AMX
         TileConfig saved;
-        if (amx) tiles_enter(&saved);
+        if (amx) tiles_enter(&saved, TILE_ROWS);
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < num_chunks; c++) {
