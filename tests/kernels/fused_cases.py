@@ -47,6 +47,28 @@ def rotary_case(ops, dtype, tolerance, rows, device="cpu"):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 
+def qk_norm_rotary_case(ops, dtype, tolerance, rows, device="cpu"):
+    """Qwen3's q/k norm then rotary, in place on a fused qkv output (12 heads: a masked block
+    in Triton; head_dim 128 as Qwen3's); v untouched."""
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim = 9, 3, 128
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, device=device) * 3).to(dtype)
+    q_weight = (torch.rand(head_dim, device=device) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim, device=device) + 0.5).to(dtype)
+    positions = torch.randint(0, 4000, (rows,), device=device)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    both = torch.cat((freqs, freqs), dim=-1)[:, None]
+    view = qkv.view(rows, -1, head_dim)
+    q = rms_norm_reference(view[:, :heads], q_weight, 1e-6)
+    k = rms_norm_reference(view[:, heads : heads + kv_heads], k_weight, 1e-6)
+    expected = rotary_reference(torch.cat((q, k), dim=1).float(), both.cos(), both.sin())
+    v_before = view[:, heads + kv_heads :].clone()
+    ops.qk_norm_rotary(qkv, heads, kv_heads, q_weight, k_weight, 1e-6, freqs.cos(), freqs.sin())
+    close(view[:, : heads + kv_heads], expected, tolerance)
+    assert torch.equal(view[:, heads + kv_heads :], v_before)
+
+
 def silu_mul_case(ops, dtype, tolerance, rows, device="cpu"):
     torch.manual_seed(2)
     gate_up = (torch.randn(rows, 2 * 1536, device=device) * 4).to(dtype)
@@ -60,3 +82,6 @@ def launcher_refusals(ops):
         ops.rotary(torch.zeros(2, 16), 1, torch.zeros(2, 4).bfloat16(), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="contiguous"):
         ops.silu_mul(torch.zeros(8, 2).t())
+    cos = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="q/k norm weight"):
+        ops.qk_norm_rotary(torch.zeros(2, 24), 1, 1, torch.ones(4), torch.ones(8), 1e-6, cos, cos)

@@ -9,6 +9,7 @@ from tests.cpu_levels import kernel_at
 from tests.kernels.fused_cases import (
     add_rms_norm_case,
     launcher_refusals,
+    qk_norm_rotary_case,
     rotary_case,
     silu_mul_case,
 )
@@ -38,6 +39,12 @@ def test_add_rms_norm(ops, dtype, tolerance, rows, with_delta):
 @ROWS
 def test_rotary_in_place_on_the_qkv_output(ops, dtype, tolerance, rows):
     rotary_case(ops, dtype, tolerance, rows)
+
+
+@DTYPES
+@ROWS
+def test_qk_norm_then_rotary_in_place_on_the_qkv_output(ops, dtype, tolerance, rows):
+    qk_norm_rotary_case(ops, dtype, tolerance, rows)
 
 
 @DTYPES

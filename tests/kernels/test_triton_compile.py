@@ -23,7 +23,8 @@ H100_SHARED_BYTES = 227 * 1024
 
 def compile_kernel(fn, dtype, constexprs):
     pointers = {"table_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32",
-                "slot_ptr": "*i64", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+                "slot_ptr": "*i64", "lse_ptr": "*fp32", "part_ptr": "*fp32",
+                "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -54,6 +55,8 @@ compile_kernel(triton_store_kv._store_kv_kernel, "bf16", dict(
 for dtype in ("bf16", "fp32"):  # Qwen3-0.6B: hidden 1024, 16 heads of 128, MLP 3072
     compile_kernel(triton_fused._add_rms_norm_kernel, dtype, dict(HAS_DELTA=True, BLOCK=1024))
     compile_kernel(triton_fused._rotary_kernel, dtype, dict(HALF=64, BLOCK_H=16, BLOCK_HALF=64))
+    compile_kernel(triton_fused._qk_norm_rotary_kernel, dtype, dict(
+        HALF=64, BLOCK_H=32, BLOCK_HALF=64))
     compile_kernel(triton_fused._silu_mul_kernel, dtype, dict(BLOCK=1024))
 print("compiled")
 """

@@ -10,6 +10,7 @@ import torch
 from tests.kernels.fused_cases import (
     add_rms_norm_case,
     launcher_refusals,
+    qk_norm_rotary_case,
     rotary_case,
     silu_mul_case,
 )
@@ -45,6 +46,12 @@ def test_add_rms_norm(dtype, tolerance, device, rows, with_delta):
 @PLACES
 def test_rotary_in_place_on_the_qkv_output(dtype, tolerance, device, rows):
     rotary_case(TritonFusedOps(), dtype, tolerance, rows, device)  # 12 heads: a masked block
+
+
+@DTYPES
+@PLACES
+def test_qk_norm_then_rotary_in_place_on_the_qkv_output(dtype, tolerance, device, rows):
+    qk_norm_rotary_case(TritonFusedOps(), dtype, tolerance, rows, device)
 
 
 @DTYPES

@@ -1,5 +1,6 @@
 """Launchers for the fused elementwise CPU kernels (cpu_fused.c), with the torch code each one
-replaces as its reference: RMSNorm with the residual add, rotary embedding, SiLU-and-multiply.
+replaces as its reference: RMSNorm with the residual add, rotary embedding, SiLU-and-multiply
+(and Qwen3's q/k norm before the rotary, composed here, one kernel on the GPU).
 
 Each kernel makes one pass over its rows where torch makes 2 to 6 with a temporary each; the
 launchers check only what the C side relies on (dtype, contiguity, sizes), since they run
@@ -93,6 +94,28 @@ class CpuFusedOps:
             torch.get_num_threads(),
         )
 
+    def qk_norm_rotary(
+        self,
+        x: torch.Tensor,
+        q_heads: int,
+        k_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Qwen3's attention input, in place on the first q_heads + k_heads heads of every row
+        of x (laid out as ``rotary``'s): each q head RMS-normalised with q_weight, each k head
+        with k_weight ([head_dim] each), then both rotated. On CPU the norm is torch's (Qwen3 is
+        not what this path is tuned for); TritonFusedOps does it all in one kernel."""
+        check_qk_norm_rotary(x, q_heads + k_heads, q_weight, k_weight, cos, sin)
+        rows, head_dim = x.shape[0], q_weight.shape[0]
+        heads = x[:, : (q_heads + k_heads) * head_dim].view(rows, -1, head_dim)
+        heads[:, :q_heads] = rms_norm_reference(heads[:, :q_heads], q_weight, eps)
+        heads[:, q_heads:] = rms_norm_reference(heads[:, q_heads:], k_weight, eps)
+        self.rotary(x, q_heads + k_heads, cos, sin)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""
         rows, double = gate_up.shape
@@ -109,7 +132,7 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-# What every implementation of the three kernels relies on (TritonFusedOps checks the same).
+# What every implementation of the kernels relies on (TritonFusedOps checks the same).
 
 
 def check_add_rms_norm(
@@ -132,6 +155,21 @@ def check_rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tens
     _check(x.shape[1] >= heads * 2 * half, "x is narrower than its heads")
     _check(cos.dtype == sin.dtype == torch.float32, "cos and sin must be fp32")
     _check(cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape, "bad sin")
+
+
+def check_qk_norm_rotary(
+    x: torch.Tensor,
+    heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    check_rotary(x, heads, cos, sin)
+    head_dim = 2 * cos.shape[1]
+    for weight in (q_weight, k_weight):
+        _check(weight.shape == (head_dim,) and weight.is_contiguous(), "bad q/k norm weight")
+        _check(weight.dtype == x.dtype, "the q/k norm weights must have x's dtype")
 
 
 def check_silu_mul(gate_up: torch.Tensor) -> None:

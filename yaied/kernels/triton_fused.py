@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the GPU path: RMSNorm with the residual add, rotary embedding,
-SiLU-and-multiply. The same three operations, with the same contract, as the CPU's
+Qwen3's per-head q/k RMSNorm with the rotary, SiLU-and-multiply. The same operations, with the
+same contract, as the CPU's
 ``CpuFusedOps`` (cpu_fused.py, whose torch references these kernels are checked against).
 
 Without them a layer on the GPU runs about a dozen small torch kernels between its matmuls
@@ -18,7 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from yaied.kernels.cpu_fused import check_add_rms_norm, check_rotary, check_silu_mul
+from yaied.kernels.cpu_fused import (
+    check_add_rms_norm,
+    check_qk_norm_rotary,
+    check_rotary,
+    check_silu_mul,
+)
 from yaied.kernels.triton_common import next_power_of_2
 
 SILU_BLOCK = 1024  # columns of one SiLU-and-multiply program
@@ -76,6 +82,53 @@ def _rotary_kernel(
 
 
 @triton.jit
+def _qk_norm_rotary_kernel(
+    x_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_row,
+    q_heads,
+    heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # Qwen3's per-head RMSNorm of q and k, then their rotary, in one pass over the row's heads
+    # [0, q_heads) (q, with q_weight) and [q_heads, heads) (k, with k_weight), in place.
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < heads) & (d < HALF)
+    first = x_ptr + row * stride_row + h * (2 * HALF) + d
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    square_sum = tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)
+    rstd = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
+    is_q = h < q_heads
+    w1 = tl.where(
+        is_q,
+        tl.load(q_weight_ptr + d, mask=d < HALF, other=0.0),
+        tl.load(k_weight_ptr + d, mask=d < HALF, other=0.0),
+    ).to(tl.float32)
+    w2 = tl.where(
+        is_q,
+        tl.load(q_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
+        tl.load(k_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
+    ).to(tl.float32)
+    # Rounded where torch rounds: the normalised head, then its product with the weight.
+    y1 = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+    y2 = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + row * HALF + d, mask=d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + row * HALF + d, mask=d < HALF, other=0.0)
+    tl.store(first, (y1 * cos - y2 * sin).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (y2 * cos + y1 * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -88,7 +141,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
 
 
 class TritonFusedOps:
-    """``CpuFusedOps``' three kernels for tensors on a CUDA device (or CPU tensors under
+    """``CpuFusedOps``' kernels for tensors on a CUDA device (or CPU tensors under
     TRITON_INTERPRET=1, for tests). Launchers check only what the kernels rely on: they run
     several times per layer, inside CUDA graphs too, so nothing here reads device memory."""
 
@@ -138,6 +191,36 @@ class TritonFusedOps:
                 heads,
                 HALF=half,
                 BLOCK_H=next_power_of_2(heads),
+                BLOCK_HALF=next_power_of_2(half),
+            )
+
+    def qk_norm_rotary(
+        self,
+        x: torch.Tensor,
+        q_heads: int,
+        k_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """CpuFusedOps.qk_norm_rotary, in one kernel where torch runs ten."""
+        rows, half = cos.shape
+        check_qk_norm_rotary(x, q_heads + k_heads, q_weight, k_weight, cos, sin)
+        if rows:
+            _qk_norm_rotary_kernel[(rows,)](
+                x,
+                q_weight,
+                k_weight,
+                cos,
+                sin,
+                x.stride(0),
+                q_heads,
+                q_heads + k_heads,
+                eps,
+                HALF=half,
+                BLOCK_H=next_power_of_2(q_heads + k_heads),
                 BLOCK_HALF=next_power_of_2(half),
             )
 

@@ -129,17 +129,19 @@ class Attention(nn.Module):
             if out is not None:  # decodes only: rotary, K/V write and attention in one call
                 return self.o_proj.forward(out)
             ops.rotary(qkv, self.num_heads + self.num_kv_heads, cos, sin)  # q and k, in place
+        elif ops is not None:  # Qwen3: q and k normalised per head, then rotated, in place
+            ops.qk_norm_rotary(
+                qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps, cos, sin,
+            )  # fmt: skip
         # [n, heads + 2 * kv_heads, head_dim]: q, k and v as views, in one op each
         heads = qkv.view(n, -1, self.head_dim)
         q = heads[:, : self.num_heads]
         k = heads[:, self.num_heads : self.num_heads + self.num_kv_heads]
         v = heads[:, self.num_heads + self.num_kv_heads :]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-            if ops is not None:
-                ops.rotary(q.view(n, -1), self.num_heads, cos, sin)
-                ops.rotary(k.view(n, -1), self.num_kv_heads, cos, sin)
         if ops is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache
