@@ -200,6 +200,7 @@ def engine_overrides(
         overrides["enable_prefix_caching"] = False
     if args.batch_invariant:
         overrides["batch_invariant"] = True
+    overrides["overlap_steps"] = args.overlap_steps
     return overrides
 
 
@@ -269,6 +270,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     parser.add_argument(
         "--batch-invariant", action="store_true", help="engine.batch_invariant (CPU)"
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="engine.overlap_steps (auto: on a GPU)",
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--runs", type=int, default=1, help="timed runs; run k uses seed k")

@@ -46,6 +46,24 @@ def test_greedy_matches_transformers_with_chunks_and_prefix_hits(triton_llm):
         assert_greedy_equal(reference, prompt, out.token_ids, expected)
 
 
+def test_overlapped_steps_take_their_inputs_from_the_step_in_flight(triton_llm):
+    """engine.overlap_steps on the Triton path: the step ahead's input ids are written into the
+    staged inputs on the device, from the sampled ids of the step before."""
+    folder, llm = triton_llm
+    overlapped = LLM(
+        str(folder), dtype="float32", attention_backend="triton", overlap_steps="on",
+        max_num_batched_tokens=24, max_num_seqs=4, kv_cache_gib=0.01, show_progress=False,
+    )  # fmt: skip
+    try:
+        prompts = [[(i * 37) % 256 for i in range(12)], [9, 8, 7], [3, 1, 4, 1, 5]]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 3, 5)]
+        expected = [out.token_ids for out in llm.generate(prompts, params)]
+        assert [out.token_ids for out in overlapped.generate(prompts, params)] == expected
+        assert overlapped.stats()["num_steps_ahead"] > 0
+    finally:
+        overlapped.close()
+
+
 def test_padding_rows_write_and_change_nothing(triton_llm):
     """A decode step padded to a graph bucket: the real rows' hidden states and K/V are those of
     the unpadded step (to matmul rounding: BLAS blocks 2 and 4 rows differently), and the pool

@@ -114,8 +114,14 @@ class LoopConfig:
     # batch_invariant.py): greedy output and logprobs do not depend on the load. CPU only;
     # slower (every projection on the few-row kernel, every decode on the prefill path).
     batch_invariant: bool = False
+    # Schedule a decode step while the one before it runs on the device, its input tokens read
+    # there (Scheduler.schedule_ahead): the device no longer waits for the host's work between
+    # steps. auto: on CUDA (on CPU the host is the device: nothing to overlap); on: also on CPU
+    # (the tests' way of running it); off: never. One tensor-parallel rank only.
+    overlap_steps: str = "auto"
 
     def __post_init__(self) -> None:
+        _one_of("engine.overlap_steps", self.overlap_steps, ("auto", "on", "off"))
         if not self.step_timeout_s > 0:
             raise ValueError(f"engine.step_timeout_s must be > 0, got {self.step_timeout_s}")
         _at_least("engine.max_failed_steps", self.max_failed_steps, 1)

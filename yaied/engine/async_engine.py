@@ -32,6 +32,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
@@ -80,6 +81,7 @@ class AsyncEngine(Recovery, OutputPhase):
             config.scheduler.max_num_seqs, self.info.vocab_size, self.worker.device
         )
         self._new_bookkeeping()
+        self.overlap_steps = _overlaps(config, self.worker)
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[RequestStream] = deque()
         self._aborts: deque[str] = deque()
@@ -91,6 +93,7 @@ class AsyncEngine(Recovery, OutputPhase):
         # Told once, with the reason, when the engine stops for good (level 3 of faults.py).
         self.on_dead: Callable[[BaseException], None] | None = None
         self.num_steps = 0
+        self.num_steps_ahead = 0
         self.restarts = dict.fromkeys(RESTART_REASONS, 0)  # in-process rebuilds, by reason
         self._failed_steps = 0  # whole steps failed in a row
         self._rebuilds_in_a_row = 0  # rebuilds with no good step between them
@@ -282,6 +285,7 @@ class AsyncEngine(Recovery, OutputPhase):
             "prefix_cache_hits": self.cache.num_hit_tokens,
             **self.scheduler.counters(),  # preemptions, speculative drafts
             "num_steps": self.num_steps,
+            "num_steps_ahead": self.num_steps_ahead,  # of those, launched before the last ended
             # Filling and applying grammar masks, over the steps that had a constrained row.
             "structured_output_mask_seconds": self.masks.seconds,
             "structured_output_masked_steps": self.masks.steps,
@@ -328,12 +332,39 @@ class AsyncEngine(Recovery, OutputPhase):
                     if not self._inbox and not self._aborts:
                         await self._wake.wait()
                     continue
+                if self.overlap_steps:
+                    await self._run_overlapped(loop, batch)
+                    continue
                 output = await self._execute(loop, batch)
                 self._guarded(self._finish_step, batch, output)
 
+    async def _run_overlapped(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> None:
+        """Steps back to back on the device (engine.overlap_steps): while one runs, the next is
+        scheduled on the tokens it is sampling and launched, and only then are the first one's
+        tokens applied and sent. Returns with nothing in flight once the scheduler declines to
+        schedule ahead (anything but plain decodes, or new work to admit)."""
+        pending = await self._in_worker(loop, self.worker.launch, batch)
+        while True:
+            ahead = self._guarded(self._schedule_ahead, batch)
+            output, launched = await self._in_worker(loop, self.worker.advance, ahead, pending)
+            self._guarded(self._finish_step, batch, output)
+            if launched is None or ahead is None:
+                return
+            self.num_steps_ahead += 1
+            batch, pending = ahead, launched
+
+    def _schedule_ahead(self, batch: Batch) -> Batch | None:
+        if self._inbox or self._aborts:
+            return None  # new requests and aborts go through a step scheduled as usual
+        return self.scheduler.schedule_ahead(batch)
+
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> StepOutput:
+        return await self._in_worker(loop, self.worker.execute, batch)
+
+    async def _in_worker(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Any:
+        """fn(*args) in the worker thread, bounded by engine.step_timeout_s."""
         timeout = self.config.engine.step_timeout_s
-        running = loop.run_in_executor(self._executor, self.worker.execute, batch)
+        running = loop.run_in_executor(self._executor, fn, *args)
         try:
             return await asyncio.wait_for(running, timeout)
         except TimeoutError:
@@ -387,6 +418,15 @@ class AsyncEngine(Recovery, OutputPhase):
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)
         self._end_stream(stream, reason, error)
+
+
+def _overlaps(config: EngineConfig, worker: Worker) -> bool:
+    """engine.overlap_steps for this engine: auto means on a GPU; never with tensor parallelism
+    (the ranks take every step's token ids from rank 0) or speculative decoding (a step ahead
+    carries no drafts, so it would quietly stop speculating)."""
+    mode = config.engine.overlap_steps
+    wanted = mode == "on" or (mode == "auto" and worker.device.type == "cuda")
+    return wanted and worker.parallel is None and not config.speculative.enabled
 
 
 def _in_event_loop() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,23 @@ from yaied.worker.torch_packing import TorchBatchPacker, upload
 if TYPE_CHECKING:  # the Triton path's modules import triton: only on that path
     from yaied.worker.cuda_graphs import DecodeGraphs
     from yaied.worker.gpu_packing import TritonBatchPacker
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is queued (ModelRunner.launch): what collect() needs."""
+
+    batch: Batch
+    token_ids: torch.Tensor  # [num_rows] sampled, on the device: a next step's inputs
+    host: torch.Tensor  # the sampled ids then the finite marks, on the host once `copied`
+    copied: torch.cuda.Event | None  # recorded after the copy to the host (CUDA only)
+    num_rows: int  # sampled rows
+    drafted: bool
+    started: float  # perf_counter() when the step's work began (its model_time)
+    mask_time: float
+    logprobs: list[TokenLogprobs | None] | None
+    prompt: dict[str, list[TokenLogprobs | None]]
+    pooled: dict[str, list[float]]
 
 
 class ModelRunner:
@@ -73,10 +91,24 @@ class ModelRunner:
             return None
         return CpuPrefillKernel.load()
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's device work: the forward, sampling, and the copy of the sampled ids
+        to the host, which collect() waits for. On CPU the work is done when this returns.
+        ``previous``: the step in flight that samples this one's input tokens
+        (batch.previous_rows); they go from its sampled ids to this step's inputs on the device."""
         start = time.perf_counter()
-        hidden, sample_rows, first_row = self._forward(batch.seqs)
+        inputs = None
+        if batch.previous_rows is not None:
+            assert previous is not None, "a step scheduled ahead needs the step before it"
+            inputs = previous.token_ids
+            if batch.previous_rows != list(range(len(inputs))):  # some left out: gather
+                rows = torch.tensor(batch.previous_rows, dtype=torch.int64)
+                inputs = inputs[rows.to(inputs.device, non_blocking=True)]
+        hidden, sample_rows, first_row = self._forward(batch.seqs, inputs)
         sampling = [seq for seq in batch.seqs if seq.sample]
         # Speculative drafts: a row per position from the last real token on, each with the
         # knobs as they stand there (yaied/worker/speculative.py); else a row per sequence.
@@ -93,24 +125,45 @@ class ModelRunner:
         finite = self._finite_rows(batch.seqs, hidden, first_row, _per_seq_max(logits, sampling))
         prompt = self._prompt_logprobs(batch.seqs, hidden, first_row)
         pooled = _pooled(batch.seqs, hidden, first_row)
-        # With no logprobs asked for, the step's one host sync: tokens, then the finite marks.
-        host = torch.cat([token_ids, finite.to(token_ids.dtype)]).tolist()
+        # With no logprobs asked for, the step's one host sync (in collect): tokens, then the
+        # finite marks, in one copy.
+        values = torch.cat([token_ids, finite.to(token_ids.dtype)])
+        copied = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = values
+        return LaunchedStep(
+            batch, token_ids, host, copied, len(rows), drafted, start, mask_time, logprobs,
+            prompt, pooled,
+        )  # fmt: skip
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's sampled ids and finish it into a StepOutput."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        host = step.host.tolist()
+        num_rows = step.num_rows
         failed = {
             seq.request_id: "the model produced non-finite values (NaN or inf)"
-            for seq, ok in zip(batch.seqs, host[len(rows) :], strict=True)
+            for seq, ok in zip(step.batch.seqs, host[num_rows:], strict=True)
             if not ok
         }
         out = StepOutput(
-            host[: len(rows)],
+            host[:num_rows],
             failed=failed,
-            model_time=time.perf_counter() - start,
-            sampled_logprobs=logprobs,
-            prompt_logprobs=prompt,
-            mask_time=mask_time,
-            pooled=pooled,
+            model_time=time.perf_counter() - step.started,
+            sampled_logprobs=step.logprobs,
+            prompt_logprobs=step.prompt,
+            mask_time=step.mask_time,
+            pooled=step.pooled,
         )
-        if drafted:
-            verify(sampling, out)  # rows -> one token per sequence, after its accepted drafts
+        if step.drafted:
+            # rows -> one token per sequence, after its accepted drafts
+            verify([seq for seq in step.batch.seqs if seq.sample], out)
         return out
 
     @staticmethod
@@ -140,11 +193,14 @@ class ModelRunner:
         return finite
 
     def _forward(
-        self, seqs: list[ScheduledSeq]
+        self, seqs: list[ScheduledSeq], inputs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
-        """(hidden states of every row, the rows to sample, request id -> first row)."""
+        """(hidden states of every row, the rows to sample, request id -> first row). inputs:
+        the input tokens of seqs (all single-token), on the device, instead of their token_ids."""
         if self.triton is None:
             prepared = self.packer.build(seqs)
+            if inputs is not None:
+                prepared.input_ids[: len(seqs)] = inputs
             hidden = self.model(
                 prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta
             )
@@ -152,6 +208,8 @@ class ModelRunner:
         num_decodes = sum(len(s.token_ids) == 1 for s in seqs)
         size = self.graphs.padded_size(num_decodes, len(seqs)) if self.graphs else None
         step = self.triton.build(seqs, pad_decodes_to=size or 0)
+        if inputs is not None:
+            step.input_ids[: len(seqs)] = inputs  # decodes come first, in batch order
         if size is not None:
             hidden = self.graphs.run(step)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ from yaied.worker.gpu_setup import (
     warmup_seqs,
 )
 from yaied.worker.loader import load_model
-from yaied.worker.model_runner import ModelRunner
+from yaied.worker.model_runner import LaunchedStep, ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 from yaied.worker.parallel.group import RankFailure
@@ -278,14 +279,64 @@ class Worker:
         try:
             return self._execute(batch)
         except Exception as exc:
-            error = _describe(exc)
-            log.error("step failed: %s\n%s", error, traceback.format_exc())
-            if is_fatal(exc) or self._ranks_out_of_step():
-                self.close()  # tensor parallel: the other ranks go now, not at their timeout
-                return StepOutput([], error=error, fatal=True)
-            if len(batch.seqs) == 1:
-                return StepOutput([], error=error)
-            return self._execute_one_by_one(batch, error)
+            return self._failed(batch, exc)
+
+    # Overlapped steps (engine.overlap_steps): the engine launches a step, schedules the next
+    # while the device runs it, then calls advance() with both. One tensor-parallel rank only.
+
+    def launch(self, batch: Batch) -> LaunchedStep | StepOutput:
+        """Queue a step's device work (ModelRunner.launch); a step that raises is finished here,
+        as execute() would, and its StepOutput returned instead."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(batch)
+            return self.runner.launch(batch)
+        except Exception as exc:
+            return self._failed(batch, exc)
+
+    def advance(
+        self, ahead: Batch | None, pending: LaunchedStep | StepOutput
+    ) -> tuple[StepOutput, LaunchedStep | None]:
+        """Launch ``ahead`` (scheduled on the tokens ``pending`` is sampling), then wait for
+        ``pending``: (pending's output, ahead's launch or None). None when ahead was not
+        launched (it raised: the engine schedules that step again from the host's view) or
+        must not be used (pending failed, so its tokens, ahead's inputs, are meaningless)."""
+        launched = None
+        if ahead is not None and isinstance(pending, LaunchedStep):
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(ahead)
+                launched = self.runner.launch(ahead, pending)
+            except Exception as exc:
+                log.warning("a step scheduled ahead failed to launch: %s", _describe(exc))
+                if is_fatal(exc):
+                    return StepOutput([], error=_describe(exc), fatal=True), None
+        output = self.collect(pending)
+        if launched is not None:
+            if output.error is not None or output.failed:
+                self.runner.collect(launched)  # queued on the device already: let it finish
+                return output, None
+            launched.started = time.perf_counter()  # its own model time starts now
+        return output, launched
+
+    def collect(self, pending: LaunchedStep | StepOutput) -> StepOutput:
+        """Wait for a launched step (ModelRunner.collect); a failure there fails the step."""
+        if isinstance(pending, StepOutput):
+            return pending
+        try:
+            return self.runner.collect(pending)
+        except Exception as exc:
+            return self._failed(pending.batch, exc)
+
+    def _failed(self, batch: Batch, exc: Exception) -> StepOutput:
+        error = _describe(exc)
+        log.error("step failed: %s\n%s", error, traceback.format_exc())
+        if is_fatal(exc) or self._ranks_out_of_step():
+            self.close()  # tensor parallel: the other ranks go now, not at their timeout
+            return StepOutput([], error=error, fatal=True)
+        if len(batch.seqs) == 1:
+            return StepOutput([], error=error)
+        return self._execute_one_by_one(batch, error)
 
     def _execute(self, batch: Batch) -> StepOutput:
         if self.parallel is not None:

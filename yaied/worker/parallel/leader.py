@@ -45,7 +45,10 @@ class LeaderRunner(ModelRunner):
 
     parallel: TensorParallel
 
-    def _forward(self, seqs: list[ScheduledSeq]):
+    def _forward(self, seqs: list[ScheduledSeq], inputs: torch.Tensor | None = None):
+        # The other ranks get token ids from the host: no step is scheduled ahead here
+        # (engine.overlap_steps is off with tensor parallelism).
+        assert inputs is None, "tensor parallelism takes no step scheduled ahead"
         self.parallel.send_step(seqs)
         return super()._forward(seqs)
 
