@@ -267,3 +267,20 @@ def test_schedule_ahead_never_preempts():
     # each decodes position 3 of its one page and needs a second for position 4: one is free
     assert scheduler.schedule_ahead(batch) is None
     assert scheduler.num_preemptions == 0 and len(scheduler.running) == 2
+
+
+def test_schedule_ahead_skips_a_request_that_ended_and_goes_on_with_the_rest():
+    """A request the step before ended (an EOS, say) still has a row in the step in flight;
+    the step after that leaves it out instead of giving up the overlap."""
+    scheduler, _ = make()
+    batch = _in_flight(scheduler, request("a", 5, max_tokens=9), request("b", 5, max_tokens=9))
+    ahead = scheduler.schedule_ahead(batch)
+    assert [s.request_id for s in ahead.seqs] == ["a", "b"]
+    scheduler.update(batch, StepOutput([5, 6]))
+    scheduler.finish(scheduler.requests["a"], FinishReason.STOP)  # its token was a stop
+    again = scheduler.schedule_ahead(ahead)
+    assert [s.request_id for s in again.seqs] == ["b"] and again.previous_rows == [1]
+    scheduler.update(ahead, StepOutput([8, 9]))  # a's wasted row is skipped
+    assert scheduler.requests["b"].output_token_ids == [7, 6, 9]
+    scheduler.finish(scheduler.requests["b"], FinishReason.STOP)
+    assert scheduler.schedule_ahead(again) is None  # nothing left running

@@ -144,16 +144,18 @@ class Scheduler:
         could differ: requests waiting or left out of ``batch``, a chunk that does not sample,
         drafts, a request whose next step needs its new token on the host (a grammar, penalties,
         min_tokens still to reach), or pages short (this never preempts)."""
-        if self.waiting or len(batch.seqs) != len(self.running):
+        if self.waiting:
             return None
         seqs: list[ScheduledSeq] = []
         rows: list[int] = []
+        num_running = 0  # of the batch's requests: every running request must be among them
         for row, seq in enumerate(batch.seqs):
             request = self.requests.get(seq.request_id)
-            if not seq.sample or seq.num_draft_tokens or request is None:
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended by the step before (a wasted row in the step in flight)
+            num_running += 1
+            if not seq.sample or seq.num_draft_tokens:
                 return None
-            if request.status is not RequestStatus.RUNNING:
-                return None  # aborted since: schedule from the host's view
             params = request.params
             num_output = len(request.output_token_ids) + 1  # with the token in flight
             if request.grammar is not None or params.has_penalties or params.pooling:
@@ -177,7 +179,7 @@ class Scheduler:
                 )
             )
             rows.append(row)
-        if not seqs:
+        if not seqs or num_running != len(self.running):
             return None
         return Batch(seqs, len(seqs), previous_rows=rows)
 
