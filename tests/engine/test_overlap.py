@@ -87,6 +87,29 @@ def test_seeded_sampling_draws_the_same_tokens(pair):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_a_step_ahead_that_fails_to_launch_is_scheduled_again_as_usual(pair):
+    plain, overlapped = pair
+    prompts, params = _requests(plain.vocab_size, seed=2)
+    expected = plain.generate(prompts, params)
+    failed = [0]
+
+    def hook(batch):
+        if batch.previous_rows is not None and failed[0] < 3:
+            failed[0] += 1
+            raise RuntimeError("the launch failed")
+
+    engine = overlapped.engine
+    restarts = dict(engine.restarts)
+    engine.worker.fault_hook = hook
+    try:
+        got = overlapped.generate(prompts, params)
+    finally:
+        engine.worker.fault_hook = None
+    assert failed[0] == 3
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert engine.restarts == restarts and _pages_all_back(overlapped)
+
+
 def test_aborts_while_a_step_is_ahead_free_every_page(tiny_model_dirs):
     config = load_config(
         overrides={

@@ -7,6 +7,7 @@ StepOutput with an error, so the engine fails that step's requests and goes on s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -314,7 +315,10 @@ class Worker:
         output = self.collect(pending)
         if launched is not None:
             if output.error is not None or output.failed:
-                self.runner.collect(launched)  # queued on the device already: let it finish
+                # Queued on the device already: let it finish, and drop it. Its failure, if any,
+                # is the one pending reported (a dead device) or concerns nobody.
+                with contextlib.suppress(Exception):
+                    self.runner.collect(launched)
                 return output, None
             launched.started = time.perf_counter()  # its own model time starts now
         return output, launched
