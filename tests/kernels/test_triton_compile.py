@@ -54,9 +54,9 @@ compile_kernel(triton_store_kv._store_kv_kernel, "bf16", dict(
     KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
 for dtype in ("bf16", "fp32"):  # Qwen3-0.6B: hidden 1024, 16 heads of 128, MLP 3072
     compile_kernel(triton_fused._add_rms_norm_kernel, dtype, dict(HAS_DELTA=True, BLOCK=1024))
-    compile_kernel(triton_fused._rotary_kernel, dtype, dict(HALF=64, BLOCK_H=16, BLOCK_HALF=64))
-    compile_kernel(triton_fused._qk_norm_rotary_kernel, dtype, dict(
-        HALF=64, BLOCK_H=32, BLOCK_HALF=64))
+    for norm, block_h in ((False, 32), (True, 32)):  # q and k heads: 16 + 8
+        compile_kernel(triton_fused._rotary_kernel, dtype, dict(
+            NORM=norm, HALF=64, BLOCK_H=block_h, BLOCK_HALF=64))
     compile_kernel(triton_fused._silu_mul_kernel, dtype, dict(BLOCK=1024))
 print("compiled")
 """

@@ -59,31 +59,6 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _rotary_kernel(
     x_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_row,
-    heads,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < heads) & (d < HALF)
-    cos = tl.load(cos_ptr + row * HALF + d, mask=d < HALF, other=0.0)
-    sin = tl.load(sin_ptr + row * HALF + d, mask=d < HALF, other=0.0)
-    first = x_ptr + row * stride_row + h * (2 * HALF) + d  # rotate-half: [x1 | x2] per head
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
-
-
-@triton.jit
-def _qk_norm_rotary_kernel(
-    x_ptr,
     q_weight_ptr,
     k_weight_ptr,
     cos_ptr,
@@ -92,12 +67,15 @@ def _qk_norm_rotary_kernel(
     q_heads,
     heads,
     eps,
+    NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    # Qwen3's per-head RMSNorm of q and k, then their rotary, in one pass over the row's heads
-    # [0, q_heads) (q, with q_weight) and [q_heads, heads) (k, with k_weight), in place.
+    # The rotary of a row's first `heads` heads, in place (rotate-half: [x1 | x2] per head).
+    # NORM (Qwen3): each head RMS-normalised first, heads [0, q_heads) with q_weight (q), the
+    # rest with k_weight (k), rounding where torch rounds: the normalised head, then its
+    # product with the weight.
     row = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -106,26 +84,26 @@ def _qk_norm_rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    square_sum = tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)
-    rstd = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
-    is_q = h < q_heads
-    w1 = tl.where(
-        is_q,
-        tl.load(q_weight_ptr + d, mask=d < HALF, other=0.0),
-        tl.load(k_weight_ptr + d, mask=d < HALF, other=0.0),
-    ).to(tl.float32)
-    w2 = tl.where(
-        is_q,
-        tl.load(q_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
-        tl.load(k_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
-    ).to(tl.float32)
-    # Rounded where torch rounds: the normalised head, then its product with the weight.
-    y1 = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-    y2 = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    if NORM:
+        square_sum = tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)
+        rstd = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
+        is_q = h < q_heads
+        w1 = tl.where(
+            is_q,
+            tl.load(q_weight_ptr + d, mask=d < HALF, other=0.0),
+            tl.load(k_weight_ptr + d, mask=d < HALF, other=0.0),
+        ).to(tl.float32)
+        w2 = tl.where(
+            is_q,
+            tl.load(q_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
+            tl.load(k_weight_ptr + HALF + d, mask=d < HALF, other=0.0),
+        ).to(tl.float32)
+        x1f = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        x2f = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     cos = tl.load(cos_ptr + row * HALF + d, mask=d < HALF, other=0.0)
     sin = tl.load(sin_ptr + row * HALF + d, mask=d < HALF, other=0.0)
-    tl.store(first, (y1 * cos - y2 * sin).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (y2 * cos + y1 * sin).to(x1.dtype), mask=mask)
+    tl.store(first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
 
 
 @triton.jit
@@ -180,19 +158,8 @@ class TritonFusedOps:
 
     def rotary(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """CpuFusedOps.rotary: the first ``heads`` heads of each row of x rotated in place."""
-        rows, half = cos.shape
         check_rotary(x, heads, cos, sin)
-        if rows:
-            _rotary_kernel[(rows,)](
-                x,
-                cos,
-                sin,
-                x.stride(0),
-                heads,
-                HALF=half,
-                BLOCK_H=next_power_of_2(heads),
-                BLOCK_HALF=next_power_of_2(half),
-            )
+        self._rotate(x, heads, 0, x, x, 0.0, cos, sin, norm=False)  # no weights: x stands in
 
     def qk_norm_rotary(
         self,
@@ -206,23 +173,18 @@ class TritonFusedOps:
         sin: torch.Tensor,
     ) -> None:
         """CpuFusedOps.qk_norm_rotary, in one kernel where torch runs ten."""
-        rows, half = cos.shape
         check_qk_norm_rotary(x, q_heads + k_heads, q_weight, k_weight, cos, sin)
+        self._rotate(x, q_heads + k_heads, q_heads, q_weight, k_weight, eps, cos, sin, norm=True)
+
+    @staticmethod
+    def _rotate(x, heads, q_heads, q_weight, k_weight, eps, cos, sin, *, norm: bool) -> None:
+        rows, half = cos.shape
         if rows:
-            _qk_norm_rotary_kernel[(rows,)](
-                x,
-                q_weight,
-                k_weight,
-                cos,
-                sin,
-                x.stride(0),
-                q_heads,
-                q_heads + k_heads,
-                eps,
-                HALF=half,
-                BLOCK_H=next_power_of_2(q_heads + k_heads),
+            _rotary_kernel[(rows,)](
+                x, q_weight, k_weight, cos, sin, x.stride(0), q_heads, heads, eps,
+                NORM=norm, HALF=half, BLOCK_H=next_power_of_2(heads),
                 BLOCK_HALF=next_power_of_2(half),
-            )
+            )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""
