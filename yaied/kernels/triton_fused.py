@@ -1,7 +1,7 @@
-"""Fused elementwise kernels for the GPU path: RMSNorm with the residual add, rotary embedding,
-Qwen3's per-head q/k RMSNorm with the rotary, SiLU-and-multiply. The same operations, with the
-same contract, as the CPU's
-``CpuFusedOps`` (cpu_fused.py, whose torch references these kernels are checked against).
+"""Fused elementwise kernels for the GPU path: RMSNorm with the residual add, rotary embedding
+(optionally after Qwen3's per-head q/k RMSNorm), SiLU-and-multiply. The same operations, with the
+same contract, as the CPU's ``CpuFusedOps`` (cpu_fused.py, whose torch references these kernels
+are checked against).
 
 Without them a layer on the GPU runs about a dozen small torch kernels between its matmuls
 (the fp32 cast, the norm, the cast back, the weight multiply, the residual add, the rotary's
