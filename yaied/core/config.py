@@ -115,7 +115,7 @@ class LoopConfig:
     # slower (every projection on the few-row kernel, every decode on the prefill path).
     batch_invariant: bool = False
     # Schedule a decode step while the one before it runs on the device, its input tokens read
-    # there (Scheduler.schedule_ahead): the device no longer waits for the host's work between
+    # there (engine/lookahead.py): the device no longer waits for the host's work between
     # steps. auto: on CUDA (on CPU the host is the device: nothing to overlap); on: also on CPU
     # (the tests' way of running it); off: never. One tensor-parallel rank only.
     overlap_steps: str = "auto"

@@ -58,7 +58,7 @@ class Batch:
     # when a sequence of the step has a grammar_row. One host buffer serves every step: the
     # engine fills it only between steps, never while the worker runs one.
     grammar_bitmask: Any = None
-    # A step scheduled while the one before it still runs (Scheduler.schedule_ahead): sequence
+    # A step scheduled while the one before it still runs (engine/lookahead.py): sequence
     # i's input token is the one that step samples for its sampling row previous_rows[i] (rows
     # in its batch order), read on the device; token_ids hold a placeholder. None: every input
     # token is in token_ids.

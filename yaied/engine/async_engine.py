@@ -45,6 +45,7 @@ from yaied.core.stream import EventSink, EventStream, StepSizeSink
 from yaied.engine.faults import RESTART_REASONS, EngineDeadError, check_invariants
 from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
+from yaied.engine.lookahead import overlaps, schedule_ahead
 from yaied.engine.output import OutputPhase, RequestStream
 from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
@@ -81,7 +82,7 @@ class AsyncEngine(Recovery, OutputPhase):
             config.scheduler.max_num_seqs, self.info.vocab_size, self.worker.device
         )
         self._new_bookkeeping()
-        self.overlap_steps = _overlaps(config, self.worker)
+        self.overlap_steps = overlaps(config, self.worker)
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[RequestStream] = deque()
         self._aborts: deque[str] = deque()
@@ -356,7 +357,7 @@ class AsyncEngine(Recovery, OutputPhase):
     def _schedule_ahead(self, batch: Batch) -> Batch | None:
         if self._inbox or self._aborts:
             return None  # new requests and aborts go through a step scheduled as usual
-        return self.scheduler.schedule_ahead(batch)
+        return schedule_ahead(self.scheduler, batch)
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> StepOutput:
         return await self._in_worker(loop, self.worker.execute, batch)
@@ -418,15 +419,6 @@ class AsyncEngine(Recovery, OutputPhase):
         elif not stream.request.is_finished:
             self.scheduler.finish(stream.request, reason)
         self._end_stream(stream, reason, error)
-
-
-def _overlaps(config: EngineConfig, worker: Worker) -> bool:
-    """engine.overlap_steps for this engine: auto means on a GPU; never with tensor parallelism
-    (the ranks take every step's token ids from rank 0) or speculative decoding (a step ahead
-    carries no drafts, so it would quietly stop speculating)."""
-    mode = config.engine.overlap_steps
-    wanted = mode == "on" or (mode == "auto" and worker.device.type == "cuda")
-    return wanted and worker.parallel is None and not config.speculative.enabled
 
 
 def _in_event_loop() -> bool:

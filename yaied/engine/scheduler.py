@@ -129,60 +129,6 @@ class Scheduler:
             return None
         return Batch(seqs, self.config.max_num_batched_tokens - budget)
 
-    def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The step after ``batch``, scheduled while ``batch`` is still on the device (the
-        engine's overlap_steps): every request of ``batch`` that stays running decodes the token
-        that step is sampling for it, which reaches the worker on the device (Batch.
-        previous_rows); its token_ids hold a placeholder. A request the step in flight takes to
-        its length limit is left out; one it ends otherwise (EOS, a stop) is found out only
-        after this step was launched: update() then skips its row, a wasted row. Its pages are
-        safe to free meanwhile: the row writes K/V past the computed tokens, so into no page the
-        prefix cache takes, and a page given to another request is written by that request's
-        own later steps before any read.
-
-        None, and the next step is scheduled as usual once ``batch`` is done, whenever that
-        could differ: requests waiting or left out of ``batch``, a chunk that does not sample,
-        drafts, a request whose next step needs its new token on the host (a grammar, penalties,
-        min_tokens still to reach), or pages short (this never preempts)."""
-        if self.waiting:
-            return None
-        seqs: list[ScheduledSeq] = []
-        rows: list[int] = []
-        num_running = 0  # of the batch's requests: every running request must be among them
-        for row, seq in enumerate(batch.seqs):
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # ended by the step before (a wasted row in the step in flight)
-            num_running += 1
-            if not seq.sample or seq.num_draft_tokens:
-                return None
-            params = request.params
-            num_output = len(request.output_token_ids) + 1  # with the token in flight
-            if request.grammar is not None or params.has_penalties or params.pooling:
-                return None
-            if num_output < params.min_tokens:
-                return None  # its sampler bans EOS until then: the banned ids need num_output
-            position = seq.start_pos + len(seq.token_ids)  # where the token in flight goes
-            if num_output >= params.max_tokens or position + 1 >= self.max_model_len:
-                continue  # the step in flight ends it
-            if not self.cache.reserve(request, position + 1 - request.num_computed_tokens):
-                return None
-            seqs.append(
-                ScheduledSeq(
-                    request_id=request.request_id,
-                    token_ids=[0],  # the worker reads the token from the step in flight
-                    start_pos=position,
-                    page_ids=request.page_ids,
-                    sample=True,
-                    params=params,
-                    num_output_tokens=num_output,
-                )
-            )
-            rows.append(row)
-        if not seqs or num_running != len(self.running):
-            return None
-        return Batch(seqs, len(seqs), previous_rows=rows)
-
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """A decode's draft tokens, with pages for them when free ones allow (a draft never
         preempts anyone); [] otherwise."""
