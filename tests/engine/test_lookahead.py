@@ -54,6 +54,7 @@ def test_schedule_ahead_declines_where_the_next_step_needs_the_host():
     assert not declined()
     assert declined(repetition_penalty=1.2)  # its penalties read the output on the host
     assert declined(min_tokens=4)  # EOS banned until then: the ban needs the output's length
+    assert declined(logprobs=2)  # read on the host at launch: the launch would wait
     scheduler, _ = make(max_seqs=1)
     batch = _in_flight(scheduler, request("a", 5, max_tokens=8), request("b", 5))
     assert schedule_ahead(scheduler, batch) is None  # b waits: the next step must admit it

@@ -44,7 +44,8 @@ def schedule_ahead(scheduler: Scheduler, batch: Batch) -> Batch | None:
     None, and the next step is scheduled as usual once ``batch`` is done, whenever that could
     differ: requests waiting or left out of ``batch``, a chunk that does not sample, drafts, a
     request whose next step needs its new token on the host (a grammar, penalties, min_tokens
-    still to reach), or pages short (this never preempts)."""
+    still to reach), logprobs (read on the host as the step is launched, which would wait for
+    it, and so hold back the step before), or pages short (this never preempts)."""
     if scheduler.waiting:
         return None
     seqs: list[ScheduledSeq] = []
@@ -61,6 +62,8 @@ def schedule_ahead(scheduler: Scheduler, batch: Batch) -> Batch | None:
         num_output = len(request.output_token_ids) + 1  # with the token in flight
         if request.grammar is not None or params.has_penalties or params.pooling:
             return None
+        if params.logprobs is not None:
+            return None  # they are read on the host at launch: that would wait for the step
         if num_output < params.min_tokens:
             return None  # its sampler bans EOS until then: the banned ids need num_output
         position = seq.start_pos + len(seq.token_ids)  # where the token in flight goes
