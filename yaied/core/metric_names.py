@@ -28,6 +28,9 @@ ENGINE_COUNTERS: dict[str, str] = {
     "prefix_cache_queries": "Prompt tokens looked up.",
     "prefix_cache_hits": "Prompt tokens found in the cache.",
     "num_preemptions": "Requests preempted.",
+    "num_steps_ahead": (
+        "Engine steps launched before the one before them ended (engine.overlap_steps)."
+    ),
     "structured_output_mask_seconds": (
         "Seconds spent filling and applying grammar token masks (the steps with a "
         "constrained row: structured_output_masked_steps)."
