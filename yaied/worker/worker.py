@@ -18,7 +18,6 @@ import torch
 
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
-from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, StepOutput
 from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
@@ -39,10 +38,10 @@ from yaied.worker.loader import load_model
 from yaied.worker.model_runner import LaunchedStep, ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
-from yaied.worker.parallel.group import RankFailure
 from yaied.worker.parallel.leader import LeaderRunner, RankLauncher, TensorParallel
 from yaied.worker.quantized import bind_quantized, quantized_types
 from yaied.worker.runner_setup import KVCaches, allocate_kv, build_runner, capture_graphs
+from yaied.worker.step_failures import describe, is_fatal, rerun_one_by_one
 
 if TYPE_CHECKING:
     from yaied.worker.cuda_graphs import DecodeGraphs
@@ -309,9 +308,9 @@ class Worker:
                     self.fault_hook(ahead)
                 launched = self.runner.launch(ahead, pending)
             except Exception as exc:
-                log.warning("a step scheduled ahead failed to launch: %s", _describe(exc))
-                if is_fatal(exc):
-                    return StepOutput([], error=_describe(exc), fatal=True), None
+                log.warning("a step scheduled ahead failed to launch: %s", describe(exc))
+                if self._fatal(exc):
+                    return StepOutput([], error=describe(exc), fatal=True), None
         output = self.collect(pending)
         if launched is not None:
             if output.error is not None or output.failed:
@@ -333,14 +332,21 @@ class Worker:
             return self._failed(pending.batch, exc)
 
     def _failed(self, batch: Batch, exc: Exception) -> StepOutput:
-        error = _describe(exc)
+        error = describe(exc)
         log.error("step failed: %s\n%s", error, traceback.format_exc())
-        if is_fatal(exc) or self._ranks_out_of_step():
-            self.close()  # tensor parallel: the other ranks go now, not at their timeout
+        if self._fatal(exc):
             return StepOutput([], error=error, fatal=True)
         if len(batch.seqs) == 1:
             return StepOutput([], error=error)
-        return self._execute_one_by_one(batch, error)
+        return rerun_one_by_one(batch, error, self._execute, self._fatal)
+
+    def _fatal(self, exc: Exception) -> bool:
+        """Whether the engine must stop (is_fatal, or tensor-parallel ranks out of step); the
+        ranks then go now, not at their timeout."""
+        if is_fatal(exc) or self._ranks_out_of_step():
+            self.close()
+            return True
+        return False
 
     def _execute(self, batch: Batch) -> StepOutput:
         if self.parallel is not None:
@@ -359,50 +365,3 @@ class Worker:
         """Stop the tensor-parallel ranks, if any; safe from any thread, and twice."""
         if self.parallel is not None:
             self.parallel.close()
-
-    def _execute_one_by_one(self, batch: Batch, error: str) -> StepOutput:
-        """The step again, one sequence a step, merged into one StepOutput in batch order."""
-        merged = StepOutput([])
-        logprobs: list[TokenLogprobs | None] = []
-        accepted: list[int] = []  # drafts accepted, per sampling sequence
-        for seq in batch.seqs:
-            try:
-                alone = Batch([seq], len(seq.token_ids), grammar_bitmask=batch.grammar_bitmask)
-                out = self._execute(alone)
-            except Exception as exc:
-                if is_fatal(exc) or self._ranks_out_of_step():
-                    self.close()
-                    return StepOutput([], error=_describe(exc), fatal=True)
-                log.error("request %s failed alone: %s", seq.request_id, _describe(exc))
-                out = StepOutput([0] if seq.sample else [], failed={seq.request_id: _describe(exc)})
-            merged.sampled_token_ids += out.sampled_token_ids
-            if seq.sample:
-                logprobs.append(out.sampled_logprobs[0] if out.sampled_logprobs else None)
-                accepted.append(out.num_accepted_drafts[0] if out.num_accepted_drafts else 0)
-            merged.failed.update(out.failed)
-            merged.draft_logprobs.update(out.draft_logprobs)
-            merged.prompt_logprobs.update(out.prompt_logprobs)
-            merged.model_time += out.model_time
-            merged.mask_time += out.mask_time
-        if len(merged.failed) == len(batch.seqs):
-            return StepOutput([], error=error)  # nothing ran: the step failed as a whole
-        if any(lp is not None for lp in logprobs):
-            merged.sampled_logprobs = logprobs
-        if any(accepted):
-            merged.num_accepted_drafts = accepted
-        return merged
-
-
-def is_fatal(exc: BaseException) -> bool:
-    """Errors after which the device cannot be trusted: CUDA's sticky errors (an illegal address,
-    a device-side assert) fail every later call in this process."""
-    if isinstance(exc, torch.AcceleratorError | RankFailure):
-        return True  # a RankFailure: another tensor-parallel rank died or hangs
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        mark in text for mark in ("CUDA error", "device-side assert", "CUBLAS_STATUS")
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
