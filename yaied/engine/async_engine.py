@@ -39,7 +39,7 @@ from yaied.cache.page_pool import PagePool
 from yaied.core.config import EngineConfig
 from yaied.core.metric_names import restarts_key
 from yaied.core.model_info import ModelInfo
-from yaied.core.request import FinishReason, Request, SamplingParams, TokenEvent
+from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.step import Batch, StepOutput
 from yaied.core.stream import EventSink, EventStream, StepSizeSink
 from yaied.engine.faults import RESTART_REASONS, EngineDeadError, check_invariants
@@ -178,20 +178,11 @@ class AsyncEngine(Recovery, OutputPhase):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(
-            request_id,
-            list(prompt_ids),
-            params,
-            session_id=session_id,
-            priority=priority,
-            eos_token_ids=frozenset() if params.ignore_eos else self.inputs.eos_token_ids,
-            output_token_ids=list(output_ids),
-        )
-        spec, grammars = params.structured, self.inputs.grammars
-        if spec is not None:
-            request.grammar = grammars.matcher(spec)
-            if request.grammar is None and not _in_event_loop():
-                request.grammar = grammars.matcher_of(grammars.compile_sync(spec))
+        request = self.inputs.new_request(
+            request_id, prompt_ids, params, session_id=session_id, priority=priority,
+            output_ids=output_ids, compile_now=not _in_event_loop(),
+        )  # fmt: skip
+        spec = params.structured
         stream = RequestStream(request, sink, self.inputs.detokenizer(request))
         stream.replay_sent()
         if not self._streams:
@@ -299,7 +290,7 @@ class AsyncEngine(Recovery, OutputPhase):
         task, self._task = self._task, None
         while task is not None and not task.done():
             # Again until it ends: on Python 3.11 a cancel that lands as a step finishes is
-            # swallowed by asyncio.wait_for (_execute), and the loop would wait for work forever
+            # swallowed by asyncio.wait_for (_in_worker), and the loop would wait for work forever
             # (an engine removed while it runs calls).
             task.cancel()
             await asyncio.wait({task}, timeout=0.05)
@@ -336,7 +327,7 @@ class AsyncEngine(Recovery, OutputPhase):
                 if self.overlap_steps:
                     await self._run_overlapped(loop, batch)
                     continue
-                output = await self._execute(loop, batch)
+                output = await self._in_worker(loop, self.worker.execute, batch)
                 self._guarded(self._finish_step, batch, output)
 
     async def _run_overlapped(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> None:
@@ -346,21 +337,15 @@ class AsyncEngine(Recovery, OutputPhase):
         schedule ahead (anything but plain decodes, or new work to admit)."""
         pending = await self._in_worker(loop, self.worker.launch, batch)
         while True:
-            ahead = self._guarded(self._schedule_ahead, batch)
+            ahead = None
+            if not self._inbox and not self._aborts:  # those go through a step as usual
+                ahead = self._guarded(schedule_ahead, self.scheduler, batch)
             output, launched = await self._in_worker(loop, self.worker.advance, ahead, pending)
             self._guarded(self._finish_step, batch, output)
             if launched is None or ahead is None:
                 return
             self.num_steps_ahead += 1
             batch, pending = ahead, launched
-
-    def _schedule_ahead(self, batch: Batch) -> Batch | None:
-        if self._inbox or self._aborts:
-            return None  # new requests and aborts go through a step scheduled as usual
-        return schedule_ahead(self.scheduler, batch)
-
-    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> StepOutput:
-        return await self._in_worker(loop, self.worker.execute, batch)
 
     async def _in_worker(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Any:
         """fn(*args) in the worker thread, bounded by engine.step_timeout_s."""

@@ -17,6 +17,7 @@ naming its field, and the engine then finds the grammar in the cache.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,36 @@ class InputProcessor:
             raise InputError(message, "chat_template_kwargs") from None
         # The template wrote the special tokens already; adding them again doubles a BOS.
         return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str | None,
+        priority: int,
+        output_ids: Sequence[int],
+        compile_now: bool,
+    ) -> Request:
+        """The engine's Request for checked input, with its grammar's matcher when the grammar
+        is in the compile cache, or (``compile_now``, from plain code) compiled here; otherwise
+        the caller compiles it and sets ``request.grammar``."""
+        request = Request(
+            request_id,
+            list(prompt_ids),
+            params,
+            session_id=session_id,
+            priority=priority,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            output_token_ids=list(output_ids),
+        )
+        spec = params.structured
+        if spec is not None:
+            request.grammar = self.grammars.matcher(spec)
+            if request.grammar is None and compile_now:
+                request.grammar = self.grammars.matcher_of(self.grammars.compile_sync(spec))
+        return request
 
     # -- output ----------------------------------------------------------------------------------
 
