@@ -27,6 +27,7 @@ from yaied.core.errors import InputError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
 from yaied.engine.grammar import Grammars
+from yaied.engine.prompt_encoder import PromptEncoder
 from yaied.tools import FALLBACK_FORMAT, needs_fallback, render_fallback
 from yaied.worker import model_files
 
@@ -37,6 +38,7 @@ class InputProcessor:
         bare config, which takes token-id prompts only); ``info`` gives the limits."""
         self.info = info
         self.tokenizer = None
+        self._prompt_encoder: PromptEncoder | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self.generation_defaults: dict[str, float | int] = {}
         if folder is not None:
@@ -44,6 +46,7 @@ class InputProcessor:
             self.generation_defaults = model_files.load_generation_defaults(folder)
             if (folder / "tokenizer_config.json").exists() or (folder / "tokenizer.json").exists():
                 self.tokenizer = model_files.load_tokenizer(folder)
+                self._prompt_encoder = PromptEncoder(self.tokenizer)
         else:
             eos = getattr(hf_config, "eos_token_id", None)
             eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -82,6 +85,13 @@ class InputProcessor:
         return params
 
     # -- prompts -------------------------------------------------------------------------------
+
+    @property
+    def prompt_encoder(self) -> PromptEncoder:
+        """Tokenizes chat prompts in cached pieces (the tokenizer's, rebuilt if it is swapped)."""
+        if self._prompt_encoder is None or self._prompt_encoder.tokenizer is not self.tokenizer:
+            self._prompt_encoder = PromptEncoder(self.tokenizer)
+        return self._prompt_encoder
 
     def prompt_token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """A prompt (text or token ids) as checked token ids that fit the context with
@@ -176,7 +186,7 @@ class InputProcessor:
             message = f"chat template with chat_template_kwargs: {exc}"
             raise InputError(message, "chat_template_kwargs") from None
         # The template wrote the special tokens already; adding them again doubles a BOS.
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        return self.prompt_encoder.encode(text), text
 
     def new_request(
         self,
