@@ -16,7 +16,8 @@
  *
  * With AVX512-BF16, bf16 inputs are multiplied by vdpbf16ps (pairs of bf16 products summed
  * into fp32): K is packed as [head_dim / 2][KEY_BLOCK] pairs along head_dim and V as
- * [KEY_BLOCK / 2][head_dim] pairs along keys, P is rounded to bf16. Otherwise (fp32, or a CPU
+ * [KEY_BLOCK / 2][head_dim] pairs along keys, P is rounded to bf16 (on AMX at head_dim 64, K's
+ * rows stay as they are and V is transposed instead: attend_rows_amx64). Otherwise (fp32, or a CPU
  * without it) everything is converted to fp32 while packing and multiplied in fp32.
  * The torch reference is yaied.worker.attention._prefill_attention.
  */
