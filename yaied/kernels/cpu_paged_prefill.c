@@ -491,9 +491,9 @@ static void softmax_block_bf16(const Problem *pr, const float *s, uint16_t *p, i
 #if HAVE_AMX
 /* 2^x on 16 lanes for the transposed body's probabilities, which are rounded to bf16 (8
  * significant bits): a degree-4 polynomial for 2^f (relative error 3e-6, a thousandth of that
- * rounding), 1 exactly at 0, so a row whose maximum did not move keeps alpha 1. Lanes with x
- * below about -126 come out 0 or subnormal, as they should; no clamp, as the lanes that could
- * hold garbage (keys a row does not see) are masked off after. */
+ * rounding). The rescale factor alpha, which is not rounded, keeps exp2_nonpositive_v's degree
+ * 6. Lanes with x below about -126 come out 0 or subnormal, as they should; no clamp, as the
+ * lanes that could hold garbage (keys a row does not see) are masked off after. */
 static inline __m512 exp2_probability_v(__m512 x) {
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
@@ -542,8 +542,8 @@ static inline void accumulate_t_amx64(const uint32_t *pt, const uint32_t *vt) {
  * one key's scores across the 16 rows. The online softmax is then element-wise across vectors:
  * no horizontal maximum or sum and no per-row scalar work; P^T's bf16 pairs of keys are the B
  * tile as they come out of the conversion. O^T stays in C tiles 0-3 over all the tile's key
- * blocks and goes through memory only where a row's maximum moved (rare after the first
- * blocks). Scores and probabilities pass between the tiles and the vectors through memory, and a
+ * blocks and goes through memory only where a row's reference maximum moved (see
+ * LAZY_RESCALE below: rare after the first blocks). Scores and probabilities pass between the tiles and the vectors through memory, and a
  * load right after the store it reads waits for that store to drain: so block b + 1's scores are
  * computed before block b's softmax, and block b's products run after block b + 1's softmax,
  * each from its own buffer; O's arithmetic keeps its order (O times block b's alpha, then plus
