@@ -47,6 +47,19 @@
 
 static inline int64_t padded_k(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 
+/* Where a block is the whole group (one input row; two at AVX-512), its weights are one
+ * sequential read, and the hardware prefetchers alone keep too few lines in flight for it: the
+ * loads wait behind the FMAs, and the default model's linears read 11-13 GB/s at avx2 and
+ * avx512 (one row, 2 threads of an Emerald Rapids). Asking for the group's lines 8 chunk steps
+ * (4 KiB) ahead into L1, once a chunk step, reads them at 15-20 GB/s (docs/benchmarks.md, the
+ * twentieth session; into L2 instead, 7% slower). Past a group's end the lines asked for are
+ * the next group's, this thread's next under the static schedule; a prefetch never faults. */
+#define PREFETCH_CHUNKS 8
+static inline void prefetch_group_ahead(const uint16_t *line) {
+    for (int i = 0; i < GROUP; i++)
+        __builtin_prefetch(line + (PREFETCH_CHUNKS * GROUP + i) * CHUNK, 0, 3);
+}
+
 /* Row n of the streaming layout: its element k is at AT(row, k). */
 static inline const uint16_t *weight_row(const uint16_t *w, int64_t n, int64_t K) {
     return w + (n / GROUP) * GROUP * padded_k(K) + (n % GROUP) * CHUNK;
@@ -140,6 +153,7 @@ static inline vec load_bf16(const uint16_t *p) {
         for (int64_t k = k0; k < k1; k += LANES) {                                              \
             vec xv[MAX_ROWS];                                                                   \
             const uint16_t *line = AT(wr, k);                                                   \
+            if (BLOCK == GROUP && k % CHUNK == 0) prefetch_group_ahead(line);                   \
             for (int m = 0; m < ROWS; m++) xv[m] = LOAD_ACT_##SUFFIX(x + m * K + k);            \
             for (int j = 0; j < BLOCK; j++) {                                                   \
                 vec a = load_bf16(line + j * CHUNK);                                            \
@@ -171,6 +185,7 @@ static inline __attribute__((always_inline)) void range_dot(
         }
         for (int64_t k = k0; k < k1; k += CHUNK) {
             const uint16_t *line = AT(wr, k);
+            if (BLOCK == GROUP) prefetch_group_ahead(line);
             __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(x + k));
             __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(x + k + 16));
             for (int j = 0; j < BLOCK; j++) {
@@ -186,6 +201,7 @@ static inline __attribute__((always_inline)) void range_dot(
     for (int64_t k = k0; k < k1; k += CHUNK) {
         __m512bh xv[MAX_ROWS];
         const uint16_t *line = AT(wr, k);
+        if (BLOCK == GROUP) prefetch_group_ahead(line);
         for (int m = 0; m < ROWS; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
         for (int j = 0; j < BLOCK; j++) {
             __m512bh a = (__m512bh)_mm512_loadu_si512(line + j * CHUNK);
