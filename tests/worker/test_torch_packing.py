@@ -1,6 +1,6 @@
 """Step inputs on the torch path: a few plain decodes, built in Python, give what the general
 tensor path gives for each request (rows may be in another order: the general path sorts decodes
-by context length)."""
+by context length); short prompt chunks share one prefill kernel call, with each chunk's bits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 from yaied.core.request import SamplingParams
 from yaied.core.step import ScheduledSeq
 from yaied.kernels.cpu_decode import CpuDecodeKernel
+from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.worker import torch_packing
+from yaied.worker.attention import paged_attention
 from yaied.worker.torch_packing import TorchBatchPacker
 
 kernel = CpuDecodeKernel.load()
@@ -66,3 +68,65 @@ def test_few_decodes_match_the_general_path(count, monkeypatch):
         general_order[int(r)] for r in general.sample_rows
     ]  # sampled requests in batch order either way
     assert fast.meta.prefills == general.meta.prefills == []
+
+
+def prompt_chunks(lengths_and_starts, page_size: int, seed: int) -> list[ScheduledSeq]:
+    rng = random.Random(seed)
+    pages = list(range(1, 200))
+    rng.shuffle(pages)
+    seqs = []
+    for i, (n, start) in enumerate(lengths_and_starts):
+        owned = [pages.pop() for _ in range(-(-(start + n) // page_size))]
+        tokens = [rng.randrange(1000) for _ in range(n)]
+        seqs.append(ScheduledSeq(f"p{i}", tokens, start, owned, True, SamplingParams()))
+    return seqs
+
+
+def test_short_chunks_share_one_prefill_call_with_the_same_bits():
+    prefill = CpuPrefillKernel.load()
+    if prefill is None:
+        pytest.skip("no C compiler for the prefill kernel")
+    kv_heads, group, dim, page_size = 2, 3, 64, 16
+    packer = TorchBatchPacker(
+        page_size, torch.device("cpu"), torch.bfloat16, kv_heads, None, prefill,
+        attention_shape=(kv_heads * group, dim),
+    )  # fmt: skip
+    # one chunk worth a fork-join, five short ones (two over cached context)
+    seqs = prompt_chunks([(300, 0), (7, 0), (13, 0), (2, 40), (5, 90), (30, 0)], page_size, 3)
+    packed = packer.build(seqs)
+    batched, _ = packed.meta.batched_chunks
+    assert [c.num_tokens for c in packed.meta.prefills] == [300]
+    assert sorted(batched[:, 1].tolist()) == [2, 5, 7, 13, 30]
+    # the paths that take a chunk at a time see every chunk, with its own pages
+    by_row = {c.start: c for c in packed.meta.every_prefill(page_size)}
+    for seq in seqs:
+        chunk = by_row[packed.first_row[seq.request_id]]
+        assert (chunk.num_tokens, chunk.start_pos) == (len(seq.token_ids), seq.start_pos)
+        assert chunk.pages.tolist() == seq.page_ids
+    torch.manual_seed(0)
+    k_cache = torch.randn(kv_heads, 200, page_size, dim).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    rows = len(packed.input_ids)
+    q = torch.randn(rows, kv_heads * group, dim).bfloat16()
+    kv = torch.zeros(rows, kv_heads, dim, dtype=torch.bfloat16)  # already in the pool
+    out = paged_attention(q, kv, kv, k_cache, v_cache, packed.meta, 0.125)
+    for seq in seqs:  # each chunk alone, in its own call
+        first, n = packed.first_row[seq.request_id], len(seq.token_ids)
+        alone = prefill(
+            q[first : first + n], k_cache, v_cache, torch.tensor(seq.page_ids), seq.start_pos,
+            0.125,
+        )  # fmt: skip
+        assert torch.equal(out[first : first + n], alone), seq.request_id
+
+
+def test_a_chunk_worth_a_fork_join_gets_its_own_call():
+    prefill = CpuPrefillKernel.load()
+    if prefill is None:
+        pytest.skip("no C compiler for the prefill kernel")
+    packer = TorchBatchPacker(
+        16, torch.device("cpu"), torch.bfloat16, 2, None, prefill, attention_shape=(6, 64)
+    )
+    assert not prefill.runs_alone(64, 0, 6, 64) and prefill.runs_alone(8, 0, 6, 64)
+    packed = packer.build(prompt_chunks([(64, 0), (8, 0)], 16, 1))
+    assert [c.num_tokens for c in packed.meta.prefills] == [64]
+    assert packed.meta.batched_chunks[0][:, 1].tolist() == [8]

@@ -755,6 +755,13 @@ static void attend_item(const Problem *pr, int64_t h, int64_t i0, int64_t i1) {
 
 int paged_prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
+/* A fork-join costs microseconds, and far more when another process holds a core: paged_prefill
+ * runs a chunk of fewer flops than this (4 dim heads tokens (start + tokens / 2)) on the calling
+ * thread alone, and the engine hands such chunks to paged_prefill_chunks together (cpu_prefill.py,
+ * CpuPrefillKernel.runs_alone). */
+#define ONE_THREAD_FLOPS 2e6
+double paged_prefill_one_thread_flops(void) { return ONE_THREAD_FLOPS; }
+
 /* 1 where this build has the AMX path and the process may use the tiles (asked once). */
 int paged_prefill_amx_ready(void) {
 #if HAVE_AMX
@@ -782,10 +789,8 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
     if (!pr.packed) return -1;
     int64_t query_blocks = (num_tokens + QUERY_BLOCK - 1) / QUERY_BLOCK;
     int64_t items = kv_heads * query_blocks;
-    /* A fork-join costs microseconds, and far more when another process holds a core: small
-     * chunks run on the calling thread alone. */
     double flops = 4.0 * dim * kv_heads * group * num_tokens * (start_pos + num_tokens / 2.0);
-    if (flops < 2e6) threads = 1;
+    if (flops < ONE_THREAD_FLOPS) threads = 1;
     if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads)
     {

@@ -34,6 +34,9 @@ class CpuPrefillKernel:
         self._chunks.argtypes += [ctypes.c_float] + [ctypes.c_int64] * 2
         self._chunks.restype = ctypes.c_int
         self.has_bf16_dot = bool(library.cdll.paged_prefill_has_bf16_dot())
+        one_thread = library.cdll.paged_prefill_one_thread_flops
+        one_thread.restype = ctypes.c_double
+        self._one_thread_flops = one_thread()
         # AMX tiles: where the build targets them and Linux grants the process the tile state.
         self.has_amx = bool(library.cdll.paged_prefill_amx_ready())
         # Tests clear these to run bf16 through the slower paths on a CPU with the fast ones.
@@ -55,6 +58,12 @@ class CpuPrefillKernel:
             and head_dim <= MAX_HEAD_DIM
             and head_dim % 16 == 0
         )
+
+    def runs_alone(self, num_tokens: int, start_pos: int, heads: int, head_dim: int) -> bool:
+        """Whether ``__call__`` runs such a chunk on the calling thread alone (too little work
+        for a fork-join): many of them go faster through ``chunks``, a thread a chunk."""
+        flops = 4.0 * head_dim * heads * num_tokens * (start_pos + num_tokens / 2.0)
+        return flops < self._one_thread_flops
 
     def path(self, dtype: torch.dtype, head_dim: int) -> str:
         """Which body runs a chunk of this dtype and head size: ``amx`` (tiles), ``bf16-dot``

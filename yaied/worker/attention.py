@@ -90,9 +90,21 @@ class AttentionMetadata:
     # where set (yaied.kernels.cpu_prefill)
     prefill_kernel: Callable[..., torch.Tensor] | None = None
     backend: AttentionBackend | None = None  # set instead of everything above on the GPU path
-    # One-token chunks (engine.batch_invariant's decodes), not in ``prefills``: the prefill
-    # kernel's ``chunks`` runs them in one call, from (chunks [n, 4], every page table flat).
-    one_token_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Chunks not in ``prefills``, too small for a fork-join each (TorchBatchPacker): the
+    # prefill kernel's ``chunks`` runs them in one call, from (chunks [n, 4], every page table
+    # flat).
+    batched_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def every_prefill(self, page_size: int) -> list[PrefillChunk]:
+        """``prefills`` and the batched chunks, all as PrefillChunks with their pages: for the
+        attention paths that take chunks one at a time (models/hf_attention.py's window)."""
+        if self.batched_chunks is None:
+            return self.prefills
+        chunks, pages = self.batched_chunks
+        return self.prefills + [
+            PrefillChunk(first, n, pages[at : at + -(-(start + n) // page_size)], None, start)
+            for first, n, start, at in chunks.tolist()
+        ]
 
 
 def store_kv(
@@ -187,8 +199,8 @@ def paged_attention(
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.start + bucket.count)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale)
-    if meta.one_token_chunks is not None:
-        chunks, pages = meta.one_token_chunks
+    if meta.batched_chunks is not None:
+        chunks, pages = meta.batched_chunks
         meta.prefill_kernel.chunks(q, k_cache, v_cache, pages, chunks, scale, out)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)

@@ -72,9 +72,16 @@ class ModelRunner:
         self.packer = TorchBatchPacker(
             page_size, device, self.dtype, kv_caches[0][0].shape[0], self.decode_kernel,
             self.prefill_kernel, every_token_prefill=batch_invariant,
+            attention_shape=self._attention_shape(model),
         )  # fmt: skip
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+
+    def _attention_shape(self, model: nn.Module) -> tuple[int, int]:
+        """(query heads, head dim) where the prefill kernel runs (the packer sizes chunks by it)."""
+        if self.prefill_kernel is None:
+            return (0, 0)
+        return model.shape.num_heads, model.shape.head_dim
 
     def _load_decode_kernel(self, model: nn.Module) -> CpuDecodeKernel | None:
         kernel = CpuDecodeKernel.load()

@@ -44,6 +44,7 @@ class TorchBatchPacker:
         decode_kernel,
         prefill_kernel,
         every_token_prefill: bool = False,
+        attention_shape: tuple[int, int] = (0, 0),
     ) -> None:
         self.page_size = page_size
         self.device = device
@@ -55,6 +56,7 @@ class TorchBatchPacker:
         # on the prefill path, so that a token's numbers (its K/V too, which the prefix cache
         # hands on) never depend on how its sequence was cut into steps.
         self.every_token_prefill = every_token_prefill
+        self.attention_shape = attention_shape  # (query heads, head dim), for prefill_kernel
 
     def is_decode(self, seq: ScheduledSeq) -> bool:
         """Whether the sequence runs as a decode row (one token) rather than a chunk."""
@@ -138,19 +140,20 @@ class TorchBatchPacker:
         num_rows = len(input_ids)
         row_page_start = starts_t.repeat_interleave(lengths_t, output_size=num_rows)
         slots = pages_t[row_page_start + pos_t // size] * size + pos_t % size
-        # engine.batch_invariant's one-token chunks go to the kernel in one call (their first
-        # row, rows, first position and page table start); the rest a chunk at a time.
-        batched = self.every_token_prefill and self.prefill_kernel is not None
-        prefill_chunks, ones = [], []
+        # Chunks that the prefill kernel would run on one thread each (short prompts, such as
+        # an embeddings batch's, or engine.batch_invariant's one-token decodes) go to it in one
+        # call, a thread a chunk, with the same bits: one Python call and fork-join a step and
+        # layer where there was one a chunk, all on the calling thread. The rest a chunk a call.
+        prefill_chunks, batched = [], []
         for seq, start in zip(decodes + drafted + chunks, page_starts, strict=True):
             if self.is_decode(seq) or (seq.num_draft_tokens and self.decode_kernel):
                 continue
             row = first_row[seq.request_id]
-            if batched and len(seq.token_ids) == 1:
-                ones.append([row, 1, seq.start_pos, start])
+            if self._shares_a_call(seq):
+                batched.append([row, len(seq.token_ids), seq.start_pos, start])
             else:
                 prefill_chunks.append(self._prefill_chunk(seq, row, pages_t, start))
-        one_token_chunks = (torch.tensor(ones, dtype=torch.int64), pages_t) if ones else None
+        batched_chunks = (torch.tensor(batched, dtype=torch.int64), pages_t) if batched else None
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(device),
@@ -171,9 +174,17 @@ class TorchBatchPacker:
                 else None
             ),
             prefill_kernel=self.prefill_kernel,
-            one_token_chunks=one_token_chunks,
+            batched_chunks=batched_chunks,
         )
         return PackedBatch(ids_t.to(device), pos_t.to(device), meta, sample_t.to(device), first_row)
+
+    def _shares_a_call(self, seq: ScheduledSeq) -> bool:
+        kernel, n = self.prefill_kernel, len(seq.token_ids)
+        if kernel is None:
+            return False
+        return (self.every_token_prefill and n == 1) or kernel.runs_alone(
+            n, seq.start_pos, *self.attention_shape
+        )
 
     def _prefill_chunk(
         self, seq: ScheduledSeq, row: int, pages: torch.Tensor, page_start: int

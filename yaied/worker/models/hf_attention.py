@@ -159,7 +159,7 @@ def masked_paged_attention(
         query = q[rows].view(count, kv_heads, group, head_dim).transpose(0, 1)
         result = _attend(query.reshape(-1, group, head_dim), keys, values, allowed, window)
         out[rows] = result.view(kv_heads, count, group, head_dim).transpose(0, 1).flatten(1, 2)
-    for chunk in meta.prefills:
+    for chunk in meta.every_prefill(k_cache.shape[2]):
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         n = chunk.num_tokens
         if chunk.pages is None:
