@@ -146,8 +146,8 @@ static inline vec load_bf16(const uint16_t *p) {
 /* A block of weight rows (BLOCK rows at wr, CHUNK apart) over elements [k0, k1) of K against
  * ROWS input rows of type T, into sum; sizes are literals at every call site (the DEFINE_ROWS
  * functions), so the accumulators stay in registers. A chunk's address is worked out once per
- * chunk: per vector step, its six integer instructions took the FMAs' ports (4 and 8 rows at
- * avx2 ran 1.2-1.3x faster without them). */
+ * chunk: per vector step, its six integer instructions took the FMAs' ports (without them, 4
+ * rows at avx2 ran 1.2-1.3x and 8 rows 1.2x faster). */
 #define DEFINE_RANGE(T, SUFFIX)                                                                 \
     static inline __attribute__((always_inline)) void range_##SUFFIX(                           \
         const T *x, const uint16_t *wr, vec sum[MAX_ROWS][MAX_BLOCK], int64_t k0, int64_t k1,   \
