@@ -77,10 +77,10 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _attention_shape(self, model: nn.Module) -> tuple[int, int]:
+    def _attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         """(query heads, head dim) where the prefill kernel runs (the packer sizes chunks by it)."""
         if self.prefill_kernel is None:
-            return (0, 0)
+            return None
         return model.shape.num_heads, model.shape.head_dim
 
     def _load_decode_kernel(self, model: nn.Module) -> CpuDecodeKernel | None:

@@ -44,7 +44,7 @@ class TorchBatchPacker:
         decode_kernel,
         prefill_kernel,
         every_token_prefill: bool = False,
-        attention_shape: tuple[int, int] = (0, 0),
+        attention_shape: tuple[int, int] | None = None,
     ) -> None:
         self.page_size = page_size
         self.device = device
@@ -56,7 +56,8 @@ class TorchBatchPacker:
         # on the prefill path, so that a token's numbers (its K/V too, which the prefix cache
         # hands on) never depend on how its sequence was cut into steps.
         self.every_token_prefill = every_token_prefill
-        self.attention_shape = attention_shape  # (query heads, head dim), for prefill_kernel
+        # (query heads, head dim): with it, chunks too small for a fork-join share one call
+        self.attention_shape = attention_shape
 
     def is_decode(self, seq: ScheduledSeq) -> bool:
         """Whether the sequence runs as a decode row (one token) rather than a chunk."""
@@ -182,9 +183,10 @@ class TorchBatchPacker:
         kernel, n = self.prefill_kernel, len(seq.token_ids)
         if kernel is None:
             return False
-        return (self.every_token_prefill and n == 1) or kernel.runs_alone(
-            n, seq.start_pos, *self.attention_shape
-        )
+        if self.every_token_prefill and n == 1:
+            return True
+        shape = self.attention_shape
+        return shape is not None and kernel.runs_alone(n, seq.start_pos, *shape)
 
     def _prefill_chunk(
         self, seq: ScheduledSeq, row: int, pages: torch.Tensor, page_start: int
