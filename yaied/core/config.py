@@ -100,7 +100,7 @@ class DeviceConfig:
 
 @dataclass(frozen=True, slots=True)
 class LoopConfig:
-    """The engine loop's fault handling (the [engine] section; see yaied/engine/async_engine.py)."""
+    """The engine loop's fault handling (the [engine] section; see yaied/engine/step_loop.py)."""
 
     # A step running longer than this means a hung device or kernel: the engine stops, and its
     # process exits so that a supervisor restarts it. Far above any real step (CPU prefill of

@@ -32,7 +32,6 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from yaied.cache.cache_manager import KVCacheManager
 from yaied.cache.page_pool import PagePool
@@ -42,13 +41,14 @@ from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.step import Batch, StepOutput
 from yaied.core.stream import EventSink, EventStream, StepSizeSink
-from yaied.engine.faults import RESTART_REASONS, EngineDeadError, check_invariants
+from yaied.engine.faults import RESTART_REASONS, EngineDeadError
 from yaied.engine.grammar import StepMasks
 from yaied.engine.inputs import InputProcessor
-from yaied.engine.lookahead import overlaps, schedule_ahead
+from yaied.engine.lookahead import overlaps
 from yaied.engine.output import OutputPhase, RequestStream
 from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
+from yaied.engine.step_loop import StepLoop
 from yaied.engine.threads import run_torch_serially
 from yaied.worker.parallel.leader import RankLauncher
 from yaied.worker.worker import Worker
@@ -56,7 +56,7 @@ from yaied.worker.worker import Worker
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine(Recovery, OutputPhase):
+class AsyncEngine(StepLoop, Recovery, OutputPhase):
     def __init__(
         self,
         config: EngineConfig,
@@ -306,90 +306,6 @@ class AsyncEngine(Recovery, OutputPhase):
         engine process's) run on it alone, so that the worker thread holds the process's only
         OpenMP team (engine/threads.py). The offline LLM leaves its caller's thread alone."""
         run_torch_serially()
-
-    # -- the loop ---------------------------------------------------------------------------
-
-    def _ensure_started(self) -> None:
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="yaied-engine")
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(EngineDeadError):  # _die has failed every request already
-            while True:
-                batch = self._guarded(self._next_batch)
-                if batch is None:
-                    self._wake.clear()
-                    if not self._inbox and not self._aborts:
-                        await self._wake.wait()
-                    continue
-                if self.overlap_steps:
-                    await self._run_overlapped(loop, batch)
-                    continue
-                output = await self._in_worker(loop, self.worker.execute, batch)
-                self._guarded(self._finish_step, batch, output)
-
-    async def _run_overlapped(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> None:
-        """Steps back to back on the device (engine.overlap_steps): while one runs, the next is
-        scheduled on the tokens it is sampling and launched, and only then are the first one's
-        tokens applied and sent. Returns with nothing in flight once the scheduler declines to
-        schedule ahead (anything but plain decodes, or new work to admit)."""
-        pending = await self._in_worker(loop, self.worker.launch, batch)
-        while True:
-            ahead = None
-            if not self._inbox and not self._aborts:  # those go through a step as usual
-                ahead = self._guarded(schedule_ahead, self.scheduler, batch)
-            output, launched = await self._in_worker(loop, self.worker.advance, ahead, pending)
-            self._guarded(self._finish_step, batch, output)
-            if launched is None or ahead is None:
-                return
-            self.num_steps_ahead += 1
-            batch, pending = ahead, launched
-
-    async def _in_worker(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Any:
-        """fn(*args) in the worker thread, bounded by engine.step_timeout_s."""
-        timeout = self.config.engine.step_timeout_s
-        running = loop.run_in_executor(self._executor, fn, *args)
-        try:
-            return await asyncio.wait_for(running, timeout)
-        except TimeoutError:
-            # The worker thread is stuck in the device or a kernel; nothing can stop it.
-            dead = EngineDeadError(f"a step ran longer than engine.step_timeout_s ({timeout} s)")
-            self._die(dead)
-            raise dead from None
-
-    def _next_batch(self) -> Batch | None:
-        self._drain_inbox()
-        self._drain_aborts()
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            self.masks.fill(batch, self.scheduler.requests)
-        return batch
-
-    def _finish_step(self, batch: Batch, output: StepOutput) -> None:
-        self.num_steps += 1
-        self._last_progress = time.monotonic()
-        if self.step_observer is not None:
-            self.step_observer(batch.num_tokens)
-        if output.fatal:
-            raise EngineDeadError(f"the device failed: {output.error}")
-        if output.error is not None:
-            self._fail_step(batch, output.error)
-            return
-        self._failed_steps = 0
-        self.masks.seconds += output.mask_time
-        self._apply(batch, output)
-        check_invariants(self.scheduler, len(self._streams), self._num_queued)
-        self._rebuilds_in_a_row = 0
-
-    def _drain_inbox(self) -> None:
-        while self._inbox:
-            self.scheduler.add(self._inbox.popleft().request)
-
-    def _drain_aborts(self) -> None:
-        while self._aborts:
-            self._finish_stream(self._aborts.popleft(), FinishReason.ABORT, error=None)
 
     def _finish_stream(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         """End a request that did not finish by itself (abort, error), freeing its pages."""

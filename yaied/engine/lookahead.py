@@ -2,10 +2,10 @@
 it still runs on the device, so that the host's work for one step (applying and streaming its
 tokens, scheduling, packing) runs while the device computes the next instead of between steps.
 
-The engine loop (AsyncEngine._run_overlapped) launches a step, calls ``schedule_ahead`` on it,
-launches the result with its input tokens read from the first step's sampled ids on the device
-(Batch.previous_rows; ModelRunner.launch), and only then applies the first step's output. It
-goes back to steps scheduled as usual whenever ``schedule_ahead`` declines.
+The engine loop (StepLoop._run_overlapped, engine/step_loop.py) launches a step, calls
+``schedule_ahead`` on it, launches the result with its input tokens read from the first step's
+sampled ids on the device (Batch.previous_rows; ModelRunner.launch), and only then applies the
+first step's output. It goes back to steps scheduled as usual whenever ``schedule_ahead`` declines.
 """
 
 from __future__ import annotations

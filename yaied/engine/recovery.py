@@ -1,8 +1,8 @@
 """How the engine loop survives faults: levels 2 and 3 of the escalation (yaied/engine/faults.py),
 and whether it is progressing (the systemd watchdog's question).
 
-A mixin of `AsyncEngine`, kept apart so that async_engine.py reads as the loop; these methods run
-in the engine task like the rest of it. Level 1 (one request fails alone) is
+A mixin of `AsyncEngine`, kept apart like the loop (engine/step_loop.py); these methods run in
+the engine task like the rest of it. Level 1 (one request fails alone) is
 `OutputPhase._for_request` (engine/output.py) and the worker's per-row retry.
 """
 
