@@ -33,7 +33,8 @@ from yaied.kernels.cpu_isa import LEVELS, compiler_flags, cpu_features, level_ra
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = [HERE / "cpu_common.h", HERE / "cpu_rows.h", HERE / "cpu_amx.h"]
+# Every header a kernel may include (the cache key covers them all, so editing one rebuilds).
+HEADERS = sorted(HERE.glob("cpu_*.h"))
 # -fassociative-math lets the compiler vectorise the dot-product reductions; infinities stay
 # legal (the online softmax starts from -inf), so no -ffast-math.
 CFLAGS = [
