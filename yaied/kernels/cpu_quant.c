@@ -47,11 +47,23 @@
  * cache lines (Q4_0 at K = 576: 324 bytes), so the hardware prefetcher, which follows a stream
  * only after a few misses, left each row's first touch (the scales' gather) waiting on memory:
  * the default model's 3072 x 576 Q4_1 layer, streamed from memory at one row, ran 13 G
- * weights/s. Every line of the row PREFETCH_AHEAD bytes on is asked for while this one is
- * computed: 20 G weights/s (1024 to 2048 measured best; 512 too near, 4096 too far). */
+ * weights/s. The lines PREFETCH_AHEAD bytes on are asked for while these are computed: 20 G
+ * weights/s (1024 to 2048 measured best; 512 too near, 4096 too far). The vector bodies ask
+ * as they go, a line's worth of blocks at a time: asking for a whole row's lines at its start
+ * filled the line-fill buffers, and the burst stalled (its loop held a quarter of the kernel's
+ * samples); spread through the blocks, a 1B-shaped Q4_0 decode ran 1.15-1.2x faster
+ * (docs/benchmarks.md). The plain-C body, which unpacks the row first, keeps the burst. */
 #define PREFETCH_AHEAD 2048
 
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };
+
+/* A Q4_K super-block's lines (144 bytes at p): three prefetches 64 bytes apart, and the next
+ * super-block's first covers any line past p + 128 that this one touches. */
+static inline void prefetch_super_block(const uint8_t *p) {
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+    __builtin_prefetch(p + 128);
+}
 
 typedef struct {
     int64_t type;
@@ -324,6 +336,7 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
         for (int64_t b = first; b < end; b++) {
             const uint8_t *p = row + b * bytes;
             const float *xb = x + b * QK;
+            __builtin_prefetch(p + PREFETCH_AHEAD);
             vec lo[GROUP], hi[GROUP];
             widen_nibbles(p + (with_min ? 4 : 2), lo, hi);
             vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
@@ -499,6 +512,7 @@ static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, c
         q4_1_group_scales(row + b * 20, sums + b, d, &mins);
         __asm__ volatile("" ::: "memory"); /* each block's d a broadcast load, not a permute */
         for (int j = 0; j < 16; j += 2) {
+            __builtin_prefetch(row + (b + j) * 20 + PREFETCH_AHEAD);
             block_dot_bf16(row, x, pairs, b + j, with_min, _mm512_set1_ps(d[j]), &even);
             block_dot_bf16(row, x, pairs, b + j + 1, with_min, _mm512_set1_ps(d[j + 1]), &odd);
         }
@@ -507,6 +521,7 @@ static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, c
     (void)sums;
 #endif
     for (; b + 1 < blocks; b += 2) {
+        __builtin_prefetch(row + b * (with_min ? 20 : 18) + PREFETCH_AHEAD);
         block_dot_bf16_alone(row, x, pairs, b, with_min, &even, &mins);
         block_dot_bf16_alone(row, x, pairs, b + 1, with_min, &odd, &mins);
     }
@@ -540,6 +555,7 @@ static __attribute__((noinline)) float fdot_q4_k_bf16(const uint8_t *row, const 
     float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * 144;
+        prefetch_super_block(p + PREFETCH_AHEAD);
         q4k_block_scales(p, sums + 8 * b, ds, &offsets);
         __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
         for (int c = 0; c < 4; c++) {
@@ -573,6 +589,7 @@ static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float
         for (int64_t b = first; b < end; b++) {
             const uint8_t *p = row + b * 34;
             const float *xb = x + b * QK;
+            __builtin_prefetch(p + PREFETCH_AHEAD);
             widen_s8(p + 2, w);
             vec t = dot16(w, xb, vec_zero());
             widen_s8(p + 18, w);
@@ -590,6 +607,7 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
     float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * 144;
+        prefetch_super_block(p + PREFETCH_AHEAD);
         q4k_block_scales(p, xsum + 8 * b, ds, &offsets);
         for (int c = 0; c < 4; c++) {
             const uint8_t *q = p + 16 + 32 * c;
@@ -695,8 +713,10 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
         for (int64_t n = 0; n < N; n++) {
             if (!scratch) continue;
             const uint8_t *row = table + n * row_bytes;
+#if !defined(__AVX2__) /* the vector bodies ask for their lines as they go */
             for (int64_t at = 0; at < row_bytes; at += 64) /* a hint: past the table is fine */
                 __builtin_prefetch(row + PREFETCH_AHEAD + at);
+#endif
             float b = bias ? bias[n] : 0.0f;
             for (int64_t m = 0; m < rows; m++) {
 #if defined(__AVX512BF16__)
