@@ -9,7 +9,9 @@ Figures, one JSON line each:
 
 - ``batch1``: one request, a 512-token random prompt, 256 greedy tokens (W-single's shape):
   decode tok/s of each, yaied with ``--quantization gguf``; yaied's resident memory against
-  the file's size plus its KV pool.
+  the file's size plus its KV pool. Each side loads once in a process of its own and decodes
+  ``--pairs`` times, the two alternated (this machine's speed drifts by more than the gap
+  between them over a minute): each side's median, every pair's ratio and their median.
 - ``c32``: each one's HTTP server (``yaied serve``, ``python -m llama_cpp.server``), 64
   distinct text prompts of about 100 tokens at concurrency 32, 64 tokens each (EOS banned by
   logit_bias on both), output tok/s over the wall time.
@@ -29,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +60,8 @@ DEFAULT_CMAKE_ARGS = " ".join(
     + [f"-DGGML_{name}=OFF" for name in ("AMX_TILE", "AMX_INT8", "AMX_BF16")]
 )
 C32_PROMPTS, C32_CONCURRENCY, C32_OUTPUT = 64, 32, 64
+# Between two batch-1 decodes: the other side's threads stop spinning and go to sleep.
+SETTLE_SECONDS = 0.5
 
 # Llama-3.2-1B's layers (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, MLP 8192), with
 # SmolLM2's vocabulary so its tokenizer can ride along.
@@ -116,6 +121,9 @@ def _imports(python: Path) -> bool:
     return check.returncode == 0
 
 
+# Each side is a process of its own that loads its model once, warms up, prints one JSON line
+# (``ready``: what it measured once) and then answers each "run" line on its stdin with one
+# decode's JSON line; ``paired_batch1`` alternates them.
 _LLAMA_BATCH1 = r"""
 import json, random, sys, time
 from llama_cpp import Llama
@@ -137,31 +145,108 @@ def run(n_out):
             break
     return first - started, time.perf_counter() - started
 run(8)  # warm-up
-ttft, total = run(out_len)
-print(json.dumps({"ttft_ms": round(ttft * 1e3, 1),
-                  "decode_tok_s": round((out_len - 1) / (total - ttft), 2)}))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    ttft, total = run(out_len)
+    print(json.dumps({"ttft_ms": round(ttft * 1e3, 1),
+                      "decode_tok_s": round((out_len - 1) / (total - ttft), 2)}), flush=True)
+"""
+
+# yaied's side, in a process of its own so that its resident memory is the engine's alone (not
+# this script's, which may have just written a model file).
+_YAIED_BATCH1 = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(int(sys.argv[3]))
+from bench_llamacpp import yaied_batch1_loop
+yaied_batch1_loop(__import__("pathlib").Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
 """
 
 
-def llama_batch1(python: Path, gguf: Path, threads: int) -> dict[str, Any]:
-    done = subprocess.run(
-        [str(python), "-c", _LLAMA_BATCH1, str(gguf), str(threads), str(PROMPT_TOKENS),
-         str(OUTPUT_TOKENS)],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp batch 1 failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class _Side:
+    """One side's process: ``ready`` is its first JSON line, ``run()`` one decode's."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (close() closes it)
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True
+        )
+        self.ready = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            self._stderr.seek(0)
+            raise RuntimeError(f"{self.name} batch 1 failed: {self._stderr.read()[-2000:]}")
+        return json.loads(line)
+
+    def run(self) -> dict[str, Any]:
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
+
+
+def paired_batch1(
+    python: Path | None, gguf: Path, threads: int, quantization: str, pairs: int
+) -> dict[str, Any]:
+    """Both sides loaded once, then ``pairs`` decodes each, alternated (yaied first in even
+    pairs, llama.cpp first in odd ones) so that a drift of the machine's speed falls on both:
+    each side's median and every pair's ratio. Without llama.cpp (python None), yaied alone."""
+    here = str(Path(__file__).resolve().parent)
+    sides = [_Side("yaied", [sys.executable, "-c", _YAIED_BATCH1, here, str(gguf), str(threads),
+                             quantization])]  # fmt: skip
+    try:
+        if python is not None:
+            sides.append(_Side("llama.cpp", [str(python), "-c", _LLAMA_BATCH1, str(gguf),
+                                             str(threads), str(PROMPT_TOKENS),
+                                             str(OUTPUT_TOKENS)]))  # fmt: skip
+        runs: dict[str, list[dict[str, Any]]] = {side.name: [] for side in sides}
+        for pair in range(pairs):
+            for side in sides if pair % 2 == 0 else sides[::-1]:
+                time.sleep(SETTLE_SECONDS)
+                runs[side.name].append(side.run())
+    finally:
+        for side in sides:
+            side.close()
+    ours = sides[0].ready | _medians(runs["yaied"])
+    record: dict[str, Any] = {"yaied": ours, "pairs": pairs}
+    if python is not None:
+        record["llama_cpp"] = _medians(runs["llama.cpp"])
+        ratios = [a["decode_tok_s"] / b["decode_tok_s"]
+                  for a, b in zip(runs["yaied"], runs["llama.cpp"], strict=True)]  # fmt: skip
+        record["pair_ratios"] = [round(r, 2) for r in ratios]
+        record["ratio"] = round(statistics.median(ratios), 2)
+    return record
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [run["decode_tok_s"] for run in runs]
+    out = {"decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_runs": rates}
+    if "ttft_ms" in runs[0]:
+        out["ttft_ms"] = round(statistics.median(run["ttft_ms"] for run in runs), 1)
+    return out
 
 
 # -- yaied --------------------------------------------------------------------------------------
 
 
-def yaied_batch1(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+def _load_yaied(gguf: Path, threads: int, quantization: str) -> Any:
     from yaied import LLM
 
     max_len = 1024
-    llm = LLM(
+    return LLM(
         str(gguf),
         quantization=quantization,
         threads=threads,
@@ -169,33 +254,64 @@ def yaied_batch1(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
         kv_cache_gib=_kv_gib_for(gguf, max_len),
         show_progress=False,
     )
+
+
+def yaied_batch1(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
+    """One batch-1 measurement in this process: TTFT, decode tok/s and resident memory."""
+    llm = _load_yaied(gguf, threads, quantization)
     try:
-        rng = random.Random(0)
-        vocab = llm.vocab_size
-
-        def fresh() -> list[int]:
-            return [rng.randrange(1000, vocab - 1000) for _ in range(PROMPT_TOKENS)]
-
+        fresh = _prompts(llm)
         _engine_seconds(llm, fresh(), 8)  # warm-up
         ttft = min(_engine_seconds(llm, fresh(), 1) for _ in range(2))
         total = _engine_seconds(llm, fresh(), OUTPUT_TOKENS)
-        info = llm.engine.worker.info
-        kv_bytes = sum(k.nbytes + v.nbytes for k, v in llm.engine.worker.kv_caches)
-        rss = _rss_bytes()
-        file_bytes = gguf.stat().st_size
-        return {
-            "ttft_ms": round(ttft * 1e3, 1),
-            "decode_tok_s": round((OUTPUT_TOKENS - 1) / (total - ttft), 2),
-            "quantization": info.quantization or "none",
-            "math_dtype": info.dtype,
-            "cpu_isa": info.cpu_isa,
-            "rss_bytes": rss,
-            "file_bytes": file_bytes,
-            "kv_pool_bytes": kv_bytes,
-            "rss_over_file_plus_kv": round(rss / (file_bytes + kv_bytes), 3),
+        return _yaied_facts(llm, gguf, ttft) | {
+            "decode_tok_s": round((OUTPUT_TOKENS - 1) / (total - ttft), 2)
         }
     finally:
         llm.close()
+
+
+def yaied_batch1_loop(gguf: Path, threads: int, quantization: str) -> None:
+    """paired_batch1's yaied side: loads, warms up, prints its facts, then a decode per "run"."""
+    llm = _load_yaied(gguf, threads, quantization)
+    try:
+        fresh = _prompts(llm)
+        _engine_seconds(llm, fresh(), 8)  # warm-up
+        ttft = min(_engine_seconds(llm, fresh(), 1) for _ in range(2))
+        print(json.dumps(_yaied_facts(llm, gguf, ttft)), flush=True)
+        for _ in sys.stdin:
+            total = _engine_seconds(llm, fresh(), OUTPUT_TOKENS)
+            rate = round((OUTPUT_TOKENS - 1) / (total - ttft), 2)
+            print(json.dumps({"decode_tok_s": rate}), flush=True)
+    finally:
+        llm.close()
+
+
+def _prompts(llm: Any):
+    rng = random.Random(0)
+    vocab = llm.vocab_size
+
+    def fresh() -> list[int]:
+        return [rng.randrange(1000, vocab - 1000) for _ in range(PROMPT_TOKENS)]
+
+    return fresh
+
+
+def _yaied_facts(llm: Any, gguf: Path, ttft: float) -> dict[str, Any]:
+    info = llm.engine.worker.info
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in llm.engine.worker.kv_caches)
+    rss = _rss_bytes()
+    file_bytes = gguf.stat().st_size
+    return {
+        "ttft_ms": round(ttft * 1e3, 1),
+        "quantization": info.quantization or "none",
+        "math_dtype": info.dtype,
+        "cpu_isa": info.cpu_isa,
+        "rss_bytes": rss,
+        "file_bytes": file_bytes,
+        "kv_pool_bytes": kv_bytes,
+        "rss_over_file_plus_kv": round(rss / (file_bytes + kv_bytes), 3),
+    }
 
 
 def _kv_gib_for(gguf: Path, max_len: int) -> float:
@@ -414,7 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-timeout", type=float, default=1800.0)
     parser.add_argument("--cmake-args", default=DEFAULT_CMAKE_ARGS, help="CMAKE_ARGS for --build")
     parser.add_argument("--skip-serving", action="store_true", help="batch 1 only")
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="batch-1 decodes of each side, alternated"
+    )
     args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
 
     import torch
 
@@ -423,13 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     python = llama_cpp_python(args.venv, args.build, args.build_timeout, args.cmake_args)
     machine = {"cpu": _cpu_name(), "threads": args.threads, "model": args.model}
     machine["file"] = str(gguf)
-    ours = _in_fresh_process(gguf, args.threads, args.quantization)
-    record: dict[str, Any] = {"figure": "batch1", **machine, "yaied": ours}
-    if python is not None:
-        theirs = llama_batch1(python, gguf, args.threads)
-        record["llama_cpp"] = theirs
-        record["ratio"] = round(ours["decode_tok_s"] / theirs["decode_tok_s"], 2)
-    print(json.dumps(record), flush=True)
+    paired = paired_batch1(python, gguf, args.threads, args.quantization, args.pairs)
+    print(json.dumps({"figure": "batch1", **machine, **paired}), flush=True)
     if args.skip_serving:
         return 0
     ours = serve_yaied(gguf, args.threads, args.quantization)
@@ -440,25 +556,6 @@ def main(argv: list[str] | None = None) -> int:
         record["ratio"] = round(ours["output_tok_s"] / theirs["output_tok_s"], 2)
     print(json.dumps(record), flush=True)
     return 0
-
-
-def _in_fresh_process(gguf: Path, threads: int, quantization: str) -> dict[str, Any]:
-    """yaied_batch1 in a process of its own, so that its resident memory is the engine's alone
-    (not this script's, which may have just written a model file)."""
-    code = (
-        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); "
-        "from bench_llamacpp import yaied_batch1; torch.set_num_threads(int(sys.argv[3])); "
-        "print(json.dumps(yaied_batch1(__import__('pathlib').Path(sys.argv[2]), "
-        "int(sys.argv[3]), sys.argv[4])))"
-    )
-    here = str(Path(__file__).resolve().parent)
-    done = subprocess.run(
-        [sys.executable, "-c", code, here, str(gguf), str(threads), quantization],
-        capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"yaied batch 1 failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _cpu_name() -> str:
