@@ -31,15 +31,22 @@ static int amx_permitted(void) {
     return answer == 1;
 }
 
-/* Load a configuration of tiles 0-7, each `rows[t]` rows of 64 bytes, and return the one the
- * thread had (oneDNN's, say) in `saved`, for tiles_leave to restore. */
-static inline void tiles_enter(TileConfig *saved, const uint8_t rows[8]) {
+/* Load a configuration of tiles 0-7, each `rows[t]` rows of `bytes[t]` bytes (at most 64), and
+ * return the one the thread had (oneDNN's, say) in `saved`, for tiles_leave to restore. */
+static inline void tiles_enter_shaped(TileConfig *saved, const uint8_t rows[8],
+                                      const uint16_t bytes[8]) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = rows[t];
+    for (int t = 0; t < 8; t++) config.colsb[t] = bytes[t], config.rows[t] = rows[t];
     _tile_storeconfig(saved);
     _tile_loadconfig(&config);
+}
+
+/* tiles_enter_shaped with every row 64 bytes */
+static inline void tiles_enter(TileConfig *saved, const uint8_t rows[8]) {
+    static const uint16_t full[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tiles_enter_shaped(saved, rows, full);
 }
 
 static inline void tiles_leave(const TileConfig *saved) {

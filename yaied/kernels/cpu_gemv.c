@@ -394,8 +394,9 @@ DEFINE_TYPE(uint16_t, bf16)
  * A decode step of up to 32 streams is still about one pass over the weights, but oneDNN's AMX
  * matmul streams them at well under the bandwidth at 9-32 rows, and the dot-product bodies above
  * grow with the rows (at 8 rows 1.5-1.9x their one-row time; docs/benchmarks.md). On the tiles
- * a pass costs about the same at 1 and at 32 rows, and at one row it was already faster than the
- * dot products here (17.0-17.7 against 20.6-20.8 ms over the default model's linears and head).
+ * a pass costs about the same at 1 and at 32 rows, and at one row it matches the dot products
+ * (18.1 against 18.3 GB/s over the default model's layers, once the dot products asked for
+ * their lines ahead; it had been the faster, 17.0-17.7 against 20.6-20.8 ms before that).
  * So few_rows_linear_bf16 takes this body for every row count where it runs (a row's bits then
  * still do not depend on its batch), and forward takes it for 9-32 rows (BoundLinear.amx).
  * This reads the streaming layout with the tiles:
@@ -403,7 +404,8 @@ DEFINE_TYPE(uint16_t, bf16)
  * rows re-laid as B tiles (16 input rows x 16 pairs of K, the layout AMX multiplies in), so a C
  * tile holds out^T for 8 weight rows x 16 input rows. A thread takes pairs of groups (a
  * contiguous stretch of the weight), keeps 2 groups x 2 input blocks of sums in the C tiles
- * over all of K, and asks for the weight a few chunks ahead into L2. Each output is its row's
+ * over all of K, and asks for the weight a few chunks ahead into L1 (into L2, as before, a
+ * one-row pass ran 4% slower). Each output is its row's
  * own sum whatever the other rows are (fp32, rounded once after the bias), but not in the
  * order of the dot-product bodies: a row's bits differ from its few-row result, as oneDNN's do.
  * Built where the compiler targets AMX (-march=native on a CPU with it); used once the process
@@ -420,21 +422,22 @@ DEFINE_TYPE(uint16_t, bf16)
 static int gemv_amx_permitted; /* gemv_amx_ready's answer: 1 yes, -1 no, 0 not asked */
 static int gemv_amx_off; /* gemv_use_amx(0): the dot-product body for every row count */
 
-/* The input rows as B tiles: per block of 16 rows and chunk of K, 16 rows (pairs of K) of 16
- * input rows' pairs; x's pairs are 32-bit words, so this is a 16 x 16 transpose of words, with
- * zeros past the rows and past K. */
+/* The input rows as B tiles: per block of `width` rows (16, or all of them where fewer) and
+ * chunk of K, 16 rows (pairs of K) of `width` input rows' pairs; x's pairs are 32-bit words, so
+ * this is a transpose of words, with zeros past the rows and past K. */
 static void amx_lay_out_inputs(const uint16_t *x, uint32_t *tiles, int64_t rows, int64_t K,
-                               int64_t blocks, int64_t chunks) {
+                               int64_t blocks, int64_t chunks, int64_t width) {
     const uint32_t *pairs = (const uint32_t *)x;
     int64_t row_pairs = K / 2;
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t c = 0; c < chunks; c++) {
-            uint32_t *tile = tiles + (b * chunks + c) * 256;
-            for (int i = 0; i < 16; i++) {
-                int64_t m = b * 16 + i;
+            uint32_t *tile = tiles + (b * chunks + c) * 16 * width;
+            for (int64_t i = 0; i < width; i++) {
+                int64_t m = b * width + i;
                 for (int p = 0; p < 16; p++) {
                     int64_t q = c * 16 + p;
-                    tile[p * 16 + i] = m < rows && q < row_pairs ? pairs[m * row_pairs + q] : 0;
+                    tile[p * width + i] =
+                        m < rows && q < row_pairs ? pairs[m * row_pairs + q] : 0;
                 }
             }
         }
@@ -456,7 +459,7 @@ static void amx_store(const float sums[8][16], const uint16_t *bias, uint16_t *o
 
 static inline void amx_prefetch(const uint16_t *chunk) {
     for (int line = 0; line < GROUP * CHUNK * 2 / 64; line++)
-        _mm_prefetch((const char *)chunk + line * 64, _MM_HINT_T1);
+        _mm_prefetch((const char *)chunk + line * 64, _MM_HINT_T0);
 }
 #endif
 
@@ -501,16 +504,23 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         return -1;
     int64_t chunks = padded_k(K) / CHUNK, blocks = (rows + 15) / 16;
     int64_t groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
+    /* Fewer than 16 rows are B and C tiles of that many columns: a B tile of 16 columns was
+     * 1 KiB of mostly zeros read per chunk beside 1 KiB of weights (one row over the default
+     * model's layers: 13.4 -> 15.3 GB/s; 1-8 rows 1.1-1.16x; docs/benchmarks.md). A product's
+     * sums do not depend on the columns beside it, so a row's bits stay those of any batch. */
+    int64_t width = rows < 16 ? rows : 16;
     /* slot 2: few_rows_linear_bf16 holds its normed input in 0 and its output in 1 */
-    uint32_t *tiles = thread_scratch(2, (size_t)(blocks * chunks * 256) * sizeof(uint32_t));
+    uint32_t *tiles = thread_scratch(2, (size_t)(blocks * chunks * 16 * width) * sizeof(uint32_t));
     if (!tiles) return -2;
-    amx_lay_out_inputs(x, tiles, rows, K, blocks, chunks);
-    const int64_t block_words = chunks * 256, group_elements = chunks * GROUP * CHUNK;
+    amx_lay_out_inputs(x, tiles, rows, K, blocks, chunks, width);
+    const int64_t block_words = chunks * 16 * width, group_elements = chunks * GROUP * CHUNK;
+    const int64_t b_bytes = 4 * width;
 #pragma omp parallel num_threads(threads)
     {
         static const uint8_t rows_of[8] = {GROUP, GROUP, 16, 16, GROUP, GROUP, GROUP, GROUP};
+        const uint16_t bytes_of[8] = {64, 64, b_bytes, b_bytes, b_bytes, b_bytes, b_bytes, b_bytes};
         TileConfig saved; /* A: 0-1, B: 2-3, C: 4-7 */
-        tiles_enter(&saved, rows_of);
+        tiles_enter_shaped(&saved, rows_of, bytes_of);
         float sums[4][8][16];
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < pairs; pair++) {
@@ -534,10 +544,10 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                         if (two_groups) amx_prefetch(a1 + ahead);
                     }
                     _tile_loadd(0, a0 + at, CHUNK * 2);
-                    _tile_loadd(2, b0 + c * 256, 64);
+                    _tile_loadd(2, b0 + c * 16 * width, b_bytes);
                     _tile_dpbf16ps(4, 0, 2);
                     if (two_blocks) {
-                        _tile_loadd(3, b1 + c * 256, 64);
+                        _tile_loadd(3, b1 + c * 16 * width, b_bytes);
                         _tile_dpbf16ps(5, 0, 3);
                     }
                     if (two_groups) {
