@@ -180,7 +180,7 @@ def test_amx_row_does_not_depend_on_the_other_rows(amx_gemv):
     x = torch.randn(AMX_MAX_ROWS, 576).to(torch.bfloat16)
     layer = amx_gemv.bind((torch.randn(960, 576) / 24).to(torch.bfloat16))
     whole = layer.amx(x)
-    for rows in (1, 3, MAX_ROWS, MAX_ROWS + 1, 15, 16, 20):
+    for rows in (1, 3, MAX_ROWS, MAX_ROWS + 1, 15, 16, 17, 20, 31):
         for start in (0, AMX_MAX_ROWS - rows):
             part = x[start : start + rows].clone()
             got = layer(part) if rows <= MAX_ROWS else layer.amx(part)

@@ -422,22 +422,23 @@ DEFINE_TYPE(uint16_t, bf16)
 static int gemv_amx_permitted; /* gemv_amx_ready's answer: 1 yes, -1 no, 0 not asked */
 static int gemv_amx_off; /* gemv_use_amx(0): the dot-product body for every row count */
 
-/* The input rows as B tiles: per block of `width` rows (16, or all of them where fewer) and
- * chunk of K, 16 rows (pairs of K) of `width` input rows' pairs; x's pairs are 32-bit words, so
- * this is a transpose of words, with zeros past the rows and past K. */
+/* The input rows as B tiles: per block of 16 input rows and chunk of K, 16 rows (pairs of K) of
+ * width[b % 2] input rows' pairs (the block's rows, at most 16); x's pairs are 32-bit words, so
+ * this is a transpose of words, with zeros past the rows and past K. Block b starts at word
+ * b chunks 256 whatever its width. */
 static void amx_lay_out_inputs(const uint16_t *x, uint32_t *tiles, int64_t rows, int64_t K,
-                               int64_t blocks, int64_t chunks, int64_t width) {
+                               int64_t blocks, int64_t chunks, const int64_t width[2]) {
     const uint32_t *pairs = (const uint32_t *)x;
     int64_t row_pairs = K / 2;
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t c = 0; c < chunks; c++) {
-            uint32_t *tile = tiles + (b * chunks + c) * 16 * width;
-            for (int64_t i = 0; i < width; i++) {
-                int64_t m = b * width + i;
+            int64_t w = width[b % 2];
+            uint32_t *tile = tiles + b * chunks * 256 + c * 16 * w;
+            for (int64_t i = 0; i < w; i++) {
+                int64_t m = b * 16 + i;
                 for (int p = 0; p < 16; p++) {
                     int64_t q = c * 16 + p;
-                    tile[p * width + i] =
-                        m < rows && q < row_pairs ? pairs[m * row_pairs + q] : 0;
+                    tile[p * w + i] = m < rows && q < row_pairs ? pairs[m * row_pairs + q] : 0;
                 }
             }
         }
@@ -504,21 +505,23 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         return -1;
     int64_t chunks = padded_k(K) / CHUNK, blocks = (rows + 15) / 16;
     int64_t groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
-    /* Fewer than 16 rows are B and C tiles of that many columns: a B tile of 16 columns was
-     * 1 KiB of mostly zeros read per chunk beside 1 KiB of weights (one row over the default
-     * model's layers: 13.4 -> 15.3 GB/s; 1-8 rows 1.1-1.16x; docs/benchmarks.md). A product's
-     * sums do not depend on the columns beside it, so a row's bits stay those of any batch. */
-    int64_t width = rows < 16 ? rows : 16;
+    /* A block of fewer than 16 rows is B and C tiles of that many columns: a B tile of 16
+     * columns was 1 KiB of mostly zeros read per chunk beside 1 KiB of weights (one row over the
+     * default model's layers: 13.4 -> 15.3 GB/s; 1-8 rows 1.1-1.16x; docs/benchmarks.md). Even
+     * blocks use tiles 2, 4, 6 and odd ones 3, 5, 7, so each parity has one width: the last
+     * block's where there are at most two. A product's sums do not depend on the columns beside
+     * it, so a row's bits stay those of any batch. */
+    const int64_t width[2] = {blocks == 1 ? rows : 16, blocks == 2 ? rows - 16 : 16};
     /* slot 2: few_rows_linear_bf16 holds its normed input in 0 and its output in 1 */
-    uint32_t *tiles = thread_scratch(2, (size_t)(blocks * chunks * 16 * width) * sizeof(uint32_t));
+    uint32_t *tiles = thread_scratch(2, (size_t)(blocks * chunks * 256) * sizeof(uint32_t));
     if (!tiles) return -2;
     amx_lay_out_inputs(x, tiles, rows, K, blocks, chunks, width);
-    const int64_t block_words = chunks * 16 * width, group_elements = chunks * GROUP * CHUNK;
-    const int64_t b_bytes = 4 * width;
+    const int64_t block_words = chunks * 256, group_elements = chunks * GROUP * CHUNK;
+    const uint16_t even = (uint16_t)(4 * width[0]), odd = (uint16_t)(4 * width[1]);
 #pragma omp parallel num_threads(threads)
     {
         static const uint8_t rows_of[8] = {GROUP, GROUP, 16, 16, GROUP, GROUP, GROUP, GROUP};
-        const uint16_t bytes_of[8] = {64, 64, b_bytes, b_bytes, b_bytes, b_bytes, b_bytes, b_bytes};
+        const uint16_t bytes_of[8] = {64, 64, even, odd, even, odd, even, odd};
         TileConfig saved; /* A: 0-1, B: 2-3, C: 4-7 */
         tiles_enter_shaped(&saved, rows_of, bytes_of);
         float sums[4][8][16];
@@ -544,10 +547,10 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                         if (two_groups) amx_prefetch(a1 + ahead);
                     }
                     _tile_loadd(0, a0 + at, CHUNK * 2);
-                    _tile_loadd(2, b0 + c * 16 * width, b_bytes);
+                    _tile_loadd(2, b0 + c * 16 * width[0], even);
                     _tile_dpbf16ps(4, 0, 2);
                     if (two_blocks) {
-                        _tile_loadd(3, b1 + c * 16 * width, b_bytes);
+                        _tile_loadd(3, b1 + c * 16 * width[1], odd);
                         _tile_dpbf16ps(5, 0, 3);
                     }
                     if (two_groups) {
