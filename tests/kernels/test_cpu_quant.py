@@ -19,6 +19,7 @@ from yaied.kernels.cpu_quant import (
     MAX_ROWS,
     PACKABLE,
     Q4_0,
+    Q4_0_GROUPED,
     Q4_1,
     Q4_K,
     Q8_0,
@@ -26,11 +27,17 @@ from yaied.kernels.cpu_quant import (
     CpuQuant,
     QuantType,
     dequantize_reference,
+    group_q4_0,
     quantize,
     row_bytes,
+    ungroup_q4_0,
 )
 
 TYPES = pytest.mark.parametrize("qtype", list(QUANT_TYPES.values()), ids=list(QUANT_TYPES))
+# ... and the layout the kernels keep Q4_0 in
+KERNEL_TYPES = pytest.mark.parametrize(
+    "qtype", [*QUANT_TYPES.values(), Q4_0_GROUPED], ids=[*QUANT_TYPES, "q4_0_grouped"]
+)
 
 
 @pytest.fixture
@@ -41,6 +48,8 @@ def quant(isa_level):
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
     Q4_1 and Q4_K (whose every bit pattern is a valid block)."""
+    if qtype is Q4_0_GROUPED:
+        return group_q4_0(table(Q4_0, n, k, seed))
     generator = torch.Generator().manual_seed(seed)
     if qtype in PACKABLE:
         return quantize(torch.randn(n, k, generator=generator) / k**0.5, qtype)
@@ -82,7 +91,7 @@ def test_packing_round_trip(qtype):
     assert ((torch.from_numpy(unpacked.copy()) - back).abs() <= 2 * bound * 1.01 + 1e-6).all()
 
 
-@TYPES
+@KERNEL_TYPES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
     blocks = table(qtype, 19, 768 if qtype is not Q4_K else 1024, seed=2)
@@ -93,7 +102,7 @@ def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
     assert torch.equal(quant.dequantize(qtype, blocks, k, dtype, out=buffer), expected)
 
 
-@TYPES
+@KERNEL_TYPES
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 13, 200])
 @pytest.mark.parametrize("bias", [False, True])
@@ -111,7 +120,9 @@ def test_kernel_matches_the_reference_linear(quant, qtype, rows, n, bias):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, Q4_1], ids=["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize(
+    "qtype", [Q8_0, Q4_0, Q4_0_GROUPED, Q4_1], ids=["q8_0", "q4_0", "q4_0_grouped", "q4_1"]
+)
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 4, 5, 15, 16, 17, 18, 20, 33])
 def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
     """The scales of a row's blocks are read 16 at a time, the last few (up to 4) one by one
@@ -125,7 +136,7 @@ def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
     torch.testing.assert_close(got, F.linear(x, reference), rtol=0, atol=1e-5 * scale + 1e-6)
 
 
-@TYPES
+@KERNEL_TYPES
 def test_bf16_activations(quant, qtype):
     k, n = 256, 40
     blocks = table(qtype, n, k, seed=5)
@@ -138,7 +149,9 @@ def test_bf16_activations(quant, qtype):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max())
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q4_K], ids=["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize(
+    "qtype", [Q4_0, Q4_0_GROUPED, Q4_1, Q4_K], ids=["q4_0", "q4_0_grouped", "q4_1", "q4_k"]
+)
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     """bf16 activations meet Q4 blocks in bf16 dot products where the level has them (each
@@ -180,7 +193,7 @@ def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     assert (got == expected.to(torch.bfloat16).double()).float().mean() > 0.98
 
 
-@TYPES
+@KERNEL_TYPES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_row_does_not_depend_on_the_other_rows(quant, qtype, dtype):
     k, n = 512, 77
@@ -191,6 +204,33 @@ def test_a_row_does_not_depend_on_the_other_rows(quant, qtype, dtype):
     for rows in range(2, MAX_ROWS + 1):
         together = bound(x[:rows])
         assert all(torch.equal(together[r], alone[r]) for r in range(rows))
+
+
+@pytest.mark.parametrize("blocks_per_row", [1, 5, 16, 18, 33, 64])
+def test_q4_0_grouped_is_q4_0_bit_for_bit(quant, blocks_per_row):
+    """The grouped layout holds GGUF's Q4_0 blocks, each group's scales first (the last group
+    shorter where the row's blocks are not a multiple of 16): it converts back unchanged, and
+    every kernel computes the very bits it computes over GGUF's layout."""
+    k = 32 * blocks_per_row
+    blocks = table(Q4_0, 11, k, seed=blocks_per_row)
+    grouped = group_q4_0(blocks)
+    assert grouped.shape == blocks.shape and torch.equal(ungroup_q4_0(grouped), blocks)
+    if blocks_per_row == 18:  # two groups: 16 scales, 16 blocks' quants, 2 scales, 2 blocks'
+        view = blocks.view(11, 18, 18)
+        assert torch.equal(grouped[:, :32], view[:, :16, :2].reshape(11, 32))
+        assert torch.equal(grouped[:, 32:288], view[:, :16, 2:].reshape(11, 256))
+        assert torch.equal(grouped[:, 288:292], view[:, 16:, :2].reshape(11, 4))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            quant.dequantize(Q4_0_GROUPED, grouped, k, dtype),
+            quant.dequantize(Q4_0, blocks, k, dtype),
+        )
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        for rows in (1, 5):
+            expected = quant.bind(Q4_0, blocks, k, None, dtype)(x[:rows])
+            assert torch.equal(
+                quant.bind(Q4_0_GROUPED, grouped, k, None, dtype)(x[:rows]), expected
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

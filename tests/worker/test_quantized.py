@@ -22,6 +22,8 @@ from yaied import LLM, SamplingParams
 from yaied.core.config import EngineConfig, LoopConfig, ModelConfig
 from yaied.kernels.cpu_quant import (
     MAX_ROWS,
+    Q4_0,
+    Q4_0_GROUPED,
     Q4_K,
     Q8_0,
     QUANT_TYPES,
@@ -369,3 +371,20 @@ def test_unknown_tensor_type_names_the_tensor(tiny_gguf, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_up\.weight' has type 99"):
         _load(bad, "gguf", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_0_is_kept_grouped(isa_level, dtype):
+    """A Q4_0 layer keeps its blocks in the kernels' grouped layout (its scales 16 at a time):
+    the same weight, shown as q4_0, computed as over GGUF's layout."""
+    torch.manual_seed(4)
+    n, k = 40, 576  # 18 blocks a row: a group of 16 and one of 2
+    blocks = quantize(torch.randn(n, k) / 24, Q4_0)
+    layer = QuantizedLinear(Q4_0, blocks, k, None)
+    assert layer.qtype is Q4_0_GROUPED and "q4_0" in layer.extra_repr()
+    assert layer.blocks.shape == blocks.shape and not torch.equal(layer.blocks, blocks)
+    kernel = kernel_at(CpuQuant, isa_level)
+    layer.bind(kernel, dtype)
+    assert torch.equal(layer.unpacked(dtype), dequantize_reference(Q4_0, blocks, k).to(dtype))
+    x = torch.randn(3, k).to(dtype)
+    assert torch.equal(layer.few_rows(x), kernel.bind(Q4_0, blocks, k, None, dtype)(x))

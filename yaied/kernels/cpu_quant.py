@@ -4,8 +4,10 @@ whose few-row linear reads the blocks directly and whose unpacking feeds matmuls
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
 blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
-it is). The C side takes a descriptor (type, address of the table) where cpu_gemv.c takes a bf16
-weight, with the same entry signature, so the decode loop (cpu_decode_loop.c) calls either.
+it is; Q4_0 is regrouped at load into ``Q4_0_GROUPED``, the same blocks with each 16 blocks'
+scales together, which the kernels read faster). The C side takes a descriptor (type, address
+of the table) where cpu_gemv.c takes a bf16 weight, with the same entry signature, so the decode
+loop (cpu_decode_loop.c) calls either.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
 Q4_K = QuantType("q4_k", 12, 256, 144)
 QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K)}
+# yaied's own layout of Q4_0 (cpu_quant.c's header): a row's blocks in groups of SCALE_GROUP (the
+# last may be shorter), each group's fp16 scales first, then its blocks' 16 bytes of quants. Not
+# a GGUF type: its number is cpu_quant.c's, and it shows as "q4_0".
+Q4_0_GROUPED = QuantType("q4_0", 1002, 32, 18)
+SCALE_GROUP = 16
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
 # The types yaied packs from float weights itself (--quantization q8_0 | q4_0).
 PACKABLE = (Q8_0, Q4_0)
@@ -66,6 +73,32 @@ def check_table(qtype: QuantType, blocks: torch.Tensor, n: int, k: int, name: st
         )
 
 
+def group_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """A Q4_0 table [N, row bytes] in GGUF's layout, regrouped as Q4_0_GROUPED (a new tensor)."""
+    return _regroup(blocks, to_grouped=True)
+
+
+def ungroup_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """A Q4_0_GROUPED table back in GGUF's Q4_0 layout (a new tensor)."""
+    return _regroup(blocks, to_grouped=False)
+
+
+def _regroup(blocks: torch.Tensor, to_grouped: bool) -> torch.Tensor:
+    n = blocks.shape[0]
+    count = blocks.shape[1] // Q4_0.block_bytes
+    parts = []
+    for first in range(0, count, SCALE_GROUP):
+        size = min(SCALE_GROUP, count - first)
+        group = blocks[:, first * 18 : (first + size) * 18]
+        if to_grouped:
+            block = group.reshape(n, size, 18)
+            parts += [block[..., :2].reshape(n, -1), block[..., 2:].reshape(n, -1)]
+        else:
+            scales = group[:, : 2 * size].reshape(n, size, 2)
+            parts.append(torch.cat([scales, group[:, 2 * size :].reshape(n, size, 16)], dim=-1))
+    return torch.cat([part.reshape(n, -1) for part in parts], dim=1).contiguous()
+
+
 # ---- the torch reference ----
 
 
@@ -76,6 +109,8 @@ def _halves(table: torch.Tensor, offset: int) -> torch.Tensor:
 
 def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torch.Tensor:
     """The weight [N, k] fp32 that a block table holds (the formats as cpu_quant.c states them)."""
+    if qtype is Q4_0_GROUPED:
+        return dequantize_reference(Q4_0, ungroup_q4_0(blocks), k)
     n = blocks.shape[0]
     table = blocks.reshape(n, k // qtype.block_size, qtype.block_bytes)
     d = _halves(table, 0)

@@ -26,12 +26,15 @@ from torch import nn
 from yaied.kernels.cpu_quant import (
     BY_GGML_ID,
     MAX_ROWS,
+    Q4_0,
+    Q4_0_GROUPED,
     Q8_0,
     QUANT_TYPES,
     CpuQuant,
     QuantType,
     check_table,
     dequantize_reference,
+    group_q4_0,
     quantize,
 )
 
@@ -81,6 +84,8 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, blocks.shape[0]
         check_table(qtype, blocks, self.out_features, in_features, "weight")
+        if qtype is Q4_0:  # the kernels' own layout of the same blocks (cpu_quant.py)
+            qtype, blocks = Q4_0_GROUPED, group_q4_0(blocks)
         self.qtype, self.blocks = qtype, blocks
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
