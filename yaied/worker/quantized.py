@@ -203,7 +203,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
             linear = layer.get_submodule(name)
             full_name = f"layers.{index}.{name}"
             if tables is not None:
-                found = tables.get(full_name)
+                found = tables.pop(full_name)  # the table's last holder: Q4_0 regroups a copy
                 if isinstance(found, str):
                     kept.append(found)
                     continue
@@ -237,7 +237,7 @@ def _quantized_head(model: nn.Module, mode: str, tables: dict | None) -> Quantiz
     if tables is None:
         qtype, blocks = Q8_0, quantize(head.weight.detach(), Q8_0)
     else:
-        found = tables.get("lm_head")
+        found = tables.pop("lm_head", None)
         if found is None:
             return None
         qtype, blocks = found
