@@ -556,8 +556,9 @@ static inline void block_dot_bf16_alone(const uint8_t *row, const uint16_t *x, c
 /* Two accumulators, even and odd blocks: with one, each block waited on the last one's FMA
  * (in L2, one thread: 24 -> 35-40 G weights/s; fdot_q4's widening gains nothing from two).
  * with_min a constant in each caller, so that the blocks' loop has no branch. Q4_1 takes its
- * scales 16 blocks at a time (q4_1_group_scales: 1.1-1.3x), Q4_0 a block at a time (groups were
- * 0.9x there: its one broadcast and conversion a block cost less than the permutes' wait). */
+ * scales 16 blocks at a time (q4_1_group_scales: 1.1-1.3x), Q4_0 in GGUF's layout a block at a
+ * time (permuted groups gained 0-5% there); the engine keeps Q4_0 grouped, whose scales come
+ * 16 at a time without permutes (fdot_q4_0_grouped_bf16). */
 static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, const uint16_t *x,
                                                            const float *pairs, const float *sums,
                                                            int64_t blocks, int with_min) {

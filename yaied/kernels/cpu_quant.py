@@ -92,17 +92,17 @@ def _regroup(blocks: torch.Tensor, to_grouped: bool) -> torch.Tensor:
     for first in range(0, count, SCALE_GROUP):
         size = min(SCALE_GROUP, count - first)
         columns = slice(first * 18, (first + size) * 18)
-        blocked, grouped = blocks[:, columns], out[:, columns]
-        if not to_grouped:
-            blocked, grouped = grouped, blocks[:, columns]
-        blocked = blocked.view(n, size, 18)
-        scales, quants = grouped[:, : 2 * size], grouped[:, 2 * size :]
-        if to_grouped:
-            scales.view(n, size, 2).copy_(blocked[..., :2])
-            quants.view(n, size, 16).copy_(blocked[..., 2:])
-        else:
-            blocked[..., :2].copy_(scales.view(n, size, 2))
-            blocked[..., 2:].copy_(quants.view(n, size, 16))
+        # the same group of blocks in the two layouts, one of them being written
+        source, target = blocks[:, columns], out[:, columns]
+        gguf, grouped = (source, target) if to_grouped else (target, source)
+        gguf = gguf.view(n, size, 18)
+        scales = grouped[:, : 2 * size].view(n, size, 2)
+        quants = grouped[:, 2 * size :].view(n, size, 16)
+        for in_gguf, in_grouped in ((gguf[..., :2], scales), (gguf[..., 2:], quants)):
+            if to_grouped:
+                in_grouped.copy_(in_gguf)
+            else:
+                in_gguf.copy_(in_grouped)
     return out
 
 
