@@ -343,6 +343,15 @@ static inline float block_scales(const uint8_t *row, int64_t bytes, int64_t firs
 }
 #endif
 
+/* One block's 16 bytes of quants at q widened and dotted with its 32 activations at xb, scaled by
+ * d into acc. */
+static inline vec nibbles_dot(const uint8_t *q, const float *xb, float d, vec acc) {
+    vec lo[GROUP], hi[GROUP];
+    widen_nibbles(q, lo, hi);
+    vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
+    return vec_fma(t, vec_set1(d), acc);
+}
+
 static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *x,
                                                const float *xsum, int64_t blocks, int with_min) {
     vec acc = vec_zero();
@@ -359,10 +368,7 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
             const uint8_t *p = row + b * bytes;
             const float *xb = x + b * QK;
             __builtin_prefetch(p + PREFETCH_AHEAD);
-            vec lo[GROUP], hi[GROUP];
-            widen_nibbles(p + (with_min ? 4 : 2), lo, hi);
-            vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
-            acc = vec_fma(t, vec_set1(d[b - first]), acc);
+            acc = nibbles_dot(p + (with_min ? 4 : 2), xb, d[b - first], acc);
         }
     }
     return vec_sum(acc) + offset;
@@ -392,12 +398,8 @@ static __attribute__((noinline)) float fdot_q4_0_grouped(const uint8_t *row, con
         offset += group_offset;
 #endif
         for (int64_t j = 0; j < count; j++) {
-            const float *xb = x + (first + j) * QK;
             __builtin_prefetch(quants + 16 * j + PREFETCH_AHEAD);
-            vec lo[GROUP], hi[GROUP];
-            widen_nibbles(quants + 16 * j, lo, hi);
-            vec t = dot16(hi, xb + 16, dot16(lo, xb, vec_zero()));
-            acc = vec_fma(t, vec_set1(d[j]), acc);
+            acc = nibbles_dot(quants + 16 * j, x + (first + j) * QK, d[j], acc);
         }
     }
     return vec_sum(acc) + offset;
@@ -492,15 +494,20 @@ static inline __m512 half_in_lanes(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
 }
 
-/* Block b's 32 weights (less their bias) times the activations, in 16 lanes, scaled by d into
- * acc. */
+/* Block b's 32 weights (less their bias, 16 bytes of quants) times the activations, in 16
+ * lanes, scaled by d into acc. */
+static inline void quants_dot_bf16(const uint8_t *quants, const uint16_t *x, const float *pairs,
+                                   int64_t b, __m512 d, __m512 *acc) {
+    __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + b * (QK / 2)), nibbles_bf16(quants),
+                                (__m512bh)_mm512_loadu_si512(x + b * QK));
+    *acc = _mm512_fmadd_ps(t, d, *acc);
+}
+
+/* quants_dot_bf16 for block b of a row in GGUF's layout */
 static inline void block_dot_bf16(const uint8_t *row, const uint16_t *x, const float *pairs,
                                   int64_t b, int with_min, __m512 d, __m512 *acc) {
     const uint8_t *p = row + b * (with_min ? 20 : 18);
-    __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + b * (QK / 2)),
-                                nibbles_bf16(p + (with_min ? 4 : 2)),
-                                (__m512bh)_mm512_loadu_si512(x + b * QK));
-    *acc = _mm512_fmadd_ps(t, d, *acc);
+    quants_dot_bf16(p + (with_min ? 4 : 2), x, pairs, b, d, acc);
 }
 
 #if defined(__AVX512VBMI__) /* not every CPU of the level has byte permutes (Cooper Lake) */
@@ -611,22 +618,13 @@ static __attribute__((noinline)) float fdot_q4_0_grouped_bf16(const uint8_t *row
          * group but the last has an even count */
         int64_t j = 0;
         for (; j + 1 < count; j += 2) {
-            const float *pb = pairs + (first + j) * (QK / 2);
-            const uint16_t *xb = x + (first + j) * QK;
             __builtin_prefetch(quants + 16 * j + PREFETCH_AHEAD);
-            __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pb), nibbles_bf16(quants + 16 * j),
-                                        (__m512bh)_mm512_loadu_si512(xb));
-            even = _mm512_fmadd_ps(t, _mm512_set1_ps(d[j]), even);
-            t = _mm512_dpbf16_ps(_mm512_loadu_ps(pb + QK / 2), nibbles_bf16(quants + 16 * j + 16),
-                                 (__m512bh)_mm512_loadu_si512(xb + QK));
-            odd = _mm512_fmadd_ps(t, _mm512_set1_ps(d[j + 1]), odd);
+            quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), &even);
+            quants_dot_bf16(quants + 16 * j + 16, x, pairs, first + j + 1,
+                            _mm512_set1_ps(d[j + 1]), &odd);
         }
-        if (j < count) {
-            __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + (first + j) * (QK / 2)),
-                                        nibbles_bf16(quants + 16 * j),
-                                        (__m512bh)_mm512_loadu_si512(x + (first + j) * QK));
-            even = _mm512_fmadd_ps(t, _mm512_set1_ps(d[j]), even);
-        }
+        if (j < count)
+            quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), &even);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
