@@ -196,13 +196,16 @@ def test_page_exhaustion_preempts_instead_of_failing(tiny_model_dirs):
     try:
         engine = server.server.config.app.state.server.engine
         assert engine.info.num_pages == 24
-        body = {**BODY, "max_tokens": 120, "ignore_eos": True}
-        prompts = [[i + 1] * 40 for i in range(4)]  # 4 x 10 pages needed, 24 there
+        # 40 + 200 tokens: 15 pages a request, so any two that overlap exhaust the 24 (with 10
+        # pages each, as before, three had to overlap, and under a loaded CI the tiny model's
+        # requests could finish before the third arrived: no preemption, one failure in five runs)
+        body = {**BODY, "max_tokens": 200, "ignore_eos": True}
+        prompts = [[i + 1] * 40 for i in range(4)]
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: post(server.url, {**body, "prompt": p}), prompts))
         for r in results:
             assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 120
+            assert r.json()["usage"]["completion_tokens"] == 200
         assert metric(server.url, "num_preemptions_total") > 0
         wait_idle(server.url)
     finally:
