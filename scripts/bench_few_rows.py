@@ -84,8 +84,10 @@ def main() -> None:
         weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for n, k in shapes]
     else:
         weights = [random_blocks(qtype, n, k) for n, k in shapes]
-        if qtype is cpu_quant.Q4_0:  # as the engine keeps Q4_0 (QuantizedLinear)
-            qtype, weights = cpu_quant.Q4_0_GROUPED, [cpu_quant.group_q4_0(w) for w in weights]
+        if qtype in cpu_quant.GROUPED:  # as the engine keeps Q4_0 and Q4_1 (QuantizedLinear)
+            grouped = cpu_quant.GROUPED[qtype]
+            weights = [cpu_quant.group_blocks(qtype, w)[1] for w in weights]
+            qtype = grouped
     total = sum(w.numel() * w.element_size() for w in weights)
     num_weights = sum(n * k for n, k in shapes)
 

@@ -16,27 +16,32 @@ from yaied.kernels import cpu_isa
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_isa import runnable_levels
 from yaied.kernels.cpu_quant import (
+    GROUPED,
     MAX_ROWS,
     PACKABLE,
     Q4_0,
     Q4_0_GROUPED,
     Q4_1,
+    Q4_1_GROUPED,
     Q4_K,
     Q8_0,
     QUANT_TYPES,
+    UNGROUPED,
     CpuQuant,
     QuantType,
     dequantize_reference,
-    group_q4_0,
+    group_blocks,
     quantize,
     row_bytes,
-    ungroup_q4_0,
+    ungroup_blocks,
 )
 
 TYPES = pytest.mark.parametrize("qtype", list(QUANT_TYPES.values()), ids=list(QUANT_TYPES))
-# ... and the layout the kernels keep Q4_0 in
+# ... and the layouts the kernels keep Q4_0 and Q4_1 in
 KERNEL_TYPES = pytest.mark.parametrize(
-    "qtype", [*QUANT_TYPES.values(), Q4_0_GROUPED], ids=[*QUANT_TYPES, "q4_0_grouped"]
+    "qtype",
+    [*QUANT_TYPES.values(), Q4_0_GROUPED, Q4_1_GROUPED],
+    ids=[*QUANT_TYPES, "q4_0_grouped", "q4_1_grouped"],
 )
 
 
@@ -48,8 +53,8 @@ def quant(isa_level):
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
     Q4_1 and Q4_K (whose every bit pattern is a valid block)."""
-    if qtype is Q4_0_GROUPED:
-        return group_q4_0(table(Q4_0, n, k, seed))
+    if qtype in UNGROUPED:
+        return group_blocks(UNGROUPED[qtype], table(UNGROUPED[qtype], n, k, seed))[1]
     generator = torch.Generator().manual_seed(seed)
     if qtype in PACKABLE:
         return quantize(torch.randn(n, k, generator=generator) / k**0.5, qtype)
@@ -121,7 +126,9 @@ def test_kernel_matches_the_reference_linear(quant, qtype, rows, n, bias):
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q8_0, Q4_0, Q4_0_GROUPED, Q4_1], ids=["q8_0", "q4_0", "q4_0_grouped", "q4_1"]
+    "qtype",
+    [Q8_0, Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED],
+    ids=["q8_0", "q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 4, 5, 15, 16, 17, 18, 20, 33])
 def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
@@ -150,7 +157,9 @@ def test_bf16_activations(quant, qtype):
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q4_0, Q4_0_GROUPED, Q4_1, Q4_K], ids=["q4_0", "q4_0_grouped", "q4_1", "q4_k"]
+    "qtype",
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K],
+    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
@@ -163,7 +172,7 @@ def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row
 
 
 @pytest.mark.skipif("avx512_bf16" not in runnable_levels(), reason="no AVX512-BF16 here")
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1], ids=["q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q4_1_GROUPED], ids=["q4_0", "q4_1", "q4_1_grouped"])
 def test_the_bf16_bodies_without_byte_permutes(monkeypatch, tmp_path, qtype):
     """This CPU's own level is built with -march=native; a CPU with BF16 but no AVX512-VBMI
     (Cooper Lake) builds avx512_bf16 with the level's flags only, where Q4_1 takes its scales a
@@ -206,31 +215,44 @@ def test_a_row_does_not_depend_on_the_other_rows(quant, qtype, dtype):
         assert all(torch.equal(together[r], alone[r]) for r in range(rows))
 
 
+@pytest.mark.parametrize("qtype", list(GROUPED), ids=[t.name for t in GROUPED])
 @pytest.mark.parametrize("blocks_per_row", [1, 5, 16, 18, 33, 64])
-def test_q4_0_grouped_is_q4_0_bit_for_bit(quant, blocks_per_row):
-    """The grouped layout holds GGUF's Q4_0 blocks, each group's scales first (the last group
-    shorter where the row's blocks are not a multiple of 16): it converts back unchanged, and
-    every kernel computes the very bits it computes over GGUF's layout."""
-    k = 32 * blocks_per_row
-    blocks = table(Q4_0, 11, k, seed=blocks_per_row)
-    grouped = group_q4_0(blocks)
-    assert grouped.shape == blocks.shape and torch.equal(ungroup_q4_0(grouped), blocks)
-    if blocks_per_row == 18:  # two groups: 16 scales, 16 blocks' quants, 2 scales, 2 blocks'
-        view = blocks.view(11, 18, 18)
-        assert torch.equal(grouped[:, :32], view[:, :16, :2].reshape(11, 32))
-        assert torch.equal(grouped[:, 32:288], view[:, :16, 2:].reshape(11, 256))
-        assert torch.equal(grouped[:, 288:292], view[:, 16:, :2].reshape(11, 4))
+def test_grouped_is_gguf_bit_for_bit(quant, qtype, blocks_per_row):
+    """The grouped layout holds GGUF's Q4_0 or Q4_1 blocks, each group's d first, then (Q4_1)
+    its m, then its quants (the last group shorter where the row's blocks are not a multiple of
+    16): it converts back unchanged, and every kernel computes the very bits it computes over
+    GGUF's layout (Q4_1 with bf16 activations: where the CPU has AVX512-VBMI, whose byte
+    permutes give GGUF's layout the grouped sums; a CPU without them is one rounding off)."""
+    k, head = 32 * blocks_per_row, qtype.block_bytes - 16
+    blocks = table(qtype, 300, k, seed=blocks_per_row)  # enough rows to meet a rounding tie
+    grouped_type, grouped = group_blocks(qtype, blocks)
+    assert grouped_type is GROUPED[qtype] and grouped.shape == blocks.shape
+    back_type, back = ungroup_blocks(grouped_type, grouped)
+    assert back_type is qtype and torch.equal(back, blocks)
+    if blocks_per_row == 18:  # two groups: 16 blocks' heads and quants, then 2 blocks'
+        view = blocks.view(300, 18, qtype.block_bytes)
+        assert torch.equal(grouped[:, :32], view[:, :16, :2].reshape(300, 32))  # d
+        if head == 4:
+            assert torch.equal(grouped[:, 32:64], view[:, :16, 2:4].reshape(300, 32))  # m
+        quants = 16 * head
+        assert torch.equal(grouped[:, quants : quants + 256], view[:, :16, head:].reshape(300, 256))
+        second = 16 * qtype.block_bytes
+        assert torch.equal(grouped[:, second : second + 4], view[:, 16:, :2].reshape(300, 4))
+    permutes = "avx512vbmi" in cpu_isa.cpu_features()
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(
-            quant.dequantize(Q4_0_GROUPED, grouped, k, dtype),
-            quant.dequantize(Q4_0, blocks, k, dtype),
+            quant.dequantize(grouped_type, grouped, k, dtype),
+            quant.dequantize(qtype, blocks, k, dtype),
         )
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dtype)
         for rows in (1, 5):
-            expected = quant.bind(Q4_0, blocks, k, None, dtype)(x[:rows])
-            assert torch.equal(
-                quant.bind(Q4_0_GROUPED, grouped, k, None, dtype)(x[:rows]), expected
-            )
+            expected = quant.bind(qtype, blocks, k, None, dtype)(x[:rows])
+            got = quant.bind(grouped_type, grouped, k, None, dtype)(x[:rows])
+            bf16_sums = dtype is torch.bfloat16 and quant.level == "avx512_bf16"
+            if qtype is Q4_1 and bf16_sums and not permutes:
+                torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+            else:
+                assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

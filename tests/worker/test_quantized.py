@@ -20,10 +20,12 @@ from safetensors.torch import save_file
 from tests.cpu_levels import kernel_at
 from yaied import LLM, SamplingParams
 from yaied.core.config import EngineConfig, LoopConfig, ModelConfig
+from yaied.kernels import cpu_isa
 from yaied.kernels.cpu_quant import (
+    GROUPED,
     MAX_ROWS,
     Q4_0,
-    Q4_0_GROUPED,
+    Q4_1,
     Q4_K,
     Q8_0,
     QUANT_TYPES,
@@ -373,18 +375,35 @@ def test_unknown_tensor_type_names_the_tensor(tiny_gguf, tmp_path):
         _load(bad, "gguf", tmp_path / "cache")
 
 
+def _q4_1_from(q4_0: torch.Tensor) -> torch.Tensor:
+    """A Q4_1 table of the same weights as a Q4_0 one: each block's d, m = -8 d, its quants."""
+    view = q4_0.view(q4_0.shape[0], -1, 18)
+    m = (view[..., :2].contiguous().view(torch.float16) * -8).view(torch.uint8)
+    return torch.cat([view[..., :2], m, view[..., 2:]], -1).reshape(q4_0.shape[0], -1).contiguous()
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4_0_is_kept_grouped(isa_level, dtype):
-    """A Q4_0 layer keeps its blocks in the kernels' grouped layout (its scales 16 at a time):
-    the same weight, shown as q4_0, computed as over GGUF's layout."""
+def test_q4_is_kept_grouped(isa_level, qtype, dtype):
+    """A Q4_0 or Q4_1 layer keeps its blocks in the kernels' grouped layout (its scales 16 at a
+    time): the same weight, shown by its GGUF name, computed as over GGUF's layout (Q4_1 with
+    bf16 sums: where the CPU has the byte permutes that give GGUF's layout the grouped sums)."""
     torch.manual_seed(4)
     n, k = 40, 576  # 18 blocks a row: a group of 16 and one of 2
     blocks = quantize(torch.randn(n, k) / 24, Q4_0)
-    layer = QuantizedLinear(Q4_0, blocks, k, None)
-    assert layer.qtype is Q4_0_GROUPED and "q4_0" in layer.extra_repr()
+    if qtype is Q4_1:
+        blocks = _q4_1_from(blocks)
+    layer = QuantizedLinear(qtype, blocks, k, None)
+    assert layer.qtype is GROUPED[qtype] and qtype.name in layer.extra_repr()
     assert layer.blocks.shape == blocks.shape and not torch.equal(layer.blocks, blocks)
     kernel = kernel_at(CpuQuant, isa_level)
     layer.bind(kernel, dtype)
-    assert torch.equal(layer.unpacked(dtype), dequantize_reference(Q4_0, blocks, k).to(dtype))
+    assert torch.equal(layer.unpacked(dtype), dequantize_reference(qtype, blocks, k).to(dtype))
     x = torch.randn(3, k).to(dtype)
-    assert torch.equal(layer.few_rows(x), kernel.bind(Q4_0, blocks, k, None, dtype)(x))
+    expected = kernel.bind(qtype, blocks, k, None, dtype)(x)
+    bf16_sums = dtype is torch.bfloat16 and isa_level == "avx512_bf16"
+    if qtype is Q4_1 and bf16_sums and "avx512vbmi" not in cpu_isa.cpu_features():
+        got = layer.few_rows(x).float()
+        torch.testing.assert_close(got, expected.float(), rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(layer.few_rows(x), expected)

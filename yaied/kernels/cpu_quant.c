@@ -25,10 +25,11 @@
  *   Q4_0  18 bytes / 32: d, 16 bytes; q[i] = low nibble of byte i,
  *         q[i + 16] = its high nibble                                w = d (q - 8)
  *   Q4_1  20 bytes / 32: d, m, 16 bytes as Q4_0                      w = d q + m
- *   Q4_0 grouped (yaied's own; cpu_quant.py converts GGUF's Q4_0 at load): the same blocks, a
- *         row's in groups of 16 (the last may be shorter), each group its blocks' d first,
- *         then their 16 bytes of quants: the bodies convert a group's 16 scales at once (the
- *         bf16 body ran 1.1-1.17x faster on 1B-shaped layers, the same bits)
+ *   Q4_0 and Q4_1 grouped (yaied's own; cpu_quant.py converts GGUF's at load): the same
+ *         blocks, a row's in groups of 16 (the last may be shorter), each group its blocks' d
+ *         first, then (Q4_1) their m, then their 16 bytes of quants: the bodies convert a
+ *         group's 16 scales at once, without a gather or byte permutes (the bf16 bodies ran
+ *         1.1-1.17x faster on 1B-shaped Q4_0 layers, the same bits)
  *   Q4_K 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins, 128
  *         bytes: for each 64 weights, 32 bytes whose low nibbles are the first 32 and high
  *         nibbles the next 32                                        w = d sc_j q - dmin m_j
@@ -59,21 +60,41 @@
  * (docs/benchmarks.md). The plain-C body, which unpacks the row first, keeps the burst. */
 #define PREFETCH_AHEAD 2048
 
-/* GGUF's type numbers, and one of yaied's own for Q4_0 grouped (not a GGUF type) */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q4_0_GROUPED = 1002 };
-#define SCALE_GROUP 16 /* Q4_0 grouped: blocks a group */
+/* GGUF's type numbers, and yaied's own for the grouped layouts (not GGUF types) */
+enum {
+    TYPE_Q4_0 = 2,
+    TYPE_Q4_1 = 3,
+    TYPE_Q8_0 = 8,
+    TYPE_Q4_K = 12,
+    TYPE_Q4_0_GROUPED = 1002,
+    TYPE_Q4_1_GROUPED = 1003
+};
+#define SCALE_GROUP 16 /* grouped layouts: blocks a group */
 
-/* Q4_0 grouped: the group of block b starts at block first = b - b % SCALE_GROUP, holds
- * `count` blocks; block b's d and its quants. */
+static inline int is_grouped(int64_t type) {
+    return type == TYPE_Q4_0_GROUPED || type == TYPE_Q4_1_GROUPED;
+}
+/* Q4_1's blocks, in either layout, carry an m */
+static inline int has_min(int64_t type) { return type == TYPE_Q4_1 || type == TYPE_Q4_1_GROUPED; }
+
+/* The grouped layouts (bytes a block: 18 for Q4_0, 20 for Q4_1): the group of block b starts at
+ * block first = b - b % SCALE_GROUP and holds `count` blocks: their d, then Q4_1's m, then
+ * their quants. Block b's d, m and quants: */
 static inline int64_t group_count(int64_t first, int64_t blocks) {
     return blocks - first < SCALE_GROUP ? blocks - first : SCALE_GROUP;
 }
-static inline const uint8_t *grouped_scale(const uint8_t *row, int64_t b) {
-    return row + (b - b % SCALE_GROUP) * 18 + 2 * (b % SCALE_GROUP);
+static inline const uint8_t *grouped_scale(const uint8_t *row, int64_t b, int64_t bytes) {
+    return row + (b - b % SCALE_GROUP) * bytes + 2 * (b % SCALE_GROUP);
 }
-static inline const uint8_t *grouped_quants(const uint8_t *row, int64_t b, int64_t blocks) {
+static inline const uint8_t *grouped_min(const uint8_t *row, int64_t b, int64_t blocks) {
     int64_t first = b - b % SCALE_GROUP;
-    return row + first * 18 + 2 * group_count(first, blocks) + 16 * (b % SCALE_GROUP);
+    return row + first * 20 + 2 * group_count(first, blocks) + 2 * (b % SCALE_GROUP);
+}
+static inline const uint8_t *grouped_quants(const uint8_t *row, int64_t b, int64_t blocks,
+                                            int64_t bytes) {
+    int64_t first = b - b % SCALE_GROUP;
+    return row + first * bytes + (bytes - 16) * group_count(first, blocks) +
+           16 * (b % SCALE_GROUP);
 }
 
 /* A Q4_K super-block's lines (144 bytes at p): three prefetches 64 bytes apart, and the next
@@ -140,7 +161,8 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q8_0: return 34;
     case TYPE_Q4_0:
     case TYPE_Q4_0_GROUPED: return 18;
-    case TYPE_Q4_1: return 20;
+    case TYPE_Q4_1:
+    case TYPE_Q4_1_GROUPED: return 20;
     case TYPE_Q4_K: return 144;
     default: return -1;
     }
@@ -153,14 +175,15 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
     int64_t bytes = quant_block_bytes(type);
     for (int64_t b = 0; b < K / quant_block_size(type); b++) {
         const uint8_t *p = row + b * bytes;
-        int grouped = type == TYPE_Q4_0_GROUPED;
-        float d = half_to_float(grouped ? grouped_scale(row, b) : p);
+        int grouped = is_grouped(type), with_min = has_min(type);
+        float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p);
         if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
         } else if (type == TYPE_Q4_0 || grouped || type == TYPE_Q4_1) {
-            float m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
-            const uint8_t *q = grouped ? grouped_quants(row, b, K / QK)
-                                       : p + (type == TYPE_Q4_1 ? 4 : 2);
+            float m = !with_min ? -8.0f * d
+                      : half_to_float(grouped ? grouped_min(row, b, K / QK) : p + 2);
+            const uint8_t *q = grouped ? grouped_quants(row, b, K / QK, bytes)
+                                       : p + (with_min ? 4 : 2);
             for (int i = 0; i < 16; i++) {
                 out[b * QK + i] = d * (float)(q[i] & 0xF) + m;
                 out[b * QK + i + 16] = d * (float)(q[i] >> 4) + m;
@@ -374,26 +397,30 @@ static __attribute__((noinline)) float fdot_q4(const uint8_t *row, const float *
     return vec_sum(acc) + offset;
 }
 
-/* fdot_q4's Q4_0 over the grouped layout: a group's scales converted together, then the same
- * arithmetic in the same order as over GGUF's layout (the same bits). */
-static __attribute__((noinline)) float fdot_q4_0_grouped(const uint8_t *row, const float *x,
-                                                         const float *xsum, int64_t blocks) {
+/* fdot_q4 over the grouped layouts: a group's scales (and Q4_1's m) converted together, then the
+ * same arithmetic in the same order as over GGUF's layout (the same bits). */
+static __attribute__((noinline)) float fdot_q4_grouped(const uint8_t *row, const float *x,
+                                                       const float *xsum, int64_t blocks,
+                                                       int with_min) {
     vec acc = vec_zero();
     float offset = 0.0f, d[16];
+    int64_t bytes = with_min ? 20 : 18;
     for (int64_t first = 0; first < blocks; first += SCALE_GROUP) {
         int64_t count = group_count(first, blocks);
-        const uint8_t *group = row + first * 18, *quants = group + 2 * count;
+        const uint8_t *group = row + first * bytes, *mins = group + 2 * count;
+        const uint8_t *quants = group + (bytes - 16) * count;
 #if defined(__AVX512F__)
         __mmask16 k = (__mmask16)((1u << count) - 1);
         __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, group));
         _mm512_storeu_ps(d, dv);
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)),
-                              _mm512_maskz_loadu_ps(k, xsum + first), acc);
+        __m512 mv = with_min ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins))
+                             : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xsum + first), acc);
 #else
         float group_offset = 0.0f; /* block_scales' order */
         for (int64_t j = 0; j < count; j++) {
             d[j] = half_to_float(group + 2 * j);
-            group_offset += -8.0f * d[j] * xsum[first + j];
+            group_offset += (with_min ? half_to_float(mins + 2 * j) : -8.0f * d[j]) * xsum[first + j];
         }
         offset += group_offset;
 #endif
@@ -564,8 +591,8 @@ static inline void block_dot_bf16_alone(const uint8_t *row, const uint16_t *x, c
  * (in L2, one thread: 24 -> 35-40 G weights/s; fdot_q4's widening gains nothing from two).
  * with_min a constant in each caller, so that the blocks' loop has no branch. Q4_1 takes its
  * scales 16 blocks at a time (q4_1_group_scales: 1.1-1.3x), Q4_0 in GGUF's layout a block at a
- * time (permuted groups gained 0-5% there); the engine keeps Q4_0 grouped, whose scales come
- * 16 at a time without permutes (fdot_q4_0_grouped_bf16). */
+ * time (permuted groups gained 0-5% there). The engine keeps both grouped, whose scales come 16
+ * at a time without permutes (q4_grouped_bf16). */
 static inline __attribute__((always_inline)) float q4_bf16(const uint8_t *row, const uint16_t *x,
                                                            const float *pairs, const float *sums,
                                                            int64_t blocks, int with_min) {
@@ -600,33 +627,72 @@ static __attribute__((noinline)) float fdot_q4_0_bf16(const uint8_t *row, const 
     return q4_bf16(row, x, pairs, sums, blocks, 0);
 }
 
-/* q4_bf16's Q4_0 over the grouped layout: a group's 16 scales in one conversion, each block's
- * d then a broadcast load (fdot_q4_0_bf16 converts one a block): the same products and sums in
- * the same order, so the same bits, 1.1-1.17x faster on 1B-shaped layers. */
-static __attribute__((noinline)) float fdot_q4_0_grouped_bf16(const uint8_t *row,
-                                                              const uint16_t *x,
-                                                              const float *pairs, int64_t blocks) {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    float d[16];
+/* Block first + j of a group (its quants at quants + 16 j, its d in d[j]) into acc; with
+ * `alone`, its m (m[j]) through the pairs into mins, as block_dot_bf16_alone adds it. */
+static inline void grouped_block_bf16(const uint8_t *quants, const uint16_t *x, const float *pairs,
+                                      int64_t first, int64_t j, const float *d, int alone,
+                                      const float *m, __m512 *acc, __m512 *mins) {
+    quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), acc);
+    if (alone)
+        *mins = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(m[j]), _mm512_set1_ps(-1.0f / 128)),
+                                _mm512_loadu_ps(pairs + (first + j) * (QK / 2)), *mins);
+}
+
+/* q4_bf16 over the grouped layouts: a group's 16 scales in one conversion (Q4_1's m too), each
+ * block's d then a broadcast load: the same products and sums in the same order as over GGUF's
+ * layout, so the same bits (Q4_1: as q4_bf16 computes with byte permutes; a CPU of this level
+ * without them, which takes every Q4_1 block alone there, gets the grouped sums here), 1.1-1.17x
+ * faster on 1B-shaped Q4_0 layers. */
+static inline __attribute__((always_inline)) float q4_grouped_bf16(const uint8_t *row,
+                                                                   const uint16_t *x,
+                                                                   const float *pairs,
+                                                                   const float *sums,
+                                                                   int64_t blocks, int with_min) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    float d[16], m[16];
+    int64_t bytes = with_min ? 20 : 18;
     for (int64_t first = 0; first < blocks; first += SCALE_GROUP) {
         int64_t count = group_count(first, blocks);
-        const uint8_t *group = row + first * 18, *quants = group + 2 * count;
-        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                                (__mmask16)((1u << count) - 1), group)));
+        const uint8_t *group = row + first * bytes, *quants = group + (bytes - 16) * count;
+        __mmask16 k = (__mmask16)((1u << count) - 1);
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, group)));
+        if (with_min) {
+            __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, group + 2 * count));
+            /* a whole group's m through the block sums (q4_1_group_scales), a shorter one's a
+             * block at a time through the pairs (block_dot_bf16_alone) */
+            if (count == SCALE_GROUP)
+                mins = _mm512_fmadd_ps(mv, _mm512_loadu_ps(sums + first), mins);
+            else
+                _mm512_storeu_ps(m, mv);
+        }
         __asm__ volatile("" ::: "memory"); /* each block's d a broadcast load, not a permute */
-        /* a group's blocks alternate between the accumulators as fdot_q4_0_bf16's do: every
-         * group but the last has an even count */
+        /* a group's blocks alternate between the accumulators as q4_bf16's do: every group but
+         * the last has an even count */
+        int alone = with_min && count < SCALE_GROUP;
         int64_t j = 0;
         for (; j + 1 < count; j += 2) {
             __builtin_prefetch(quants + 16 * j + PREFETCH_AHEAD);
-            quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), &even);
-            quants_dot_bf16(quants + 16 * j + 16, x, pairs, first + j + 1,
-                            _mm512_set1_ps(d[j + 1]), &odd);
+            grouped_block_bf16(quants, x, pairs, first, j, d, alone, m, &even, &mins);
+            grouped_block_bf16(quants, x, pairs, first, j + 1, d, alone, m, &odd, &mins);
         }
-        if (j < count)
-            quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), &even);
+        if (j < count) grouped_block_bf16(quants, x, pairs, first, j, d, alone, m, &even, &mins);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even, odd), mins));
+}
+
+/* q4_grouped_bf16 compiled once per type, with_min a constant in each */
+static __attribute__((noinline)) float fdot_q4_0_grouped_bf16(const uint8_t *row,
+                                                              const uint16_t *x,
+                                                              const float *pairs,
+                                                              const float *sums, int64_t blocks) {
+    return q4_grouped_bf16(row, x, pairs, sums, blocks, 0);
+}
+
+static __attribute__((noinline)) float fdot_q4_1_grouped_bf16(const uint8_t *row,
+                                                              const uint16_t *x,
+                                                              const float *pairs,
+                                                              const float *sums, int64_t blocks) {
+    return q4_grouped_bf16(row, x, pairs, sums, blocks, 1);
 }
 
 static __attribute__((noinline)) float fdot_q4_1_bf16(const uint8_t *row, const uint16_t *x,
@@ -724,8 +790,9 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     switch (type) {
     case TYPE_Q8_0: return fdot_q8_0(row, x, xsum, K / QK);
     case TYPE_Q4_0: return fdot_q4(row, x, xsum, K / QK, 0);
-    case TYPE_Q4_0_GROUPED: return fdot_q4_0_grouped(row, x, xsum, K / QK);
+    case TYPE_Q4_0_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 0);
     case TYPE_Q4_1: return fdot_q4(row, x, xsum, K / QK, 1);
+    case TYPE_Q4_1_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 1);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
 }
@@ -758,8 +825,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q4_*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED || type == TYPE_Q4_1 ||
-           type == TYPE_Q4_K;
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -819,11 +885,18 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                 if (permuted) {
                     const uint16_t *xp = permuted + m * K;
                     const float *pm = pairs + m * K / 2, *sums = pairs + rows * K / 2 + m * blocks;
-                    float dot = type == TYPE_Q4_0_GROUPED
-                                    ? fdot_q4_0_grouped_bf16(row, xp, pm, blocks)
-                                : type == TYPE_Q4_K ? fdot_q4_k_bf16(row, xp, pm, sums, K / 256)
-                                : type == TYPE_Q4_1 ? fdot_q4_1_bf16(row, xp, pm, sums, blocks)
-                                                    : fdot_q4_0_bf16(row, xp, pm, sums, blocks);
+                    float dot;
+                    switch (type) {
+                    case TYPE_Q4_0_GROUPED:
+                        dot = fdot_q4_0_grouped_bf16(row, xp, pm, sums, blocks);
+                        break;
+                    case TYPE_Q4_1_GROUPED:
+                        dot = fdot_q4_1_grouped_bf16(row, xp, pm, sums, blocks);
+                        break;
+                    case TYPE_Q4_K: dot = fdot_q4_k_bf16(row, xp, pm, sums, K / 256); break;
+                    case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
+                    default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
+                    }
                     out[m * N + n] = dot + b;
                     continue;
                 }
@@ -907,8 +980,8 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
     vec w[GROUP];
     for (int64_t b = 0; b < K / QK; b++) {
         const uint8_t *p = row + b * bytes;
-        int grouped = type == TYPE_Q4_0_GROUPED;
-        float d = half_to_float(grouped ? grouped_scale(row, b) : p), m = 0.0f;
+        int grouped = is_grouped(type), with_min = has_min(type);
+        float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p), m = 0.0f;
         float *o = out + b * QK;
         if (type == TYPE_Q8_0) {
             widen_s8(p + 2, w);
@@ -918,9 +991,9 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
                 vec_store(o + 16 + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));
             continue;
         }
-        m = type == TYPE_Q4_1 ? half_to_float(p + 2) : -8.0f * d;
+        m = !with_min ? -8.0f * d : half_to_float(grouped ? grouped_min(row, b, K / QK) : p + 2);
         vec lo[GROUP], hi[GROUP];
-        widen_nibbles(grouped ? grouped_quants(row, b, K / QK) : p + (type == TYPE_Q4_1 ? 4 : 2),
+        widen_nibbles(grouped ? grouped_quants(row, b, K / QK, bytes) : p + (with_min ? 4 : 2),
                       lo, hi);
         for (int g = 0; g < GROUP; g++) {
             vec_store(o + g * LANES, vec_fma(lo[g], vec_set1(d), vec_set1(m)));

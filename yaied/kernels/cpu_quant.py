@@ -4,10 +4,10 @@ whose few-row linear reads the blocks directly and whose unpacking feeds matmuls
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
 blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
-it is; Q4_0 is regrouped at load into ``Q4_0_GROUPED``, the same blocks with each 16 blocks'
-scales together, which the kernels read faster). The C side takes a descriptor (type, address
-of the table) where cpu_gemv.c takes a bf16 weight, with the same entry signature, so the decode
-loop (cpu_decode_loop.c) calls either.
+it is; Q4_0 and Q4_1 are regrouped at load into ``Q4_0_GROUPED`` and ``Q4_1_GROUPED``, the same
+blocks with each 16 blocks' scales together, which the kernels read faster). The C side takes a
+descriptor (type, address of the table) where cpu_gemv.c takes a bf16 weight, with the same entry
+signature, so the decode loop (cpu_decode_loop.c) calls either.
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
 Q4_K = QuantType("q4_k", 12, 256, 144)
 QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K)}
-# yaied's own layout of Q4_0 (cpu_quant.c's header): a row's blocks in groups of SCALE_GROUP (the
-# last may be shorter), each group's fp16 scales first, then its blocks' 16 bytes of quants. Not
-# a GGUF type: its number is cpu_quant.c's, and it shows as "q4_0".
+# yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
+# SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
+# its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
+# as "q4_0" and "q4_1".
 Q4_0_GROUPED = QuantType("q4_0", 1002, 32, 18)
+Q4_1_GROUPED = QuantType("q4_1", 1003, 32, 20)
 SCALE_GROUP = 16
+# GGUF's type -> its grouped layout, and back
+GROUPED = {Q4_0: Q4_0_GROUPED, Q4_1: Q4_1_GROUPED}
+UNGROUPED = {grouped: gguf for gguf, grouped in GROUPED.items()}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
 # The types yaied packs from float weights itself (--quantization q8_0 | q4_0).
 PACKABLE = (Q8_0, Q4_0)
@@ -73,32 +78,39 @@ def check_table(qtype: QuantType, blocks: torch.Tensor, n: int, k: int, name: st
         )
 
 
-def group_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """A Q4_0 table [N, row bytes] in GGUF's layout, regrouped as Q4_0_GROUPED (a new tensor)."""
-    return _regroup(blocks, to_grouped=True)
+def group_blocks(qtype: QuantType, blocks: torch.Tensor) -> tuple[QuantType, torch.Tensor]:
+    """A Q4_0 or Q4_1 table [N, row bytes] in GGUF's layout, regrouped: (its grouped type, a new
+    tensor)."""
+    return GROUPED[qtype], _regroup(qtype, blocks, to_grouped=True)
 
 
-def ungroup_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """A Q4_0_GROUPED table back in GGUF's Q4_0 layout (a new tensor)."""
-    return _regroup(blocks, to_grouped=False)
+def ungroup_blocks(grouped: QuantType, blocks: torch.Tensor) -> tuple[QuantType, torch.Tensor]:
+    """A grouped table back in GGUF's layout: (GGUF's type, a new tensor)."""
+    qtype = UNGROUPED[grouped]
+    return qtype, _regroup(qtype, blocks, to_grouped=False)
 
 
-def _regroup(blocks: torch.Tensor, to_grouped: bool) -> torch.Tensor:
+def _regroup(qtype: QuantType, blocks: torch.Tensor, to_grouped: bool) -> torch.Tensor:
     """Copied group by group into one new table: no other copy of the weight on the way (a 1B
     model's Q4_0 is 600 MB)."""
-    n = blocks.shape[0]
-    count = blocks.shape[1] // Q4_0.block_bytes
+    n, size_of = blocks.shape[0], qtype.block_bytes
+    head = size_of - 16  # d, and Q4_1's m: 2 bytes each
+    count = blocks.shape[1] // size_of
     out = torch.empty_like(blocks)
     for first in range(0, count, SCALE_GROUP):
         size = min(SCALE_GROUP, count - first)
-        columns = slice(first * 18, (first + size) * 18)
+        columns = slice(first * size_of, (first + size) * size_of)
         # the same group of blocks in the two layouts, one of them being written
         source, target = blocks[:, columns], out[:, columns]
         gguf, grouped = (source, target) if to_grouped else (target, source)
-        gguf = gguf.view(n, size, 18)
-        scales = grouped[:, : 2 * size].view(n, size, 2)
-        quants = grouped[:, 2 * size :].view(n, size, 16)
-        for in_gguf, in_grouped in ((gguf[..., :2], scales), (gguf[..., 2:], quants)):
+        gguf = gguf.view(n, size, size_of)
+        # each 2-byte field of the blocks' heads (d, m), then the quants
+        fields = [
+            (gguf[..., at : at + 2], grouped[:, at * size : (at + 2) * size].view(n, size, 2))
+            for at in range(0, head, 2)
+        ]
+        fields.append((gguf[..., head:], grouped[:, head * size :].view(n, size, 16)))
+        for in_gguf, in_grouped in fields:
             if to_grouped:
                 in_grouped.copy_(in_gguf)
             else:
@@ -116,8 +128,8 @@ def _halves(table: torch.Tensor, offset: int) -> torch.Tensor:
 
 def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torch.Tensor:
     """The weight [N, k] fp32 that a block table holds (the formats as cpu_quant.c states them)."""
-    if qtype is Q4_0_GROUPED:
-        return dequantize_reference(Q4_0, ungroup_q4_0(blocks), k)
+    if qtype in UNGROUPED:
+        return dequantize_reference(*ungroup_blocks(qtype, blocks), k)
     n = blocks.shape[0]
     table = blocks.reshape(n, k // qtype.block_size, qtype.block_bytes)
     d = _halves(table, 0)

@@ -25,16 +25,15 @@ from torch import nn
 
 from yaied.kernels.cpu_quant import (
     BY_GGML_ID,
+    GROUPED,
     MAX_ROWS,
-    Q4_0,
-    Q4_0_GROUPED,
     Q8_0,
     QUANT_TYPES,
     CpuQuant,
     QuantType,
     check_table,
     dequantize_reference,
-    group_q4_0,
+    group_blocks,
     quantize,
 )
 
@@ -84,8 +83,8 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, blocks.shape[0]
         check_table(qtype, blocks, self.out_features, in_features, "weight")
-        if qtype is Q4_0:  # the kernels' own layout of the same blocks (cpu_quant.py)
-            qtype, blocks = Q4_0_GROUPED, group_q4_0(blocks)
+        if qtype in GROUPED:  # the kernels' own layout of the same blocks (cpu_quant.py)
+            qtype, blocks = group_blocks(qtype, blocks)
         self.qtype, self.blocks = qtype, blocks
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
@@ -203,7 +202,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
             linear = layer.get_submodule(name)
             full_name = f"layers.{index}.{name}"
             if tables is not None:
-                found = tables.pop(full_name)  # the table's last holder: Q4_0 regroups a copy
+                found = tables.pop(full_name)  # the table's last holder: Q4_0/Q4_1 regroup a copy
                 if isinstance(found, str):
                     kept.append(found)
                     continue
