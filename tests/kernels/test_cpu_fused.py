@@ -55,3 +55,36 @@ def test_silu_mul(ops, dtype, tolerance, rows):
 
 def test_launchers_check_inputs(ops):
     launcher_refusals(ops)
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 49152, 49157], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_argmax_is_torchs(ops, rows, n):
+    """Greedy sampling's argmax: torch's indices, ties to the first, at every level (vector
+    bodies and their scalar tails; 32 rows of 49152 take the threads)."""
+    generator = torch.Generator().manual_seed(rows * 100003 + n)
+    logits = torch.randn(rows, n, generator=generator)
+    if n > 1:  # ties: the maximum again further on, and early (lane 3) in another row
+        top = logits.max(dim=-1).values
+        logits[0, n - 1] = top[0]
+        logits[rows - 1, min(3, n - 1)] = top[rows - 1]
+        logits[rows - 1, n - 1] = top[rows - 1]
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_torch_would_mark(ops):
+    """Rows the engine fails as non-finite still get torch's answer: the first NaN, the first
+    +inf, and 0 for a row of -inf (a grammar's fully masked row)."""
+    logits = torch.randn(4, 1000)
+    logits[0, 17] = float("nan")
+    logits[0, 900] = float("nan")
+    logits[1, 40] = float("inf")
+    logits[1, 41] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, 999] = float("nan")  # in the scalar tail of every level
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax(logits[:, :500].clone()), logits[:, :500].argmax(dim=-1))
+    # what the kernel does not take goes to torch
+    half = logits.bfloat16()
+    assert torch.equal(ops.argmax(half), half.argmax(dim=-1))
+    assert torch.equal(ops.argmax(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))

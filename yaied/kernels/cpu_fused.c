@@ -48,3 +48,86 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16)
 DEFINE_ROTARY(rotary_f32, float, f32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32)
+
+/* ---- greedy sampling's argmax ----
+ *
+ * out[r] = the index of row r's largest value, the first where it repeats, a NaN counting as
+ * the largest (the first NaN), as torch.argmax has it; logits fp32 [rows, n]. torch's argmax
+ * took 85-90 us for one row of the default model's 49152 logits (its amax 15 us) and 1.4 ms for
+ * 32 rows: 1% of a quantized batch-1 decode step. Two passes over the row (the maximum, then
+ * its first index), a few microseconds from L2. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ARGMAX_LANES 16
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define ARGMAX_LANES 8
+#else
+#define ARGMAX_LANES 1
+#endif
+
+/* The row's largest value; *nan set where the row holds a NaN (the value is then meaningless) */
+static float row_max(const float *x, int64_t n, int *nan) {
+    int64_t i = 0;
+    float m = -INFINITY;
+    int unordered = 0;
+#if ARGMAX_LANES == 16
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 bad = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, v);
+    }
+    unordered = bad != 0;
+    m = _mm512_reduce_max_ps(vm);
+#elif ARGMAX_LANES == 8
+    __m256 vm = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(vm, v);
+    }
+    unordered = _mm256_movemask_ps(bad) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) unordered = 1;
+        m = x[i] > m ? x[i] : m;
+    }
+    *nan = unordered;
+    return m;
+}
+
+static int64_t row_argmax(const float *x, int64_t n) {
+    int nan;
+    float m = row_max(x, n, &nan);
+    int64_t i = 0;
+    if (nan) {
+        while (x[i] == x[i]) i++;
+        return i;
+    }
+#if ARGMAX_LANES == 16
+    __m512 vm = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vm, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#elif ARGMAX_LANES == 8
+    __m256 vm = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == m) return i;
+    return 0; /* not reached: m is one of the row's values (n >= 1) */
+}
+
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if(rows * n >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * n, n);
+}

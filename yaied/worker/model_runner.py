@@ -12,6 +12,7 @@ from torch import nn
 from yaied.core.request import TokenLogprobs
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
 from yaied.kernels.cpu_decode import CpuDecodeKernel
+from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_prefill import CpuPrefillKernel
 from yaied.structured import TokenBitmask, apply_bitmask
 from yaied.worker.logprobs import prompt_logprobs, sampled_logprobs
@@ -226,8 +227,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         # Plain greedy rows need only an argmax: no per-row settings to build and copy over.
         if all(s.params.greedy and not _needs_processing(s) for s in seqs):
-            return logits.argmax(dim=-1)
+            return self._argmax(logits)
         return sample(logits, self._sampling_tensors(seqs), self.generator)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax; on CPU by the fused kernels' (several times faster than torch's,
+        the same indices) where the model runs them."""
+        ops = getattr(self.model, "fused_ops", None)
+        if logits.device.type == "cpu" and isinstance(ops, CpuFusedOps):
+            return ops.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def _sampling_tensors(self, seqs: list[ScheduledSeq]) -> SamplingTensors:
         return SamplingTensors.build(
