@@ -173,9 +173,9 @@ int64_t quant_block_size(int64_t type) { return type == TYPE_Q4_K ? 256 : QK; }
 /* ---- unpacking: one weight row to fp32 ---- */
 static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
     int64_t bytes = quant_block_bytes(type);
+    int grouped = is_grouped(type), with_min = has_min(type);
     for (int64_t b = 0; b < K / quant_block_size(type); b++) {
         const uint8_t *p = row + b * bytes;
-        int grouped = is_grouped(type), with_min = has_min(type);
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p);
         if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
@@ -577,15 +577,19 @@ static inline void q4_1_group_scales(const uint8_t *p, const float *sums, float 
 }
 #endif
 
-/* Block b with its own scales: d broadcast from the block, Q4_1's m x-sum through the pairs
- * ((-m / 128) pairs, the division by a power of two exact). */
+/* Block b's m times its activations' sum into mins, through the pairs: (-m / 128) pairs, the
+ * division by a power of two exact. */
+static inline void min_through_pairs(__m512 m, const float *pairs, int64_t b, __m512 *mins) {
+    *mins = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(-1.0f / 128)),
+                            _mm512_loadu_ps(pairs + b * (QK / 2)), *mins);
+}
+
+/* Block b with its own scales: d broadcast from the block, Q4_1's m through the pairs. */
 static inline void block_dot_bf16_alone(const uint8_t *row, const uint16_t *x, const float *pairs,
                                         int64_t b, int with_min, __m512 *acc, __m512 *mins) {
     const uint8_t *p = row + b * (with_min ? 20 : 18);
     block_dot_bf16(row, x, pairs, b, with_min, half_in_lanes(p), acc);
-    if (with_min)
-        *mins = _mm512_fmadd_ps(_mm512_mul_ps(half_in_lanes(p + 2), _mm512_set1_ps(-1.0f / 128)),
-                                _mm512_loadu_ps(pairs + b * (QK / 2)), *mins);
+    if (with_min) min_through_pairs(half_in_lanes(p + 2), pairs, b, mins);
 }
 
 /* Two accumulators, even and odd blocks: with one, each block waited on the last one's FMA
@@ -634,9 +638,7 @@ static inline void grouped_block_bf16(const uint8_t *quants, const uint16_t *x, 
                                       int64_t first, int64_t j, const float *d, int alone,
                                       const float *m, __m512 *acc, __m512 *mins) {
     quants_dot_bf16(quants + 16 * j, x, pairs, first + j, _mm512_set1_ps(d[j]), acc);
-    if (alone)
-        *mins = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(m[j]), _mm512_set1_ps(-1.0f / 128)),
-                                _mm512_loadu_ps(pairs + (first + j) * (QK / 2)), *mins);
+    if (alone) min_through_pairs(_mm512_set1_ps(m[j]), pairs, first + j, mins);
 }
 
 /* q4_bf16 over the grouped layouts: a group's 16 scales in one conversion (Q4_1's m too), each
@@ -979,10 +981,10 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
         return;
     }
     int64_t bytes = quant_block_bytes(type);
+    int grouped = is_grouped(type), with_min = has_min(type);
     vec w[GROUP];
     for (int64_t b = 0; b < K / QK; b++) {
         const uint8_t *p = row + b * bytes;
-        int grouped = is_grouped(type), with_min = has_min(type);
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p), m = 0.0f;
         float *o = out + b * QK;
         if (type == TYPE_Q8_0) {
