@@ -126,6 +126,27 @@ def test_a_query_gets_the_same_bits_in_any_chunk(kernel, path):
 
 
 @pytest.mark.parametrize("path", ["amx", "bf16-dot", "portable", "fp32"])
+def test_a_chat_chain_gets_the_bits_of_one_fresh_prompt(kernel, path):
+    """The same at a chat's length: eight turns of a ``previous_response_id`` chain, each a
+    chunk over the cache the turns before it left (the last one new tokens over 624 cached, the
+    shape of issue 33's turn 8), give every query the bits of the whole prompt computed at once;
+    the context spans 22 key blocks, so each row's running maximum moves many times."""
+    dtype = use_path(kernel, path)
+    q, k_cache, v_cache, pages = make_case(dtype, 3, 3, 64, 16, 703, 0, seed=5)
+    q = q * 2  # sharper scores: the running maximums move more often
+    try:
+        whole = kernel(q, k_cache, v_cache, pages, 0, 0.125)
+        bounds = [0, 90, 171, 259, 350, 437, 526, 624, 703]
+        parts = [
+            kernel(q[a:b], k_cache, v_cache, pages, a, 0.125)
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+        assert torch.equal(torch.cat(parts), whole)
+    finally:
+        kernel.use_bf16_dot = kernel.use_amx = True
+
+
+@pytest.mark.parametrize("path", ["amx", "bf16-dot", "portable", "fp32"])
 def test_many_chunks_in_one_call_give_each_its_own_bits(kernel, path):
     """``chunks`` (one thread a chunk; engine.batch_invariant's one-token decodes) against a
     call a chunk: sequences of one query and of several, over their own shuffled pages."""
