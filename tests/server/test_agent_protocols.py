@@ -47,7 +47,15 @@ def test_responses_items_become_chat_messages():
         ({"input": "x", "top_k": 5}, "top_k"),
         ({"input": "x", "stop": ["a"]}, "stop"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
+        ({"input": [{"type": "item_reference", "id": 5}]}, "input[0].id"),
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}
+                ]
+            },
+            "input[0].output",
+        ),
         ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ],
@@ -56,6 +64,65 @@ def test_responses_refusals_name_the_field(body, param):
     with pytest.raises(APIError) as caught:
         parse_responses(body)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_responses_input_items_keep_their_shape_and_ids():
+    """What GET /v1/responses/{id}/input_items lists: every item in Responses' shape, the
+    client's ids kept; a function call's output may be text parts."""
+    req = parse_responses(
+        {
+            "input": [
+                {"role": "developer", "content": "Be terse.", "id": "msg_mine"},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1",
+                 "output": [{"type": "input_text", "text": "sunny"}, {"type": "input_text",
+                                                                      "text": "mild"}]},
+            ]
+        }
+    )  # fmt: skip
+    assert [item.get("id") for item in req.input_items] == ["msg_mine", "rs_1", None, None]
+    assert req.input_items[0] == {
+        "id": "msg_mine", "type": "message", "role": "developer", "status": "completed",
+        "content": [{"type": "input_text", "text": "Be terse."}],
+    }  # fmt: skip
+    assert req.input_items[2] == {"type": "function_call", "call_id": "c1", "name": "w",
+                                  "arguments": "{}", "status": "completed"}  # fmt: skip
+    assert req.input_items[3]["output"] == req.new_messages[-1]["content"] == "sunny\nmild"
+    text = parse_responses({"input": "Hi"}).input_items
+    assert text == [{"type": "message", "role": "user", "status": "completed",
+                     "content": [{"type": "input_text", "text": "Hi"}]}]  # fmt: skip
+
+
+def test_responses_item_references_take_the_stored_items():
+    """Codex-style clients send back an earlier output item by id alone (``item_reference``,
+    or a bare ``{"id"}``): the resolver's item takes its place; an unknown id is a 404."""
+    stored = {
+        "fc_r1_0": {"type": "function_call", "id": "fc_r1_0", "call_id": "c1", "name": "w",
+                    "arguments": '{"city": "Oslo"}', "status": "completed"},
+        "msg_r1_1": {"type": "message", "id": "msg_r1_1", "role": "assistant", "status":
+                     "completed", "content": [{"type": "output_text", "text": "Checking.",
+                                               "annotations": []}]},
+    }  # fmt: skip
+    req = parse_responses(
+        {
+            "input": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"id": "msg_r1_1"},
+                {"type": "item_reference", "id": "fc_r1_0"},
+                {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+            ]
+        },
+        stored.get,
+    )
+    assert [m["role"] for m in req.new_messages] == ["user", "assistant", "tool"]
+    assistant = req.new_messages[1]
+    assert assistant["content"] == "Checking." and assistant["tool_calls"][0]["id"] == "c1"
+    assert [item["id"] for item in req.input_items[1:3]] == ["msg_r1_1", "fc_r1_0"]
+    for resolve in (stored.get, None):
+        with pytest.raises(APIError) as caught:
+            parse_responses({"input": [{"type": "item_reference", "id": "fc_r9_0"}]}, resolve)
+        assert caught.value.status == 404 and caught.value.param == "input[0]"
 
 
 def test_anthropic_blocks_become_chat_messages():

@@ -159,6 +159,7 @@ ROUTES = [
     "/%00",
     "/v1/responses",
     "/v1/responses/resp_0",
+    "/v1/responses/resp_0/input_items",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/embeddings",

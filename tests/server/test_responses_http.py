@@ -1,6 +1,7 @@
 """/v1/responses with the official openai client on the default model: whole and streamed
-responses, a function-tool loop over two turns through previous_response_id, responses.parse
-into a pydantic model, GET and DELETE, and the 4xx of bad requests."""
+responses, a function-tool loop over two turns through previous_response_id and one through
+item references, responses.parse into a pydantic model, GET and DELETE, input_items page by
+page, and the 4xx of bad requests."""
 
 from __future__ import annotations
 
@@ -113,6 +114,46 @@ def test_parse_into_a_pydantic_model(client):
     assert isinstance(response.output_parsed, City)
 
 
+def test_input_items_list_the_turns_input_page_by_page(client):
+    items = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]},
+    ]
+    response = client.responses.create(model=MODEL, input=items, max_output_tokens=4, temperature=0)
+    newest_first = client.responses.input_items.list(response.id)
+    assert [item.role for item in newest_first.data] == ["user", "developer"]
+    assert newest_first.data[0].content[0].text == "Capital of France?"
+    assert newest_first.first_id == newest_first.data[0].id and not newest_first.has_more
+    # one item a page: the client follows `after` to the end
+    pages = client.responses.input_items.list(response.id, order="asc", limit=1)
+    assert pages.has_more and len(pages.data) == 1
+    assert [item.id for item in pages] == [item.id for item in newest_first.data[::-1]]
+
+
+def test_a_tool_loop_through_item_references(client):
+    """Codex-style: the second turn re-sends the conversation, naming the stored call by its
+    id instead of previous_response_id."""
+    first = client.responses.create(
+        model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+    )  # fmt: skip
+    call = _calls(first)[0]
+    second = client.responses.create(
+        model=MODEL, tools=TOOLS, tool_choice="none", max_output_tokens=20, temperature=0,
+        input=[
+            {"role": "user", "content": ASK},
+            {"type": "item_reference", "id": call.id},
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": [{"type": "input_text", "text": '{"sky": "sunny"}'}]},
+        ],
+    )  # fmt: skip
+    assert second.status in ("completed", "incomplete") and second.output_text
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in listed.data] == ["message", "function_call",
+                                                   "function_call_output"]  # fmt: skip
+    assert listed.data[1].id == call.id and listed.data[1].arguments == call.arguments
+
+
 def test_bad_requests_get_4xx(live):
     url = live.v1 + "/responses"
     for body, status, param in [
@@ -129,3 +170,16 @@ def test_bad_requests_get_4xx(live):
         response = httpx.post(url, json=body)
         assert response.status_code == status, response.text
         assert response.json()["error"]["param"] == param
+    reference = {"type": "item_reference", "id": "fc_0123_0"}
+    response = httpx.post(url, json={"model": MODEL, "input": [reference]})
+    assert response.status_code == 404 and response.json()["error"]["param"] == "input[0]"
+    stored = httpx.post(url, json={"model": MODEL, "input": "x", "max_output_tokens": 1})
+    items_url = f"{url}/{stored.json()['id']}/input_items"
+    for query, status, param in [
+        ("limit=0", 400, "limit"), ("limit=101", 400, "limit"), ("limit=x", 400, "limit"),
+        ("order=up", 400, "order"), ("after=msg_nope", 400, "after"), ("page=2", 400, "page"),
+    ]:  # fmt: skip
+        response = httpx.get(f"{items_url}?{query}")
+        assert response.status_code == status, (query, response.text)
+        assert response.json()["error"]["param"] == param
+    assert httpx.get(f"{url}/resp_nope/input_items").status_code == 404

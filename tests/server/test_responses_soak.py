@@ -49,6 +49,14 @@ def test_one_key_never_sees_another_keys_responses(app):
     body = {"model": MODEL, "input": "Hi", "previous_response_id": mine["id"]}
     assert app.post("/v1/responses", json=body, headers=BOB).status_code == 404
     assert app.delete(f"/v1/responses/{mine['id']}", headers=BOB).status_code == 404
+    items = f"/v1/responses/{mine['id']}/input_items"
+    assert app.get(items, headers=ALICE).json()["data"][0]["content"][0]["text"] == "Hello"
+    assert app.get(items, headers=BOB).status_code == 404
+    # nor can it name one of them in an item reference
+    reference = {"type": "item_reference", "id": mine["output"][0]["id"]}
+    body = {"model": MODEL, "input": [reference, {"role": "user", "content": "Go on."}]}
+    assert app.post("/v1/responses", json=body, headers=BOB).status_code == 404
+    assert app.post("/v1/responses", json=body, headers=ALICE).status_code == 200
 
 
 def test_a_thousand_chained_turns_stay_within_the_bound(app):

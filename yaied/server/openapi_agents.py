@@ -127,10 +127,32 @@ def _by_id(summary: str) -> dict[str, Any]:
     }
 
 
+def _input_items() -> dict[str, Any]:
+    path = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    query = [
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
+        {"name": "after", "in": "query", "schema": {"type": "string"}},
+        {"name": "before", "in": "query", "schema": {"type": "string"}},
+    ]
+    answer = {
+        "200": {"description": "a list object"},
+        "400": {"description": "a bad page parameter"},
+        "404": {"description": "not stored for this key"},
+    }
+    summary = "A stored response's input items, a page at a time"
+    return {"get": {"summary": summary, "parameters": [path, *query], "responses": answer}}
+
+
 def agent_paths() -> dict[str, Any]:
     return {
         "/v1/responses": _post("OpenAI Responses API (stateful with store)", _RESPONSES, ["input"]),
         "/v1/responses/{response_id}": _by_id("A stored response"),
+        "/v1/responses/{response_id}/input_items": _input_items(),
         "/v1/messages": _post(
             "Anthropic Messages API (errors in Anthropic's shape)",
             _MESSAGES,

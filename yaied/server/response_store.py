@@ -28,13 +28,27 @@ class StoredResponse:
     chain_id: str  # the first response of the chain: the session the router pins it under
     instructions: str | None = None  # not carried over (OpenAI's rule), kept for GET only
     size: int = 0  # bytes counted against the store's bound
+    # this turn's input as Responses items, with ids: what GET .../input_items lists
+    input_items: tuple[dict[str, Any], ...] = ()
 
     @staticmethod
     def make(
-        id: str, messages: list[dict[str, Any]], body: dict[str, Any], chain_id: str
+        id: str,
+        messages: list[dict[str, Any]],
+        body: dict[str, Any],
+        chain_id: str,
+        input_items: list[dict[str, Any]] | None = None,
     ) -> StoredResponse:
-        size = len(orjson.dumps(messages)) + len(orjson.dumps(body))
-        return StoredResponse(id, tuple(messages), body, chain_id, size=size)
+        items = tuple(input_items or ())
+        size = sum(len(orjson.dumps(part)) for part in (messages, body, items))
+        return StoredResponse(id, tuple(messages), body, chain_id, size=size, input_items=items)
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A copy of this response's input or output item with that id."""
+        for item in (*self.input_items, *self.body.get("output", ())):
+            if item.get("id") == item_id:
+                return dict(item)
+        return None
 
 
 class ResponseStore:

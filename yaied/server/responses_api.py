@@ -5,6 +5,12 @@
                                 answer one response object or its typed SSE events
     GET    /v1/responses/{id}   the stored object (404 unless stored under the caller's key)
     DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}/input_items   that response's input items, a page at a time
+
+Items get ids that name their response (``msg_<response>_<n>`` for output n,
+``msg_<response>_in<n>`` for input n; ``fc``, ``fco``, ``rs`` for calls, call outputs and
+reasoning), so an ``item_reference`` in a later input finds its stored response without an
+index of its own.
 
 A continued chain's prompt is the previous turn's prompt, its output and the new input, so its
 prefix is in the radix cache; every call of one chain carries the chain's first id as its
@@ -39,6 +45,9 @@ from yaied.server.state import ServerState
 
 log = logging.getLogger(__name__)
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
+_INPUT_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                 "reasoning": "rs"}  # fmt: skip
+_LIST_PARAMS = frozenset({"after", "before", "include", "include[]", "limit", "order"})
 
 
 def routes() -> list[Route]:
@@ -46,6 +55,7 @@ def routes() -> list[Route]:
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     ]
 
 
@@ -67,6 +77,44 @@ async def get_response(request: Request) -> Response:
     return json_response(item.body)
 
 
+async def list_input_items(request: Request) -> Response:
+    """OpenAI's list of a response's input items: ``limit`` (1-100, default 20), ``order``
+    (``desc`` by default), ``after`` / ``before`` an item id of the list; ``include`` is
+    accepted (nothing here has more to include)."""
+    response_id = request.path_params["response_id"]
+    stored = _store(request).get(_namespace(request), response_id)
+    if stored is None:
+        raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
+    query = request.query_params
+    for name in query:
+        if name not in _LIST_PARAMS:
+            raise APIError(400, f"unknown query parameter {name!r}", param=name)
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit[:4]) <= 100):
+        raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, 'order must be "asc" or "desc"', param="order")
+    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+    ids = [item["id"] for item in items]
+    for name in ("after", "before"):
+        if name in query and query[name] not in ids:
+            raise APIError(400, f"{name} names no input item of {response_id!r}", param=name)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(ids)
+    items = items[start:end]
+    page = items[: int(limit)]
+    return json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
+
+
 async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not _store(request).delete(_namespace(request), response_id):
@@ -85,6 +133,13 @@ class _Turn:
         self.blocks = Blocks()
         self.history: list[dict[str, Any]] = []  # the stored conversation before this turn
         self.chain_id = response_id
+        # this turn's input items, each with an id (the client's, or one naming this response)
+        self.input_items = [
+            item
+            if "id" in item
+            else {"id": f"{_INPUT_PREFIX[item['type']]}_{response_id[5:]}_in{i}", **item}
+            for i, item in enumerate(req.input_items)
+        ]
 
     def item_id(self, block: Block) -> str:
         return f"{_ITEM_PREFIX[block.kind]}_{self.id[5:]}_{block.index}"
@@ -162,10 +217,12 @@ async def create_response(request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or response_id
     request.state.request_id = request_id
     manager = server.ready_manager()
-    req = parse_responses(await read_json(request))
+    namespace = _namespace(request)
+    req = parse_responses(
+        await read_json(request), lambda item_id: _stored_item(server, namespace, item_id)
+    )
     server.check_model(req.parsed.model)
     turn = _Turn(req, response_id, server.model_name)
-    namespace = _namespace(request)
     if req.previous_response_id is not None:
         previous = server.response_store.get(namespace, req.previous_response_id)
         if previous is None:
@@ -204,9 +261,19 @@ async def _drain(turn: _Turn, run: AgentRun) -> None:
     turn.blocks.close()
 
 
+def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str, Any] | None:
+    """The stored item an ``item_reference`` names: its id names its response (see above)."""
+    _, _, rest = item_id.partition("_")
+    response_suffix = rest.rpartition("_")[0]
+    stored = server.response_store.get(namespace, "resp_" + response_suffix)
+    return None if stored is None or not response_suffix else stored.item(item_id)
+
+
 def _keep(store: ResponseStore, namespace: str, turn: _Turn, body: dict[str, Any]) -> None:
     if turn.req.store:
-        item = StoredResponse.make(turn.id, turn.conversation(), body, turn.chain_id)
+        item = StoredResponse.make(
+            turn.id, turn.conversation(), body, turn.chain_id, turn.input_items
+        )
         if not store.put(namespace, item):
             log.warning("%s: too large to store (%d bytes)", turn.id, item.size)
 

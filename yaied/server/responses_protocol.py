@@ -8,6 +8,11 @@ as the client spelled it, unknown fields refused. The input items become chat me
     {"type": "function_call_output", call_id, output}                 -> a "tool" message
     {"type": "reasoning", ...}                                        -> dropped (as templates
                                                                           drop earlier thinking)
+    {"type": "item_reference", id} (or just {id})                     -> the stored item it names
+
+Each item is also kept in Responses' own shape (``input_items``), what
+``GET /v1/responses/{id}/input_items`` lists. A reference is resolved by the caller's
+``resolve`` (the store, in the caller's key namespace); without one, nothing is stored.
 
 ``instructions`` is a system message in front of this turn only (OpenAI does not carry it over
 a ``previous_response_id``); the stored conversation never holds it. Sampling fields come from
@@ -16,6 +21,7 @@ the one table (core/sampling_fields.py, endpoint "responses").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +53,9 @@ _UNSUPPORTED = {
     "top_logprobs": "top_logprobs on /v1/responses",
 }
 _EFFORTS = ("none", "minimal", "low", "medium", "high")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# An item id to the stored item it names (a copy), or None.
+ItemResolver = Callable[[str], dict[str, Any] | None]
 _ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -56,6 +65,8 @@ class ResponsesRequest:
 
     parsed: ParsedRequest
     new_messages: list[dict[str, Any]]  # this turn's input, as chat messages
+    # the same input as Responses items (references resolved; ids where the client gave them)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
     instructions: str | None = None
     store: bool = True
     previous_response_id: str | None = None
@@ -66,7 +77,7 @@ class ResponsesRequest:
     effort: str | None = None
 
 
-def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
+def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -> ResponsesRequest:
     _refuse_unknown_fields(body, RESPONSES_FIELDS)
     for name, what in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
@@ -81,7 +92,8 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     _get(body, "stream_options", (dict,))
     parsed.user = _get(body, "user", (str,))
     parse_sampling(body, parsed, "responses")
-    out = ResponsesRequest(parsed, _input_messages(body.get("input")))
+    messages, items = _input(body.get("input"), resolve)
+    out = ResponsesRequest(parsed, messages, items)
     out.instructions = _get(body, "instructions", (str,))
     out.store = _get(body, "store", (bool,), True)
     out.previous_response_id = _get(body, "previous_response_id", (str,))
@@ -94,32 +106,89 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     return out
 
 
-def _input_messages(value: Any) -> list[dict[str, Any]]:
+def _input(
+    value: Any, resolve: ItemResolver | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The input as chat messages, and as Responses items."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        item = _with_id(
+            {}, {"type": "message", "role": "user", "content": [_text_part("user", value)]}
+        )
+        return [{"role": "user", "content": value}], [item]
     if not isinstance(value, list) or not value:
         raise APIError(400, "input must be a string or a non-empty list of items", "input")
     messages: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object", param=where)
+        if item.get("type") == "item_reference" or item.keys() & {"type", "role", "id"} == {"id"}:
+            item = _referenced(item, where, resolve)
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item, where))
+            message = _message(item, where)
+            messages.append(message)
+            text = _text_part(item["role"], message["content"])
+            items.append(
+                _with_id(item, {"type": "message", "role": item["role"], "content": [text]})
+            )
         elif kind == "function_call":
-            _function_call(item, where, messages)
+            call = _function_call(item, where, messages)
+            items.append(_with_id(item, {"type": "function_call", **call}))
         elif kind == "function_call_output":
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not isinstance(output, str):
+            call_id, output = item.get("call_id"), _output_text(item.get("output"), where)
+            if not isinstance(call_id, str):
                 text = f"{where} needs call_id and output (strings)"
                 raise APIError(400, text, param=where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        elif kind != "reasoning":
+            items.append(_with_id(item, {"type": "function_call_output", "call_id": call_id,
+                                         "output": output}))  # fmt: skip
+        elif kind == "reasoning":
+            items.append(_with_id(item, {k: v for k, v in item.items() if k != "id"}))
+        else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported", where)
     if not messages:
         raise APIError(400, "input holds no message", param="input")
-    return parse_messages(messages)
+    return parse_messages(messages), items
+
+
+def _referenced(item: dict[str, Any], where: str, resolve: ItemResolver | None) -> dict[str, Any]:
+    """The stored item an ``item_reference`` (``{"type": "item_reference", "id"}``, or a bare
+    ``{"id"}``) names; a 404 where nothing stored has that id for this caller."""
+    item_id = item.get("id")
+    if not isinstance(item_id, str):
+        raise APIError(400, f"{where}.id must be a string (an item reference)", f"{where}.id")
+    found = resolve(item_id) if resolve is not None else None
+    if found is None or found.get("type") == "item_reference":
+        raise APIError(404, f"{where}: no stored item {item_id!r}", where, code="item_not_found")
+    return found
+
+
+def _with_id(item: dict[str, Any], shaped: dict[str, Any]) -> dict[str, Any]:
+    """``shaped``, the item as input_items lists it, with the client's id where it sent one."""
+    out = {"id": item["id"]} if isinstance(item.get("id"), str) else {}
+    return {**out, **shaped, "status": "completed"}
+
+
+def _text_part(role: str, text: str) -> dict[str, Any]:
+    return {"type": "output_text" if role == "assistant" else "input_text", "text": text}
+
+
+def _output_text(output: Any, where: str) -> str:
+    """A function_call_output's output: a string, or a list of text parts (joined)."""
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        raise APIError(400, f"{where} needs call_id and output (strings)", param=where)
+    texts = []
+    for j, part in enumerate(output):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            text = f"{where}.output[{j}]: only text parts are supported, got {kind!r}"
+            raise APIError(400, text, param=f"{where}.output")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -130,9 +199,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         texts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(
-                part.get("text"), str
-            ):
+            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                 text = f"{where}.content[{j}]: only text parts are supported, got {kind!r}"
                 raise APIError(400, text, param=f"{where}.content")
             texts.append(part["text"])
@@ -142,9 +209,11 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def _function_call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
+def _function_call(
+    item: dict[str, Any], where: str, messages: list[dict[str, Any]]
+) -> dict[str, str]:
     """An earlier call joins the assistant message before it (calls of one turn are one
-    message, as chat writes them)."""
+    message, as chat writes them); returns its call_id, name and arguments."""
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     if not all(isinstance(v, str) for v in (call_id, name, arguments)):
         raise APIError(400, f"{where} needs call_id, name and arguments (strings)", where)
@@ -154,6 +223,7 @@ def _function_call(item: dict[str, Any], where: str, messages: list[dict[str, An
         last.setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    return {"call_id": call_id, "name": name, "arguments": arguments}
 
 
 def _metadata(body: dict[str, Any]) -> dict[str, str]:
