@@ -57,6 +57,10 @@ def test_responses_items_become_chat_messages():
             "input[0].output",
         ),
         ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"input": "x", "moderation": {"model": "m"}}, "moderation"),
+        ({"input": "x", "context_management": [{"type": "compaction"}]}, "context_management"),
+        ({"input": "x", "prompt_cache_retention": 24}, "prompt_cache_retention"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ],
 )
@@ -64,6 +68,21 @@ def test_responses_refusals_name_the_field(body, param):
     with pytest.raises(APIError) as caught:
         parse_responses(body)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_responses_newer_fields_are_accepted_where_they_ask_nothing():
+    """The current SDK's cache hints and efforts: accepted (the prefix cache needs no hints;
+    the effort goes to the template)."""
+    req = parse_responses(
+        {
+            "input": "x",
+            "prompt_cache_key": "k",
+            "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"ttl": "1h"},
+            "reasoning": {"effort": "xhigh", "summary": "auto", "context": "auto"},
+        }
+    )
+    assert req.effort == "xhigh" and req.parsed.chat_template_kwargs["reasoning_effort"] == "xhigh"
 
 
 def test_responses_input_items_keep_their_shape_and_ids():

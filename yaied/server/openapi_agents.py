@@ -37,14 +37,20 @@ _RESPONSES = {
                     "properties": {
                         "type": {
                             "type": "string",
-                            "enum": ["message", "function_call", "function_call_output"],
-                        },
+                            "enum": [
+                                "message",
+                                "function_call",
+                                "function_call_output",
+                                "item_reference",
+                            ],
+                        },  # fmt: skip
+                        "id": {"type": "string"},
                         "role": {"type": "string", "enum": ["user", "assistant", "system"]},
                         "content": _TEXT_OR_PARTS,
                         "call_id": {"type": "string"},
                         "name": {"type": "string"},
                         "arguments": {"type": "string"},
-                        "output": {"type": "string"},
+                        "output": _TEXT_OR_PARTS,
                     },
                 },
             },
@@ -62,6 +68,8 @@ _RESPONSES = {
     "stream": {"type": "boolean"},
     "user": {"type": "string"},
     "truncation": {"type": "string", "enum": ["disabled"]},
+    "prompt_cache_key": {"type": "string"},
+    "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
 }
 _MESSAGES = {
     **_sampling("messages"),

@@ -44,6 +44,8 @@ RESPONSES_FIELDS = frozenset(
         *("text", "reasoning", "metadata", "store", "previous_response_id", "stream", "user"),
         *("include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier"),
         *("background", "conversation", "max_tool_calls", "stream_options", "top_logprobs"),
+        *("prompt_cache_retention", "prompt_cache_options", "prompt", "moderation"),
+        *("context_management", "image", "access_programs", "background_options"),
     }
 )
 _UNSUPPORTED = {
@@ -51,8 +53,14 @@ _UNSUPPORTED = {
     "conversation": "conversations (send previous_response_id)",
     "max_tool_calls": "max_tool_calls",
     "top_logprobs": "top_logprobs on /v1/responses",
+    "background_options": "background responses",
+    "prompt": "stored prompt templates (send instructions and input)",
+    "moderation": "moderation",
+    "context_management": "context management (compaction)",
+    "image": "image options",
+    "access_programs": "access programs",
 }
-_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # An item id to the stored item it names (a copy), or None.
 ItemResolver = Callable[[str], dict[str, Any] | None]
@@ -84,8 +92,10 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
             raise APIError(400, f"{what} is not supported", param=name)
     if _get(body, "truncation", (str,), "disabled") != "disabled":
         raise APIError(400, 'truncation must be "disabled"', param="truncation")
-    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
+    # hints with nothing to do here: the prefix cache needs no key, breakpoint or lifetime
+    for name in ("service_tier", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"):
         _get(body, name, (str,))
+    _get(body, "prompt_cache_options", (dict,))
     _get(body, "include", (list,))  # nothing extra to include: reasoning text is always sent
     parsed = ParsedRequest("chat", _get(body, "model", (str,)))
     parsed.stream = _get(body, "stream", (bool,), False)
