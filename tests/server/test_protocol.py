@@ -119,7 +119,8 @@ M = [{"role": "user", "content": "x"}]
             "guided_whitespace_pattern",
             "not supported",
         ),
-        (parse_chat, {"messages": M, "reasoning_effort": "low"}, None, "not supported"),
+        (parse_chat, {"messages": M, "reasoning_effort": "huge"}, "reasoning_effort", "one of"),
+        (parse_chat, {"messages": M, "moderation": {}}, "moderation", "not supported"),
         (parse_chat, {"messages": M, "audio": {}}, "audio", "not supported"),
         (parse_chat, {"messages": M, "modalities": ["audio"]}, "modalities", "not supported"),
         (parse_chat, {"messages": M, "store": "yes"}, "store", "must be bool"),
@@ -353,3 +354,14 @@ def test_shipped_toml_server_section_equals_the_defaults():
 
     shipped = Path(__file__).resolve().parents[2] / "config" / "yaied.toml"
     assert load_server_config(shipped, env={}) == ServerConfig()
+
+
+def test_reasoning_effort_goes_to_the_chat_template():
+    """As /v1/responses' reasoning.effort and vLLM's chat field: the template's
+    ``reasoning_effort`` variable; chat_template_kwargs, the more specific, wins."""
+    assert parse_chat({"messages": M, "reasoning_effort": "xhigh"}).chat_template_kwargs == {
+        "reasoning_effort": "xhigh"
+    }
+    both = {"messages": M, "reasoning_effort": "low",
+            "chat_template_kwargs": {"reasoning_effort": "high"}}  # fmt: skip
+    assert parse_chat(both).chat_template_kwargs == {"reasoning_effort": "high"}

@@ -128,6 +128,10 @@ _CHAT = {
     "add_generation_prompt": {"type": "boolean"},
     "continue_final_message": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object"},
+    "reasoning_effort": {
+        "type": "string",
+        "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"],
+    },
     "modalities": {"type": "array", "items": {"type": "string", "enum": ["text"]}},
     # Accepted and ignored: they cannot change the output.
     "store": {"type": "boolean"},
@@ -135,6 +139,7 @@ _CHAT = {
     "service_tier": {"type": "string"},
     "parallel_tool_calls": {"type": "boolean"},
     "prompt_cache_key": {"type": "string"},
+    "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
     "safety_identifier": {"type": "string"},
 }
 

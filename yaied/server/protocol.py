@@ -54,13 +54,18 @@ CHAT_NO_OP_FIELDS: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "service_tier": (str,),
     "prompt_cache_key": (str,),  # a routing hint; the prefix cache needs none
+    "prompt_cache_retention": (str,),  # nor a lifetime
+    "prompt_cache_options": (dict,),  # nor breakpoints
     "safety_identifier": (str,),
 }
+# OpenAI's reasoning efforts: chat's reasoning_effort and Responses' reasoning.effort go to the
+# chat template as its `reasoning_effort` variable (gpt-oss's templates read it; others ignore it).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI chat fields we do not implement: a 400 saying so, not "unrecognized".
 _UNSUPPORTED_CHAT = {
     "audio": "audio output",
     "prediction": "predicted outputs",
-    "reasoning_effort": "reasoning_effort (use chat_template_kwargs for the model's template)",
+    "moderation": "moderation",
     "verbosity": "verbosity",
     "web_search_options": "web search",
 }
@@ -71,6 +76,7 @@ CHAT_FIELDS = frozenset(
         *CHAT_NO_OP_FIELDS,
         *_UNSUPPORTED_CHAT,
         "messages",
+        "reasoning_effort",  # to the chat template (REASONING_EFFORTS)
         "logprobs",  # whether to return them; top_logprobs says how many alternatives
         "tools",  # tools, tool_choice, parallel_tool_calls: server/tool_request.py
         "tool_choice",
@@ -295,6 +301,13 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     parsed.add_generation_prompt = options.add_generation_prompt
     parsed.continue_final_message = options.continue_final_message
     parsed.chat_template_kwargs = options.kwargs
+    effort = _get(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            text = f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}"
+            raise APIError(400, text, param="reasoning_effort")
+        # chat_template_kwargs, the more specific, wins where it sets the variable too
+        parsed.chat_template_kwargs.setdefault("reasoning_effort", effort)
     check_continuation(parsed, "continue_final_message")
     top_logprobs = parsed.logprobs  # the table's chat name for SamplingParams.logprobs
     if _get(body, "logprobs", (bool,), False):

@@ -30,6 +30,7 @@ from yaied.core.sampling_fields import request_names
 from yaied.server.chat_messages import parse_messages
 from yaied.server.errors import APIError
 from yaied.server.protocol import (
+    REASONING_EFFORTS,
     ParsedRequest,
     _get,
     _refuse_unknown_fields,
@@ -60,7 +61,6 @@ _UNSUPPORTED = {
     "image": "image options",
     "access_programs": "access programs",
 }
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # An item id to the stored item it names (a copy), or None.
 ItemResolver = Callable[[str], dict[str, Any] | None]
@@ -299,8 +299,8 @@ def _text_format(body: dict[str, Any]) -> tuple[GrammarSpec | None, dict[str, An
 def _effort(body: dict[str, Any]) -> str | None:
     reasoning = _get(body, "reasoning", (dict,), {})
     effort = reasoning.get("effort")
-    if effort is not None and effort not in _EFFORTS:
-        text = f"reasoning.effort must be one of {', '.join(_EFFORTS)}"
+    if effort is not None and effort not in REASONING_EFFORTS:
+        text = f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}"
         raise APIError(400, text, param="reasoning.effort")
     summary = reasoning.get("summary")
     if summary is not None and summary not in ("auto", "concise", "detailed"):
