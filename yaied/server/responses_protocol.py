@@ -191,12 +191,17 @@ def _output_text(output: Any, where: str) -> str:
         return output
     if not isinstance(output, list):
         raise APIError(400, f"{where} needs call_id and output (strings)", param=where)
+    return _joined_text(output, f"{where}.output")
+
+
+def _joined_text(parts: list[Any], where: str) -> str:
+    """Text parts (input_text, output_text, text) joined by newlines; any other part is a 400."""
     texts = []
-    for j, part in enumerate(output):
+    for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            text = f"{where}.output[{j}]: only text parts are supported, got {kind!r}"
-            raise APIError(400, text, param=f"{where}.output")
+            text = f"{where}[{j}]: only text parts are supported, got {kind!r}"
+            raise APIError(400, text, param=where)
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -206,14 +211,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if role not in _ROLES:
         raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                text = f"{where}.content[{j}]: only text parts are supported, got {kind!r}"
-                raise APIError(400, text, param=f"{where}.content")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+        content = _joined_text(content, f"{where}.content")
     elif not isinstance(content, str):
         raise APIError(400, f"{where}.content must be a string or a list of parts", where)
     return {"role": "system" if role == "developer" else role, "content": content}
