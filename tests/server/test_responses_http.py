@@ -6,6 +6,7 @@ page, and the 4xx of bad requests."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -154,12 +155,75 @@ def test_a_tool_loop_through_item_references(client):
     assert listed.data[1].id == call.id and listed.data[1].arguments == call.arguments
 
 
+def _poll(client, response_id: str, seconds: float = 120.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
+
+
+def test_a_background_response_runs_on_and_is_polled(client):
+    started = client.responses.create(
+        model=MODEL, input="Say hello.", background=True, max_output_tokens=16, temperature=0
+    )
+    assert started.background and started.status in ("queued", "in_progress")
+    assert not started.output
+    done = _poll(client, started.id)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    assert done.usage.output_tokens > 0
+    # cancelling a finished one returns it as it ended
+    assert client.responses.cancel(started.id).status == done.status
+    listed = client.responses.input_items.list(started.id)
+    assert listed.data[0].content[0].text == "Say hello."
+
+
+def test_a_background_response_is_cancelled(client, live):
+    long = client.responses.create(
+        model=MODEL, input="Count from 1 to 500, one number a line.", background=True,
+        max_output_tokens=900, temperature=0,
+    )  # fmt: skip
+    # a chain cannot continue a response that is still running
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="And then?", previous_response_id=long.id)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.error is None
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert cancelled.usage.output_tokens < 900
+    # deleting one that runs cancels it first (its end would otherwise store it again)
+    doomed = client.responses.create(
+        model=MODEL, input="Count from 1 to 500.", background=True, max_output_tokens=900
+    )
+    client.responses.delete(doomed.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)
+    # only background responses can be cancelled
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+    # nothing of it is left running in the engine
+    deadline = time.monotonic() + 30
+    running = None
+    while time.monotonic() < deadline:
+        metrics = httpx.get(live.url + "/metrics").text
+        running = [line for line in metrics.splitlines()
+                   if line.startswith("yaied:num_requests_running")]  # fmt: skip
+        if running and all(line.endswith(" 0.0") for line in running):
+            break
+        time.sleep(0.1)
+    assert running and all(line.endswith(" 0.0") for line in running), running
+
+
 def test_bad_requests_get_4xx(live):
     url = live.v1 + "/responses"
     for body, status, param in [
         ({"model": MODEL, "input": "x", "nope": 1}, 400, "nope"),
         ({"model": MODEL}, 400, "input"),
-        ({"model": MODEL, "input": "x", "background": True}, 400, "background"),
+        ({"model": MODEL, "input": "x", "background": True, "store": False}, 400, "background"),
+        ({"model": MODEL, "input": "x", "background": True, "stream": True}, 400, "stream"),
         ({"model": MODEL, "input": "x", "max_output_tokens": "9"}, 400, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_x"}, 404,
          "previous_response_id"),

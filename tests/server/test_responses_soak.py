@@ -86,3 +86,20 @@ def test_a_chain_is_one_session_in_the_router(app):
     calls = manager.lifecycle.by_session(f"alice:{first['id']}")
     assert len(calls) == 3, [c.session_id for c in manager.lifecycle.live()]
     assert third["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_daemons_stop_ends_a_running_background_response(tiny_chat_model):
+    """The stop aborts the call of a background response that still runs: its task ends (none
+    left pending), and the stored object says it failed, with the reason."""
+    config = ServerConfig(served_model_name=MODEL)
+    loader = engine_loader(model=str(tiny_chat_model), threads=1, max_model_len=2048)
+    # a random model rarely stops by itself: 1500 tokens keep it running for a while
+    body = {"model": MODEL, "input": "Go on.", "background": True, "max_output_tokens": 1500}
+    with in_process_server(config, loader, MODEL) as client:
+        started = client.post("/v1/responses", json=body).json()
+        assert started["status"] == "queued" and started["background"] is True
+        server = client.app.state.server
+        assert (("", started["id"]) in server.background) is True
+    assert not server.background
+    ended = server.response_store.get("", started["id"]).body
+    assert ended["status"] == "failed" and ended["error"]["code"] == "server_error"

@@ -70,6 +70,7 @@ _RESPONSES = {
     "truncation": {"type": "string", "enum": ["disabled"]},
     "prompt_cache_key": {"type": "string"},
     "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
+    "background": {"type": "boolean"},
 }
 _MESSAGES = {
     **_sampling("messages"),
@@ -156,11 +157,23 @@ def _input_items() -> dict[str, Any]:
     return {"get": {"summary": summary, "parameters": [path, *query], "responses": answer}}
 
 
+def _cancel() -> dict[str, Any]:
+    path = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    answer = {
+        "200": {"description": "the response, cancelled (or as it ended)"},
+        "400": {"description": "not a background response"},
+        "404": {"description": "not stored for this key"},
+    }
+    summary = "Cancel a background response"
+    return {"post": {"summary": summary, "parameters": [path], "responses": answer}}
+
+
 def agent_paths() -> dict[str, Any]:
     return {
         "/v1/responses": _post("OpenAI Responses API (stateful with store)", _RESPONSES, ["input"]),
         "/v1/responses/{response_id}": _by_id("A stored response"),
         "/v1/responses/{response_id}/input_items": _input_items(),
+        "/v1/responses/{response_id}/cancel": _cancel(),
         "/v1/messages": _post(
             "Anthropic Messages API (errors in Anthropic's shape)",
             _MESSAGES,

@@ -6,6 +6,11 @@
     GET    /v1/responses/{id}   the stored object (404 unless stored under the caller's key)
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items   that response's input items, a page at a time
+    POST   /v1/responses/{id}/cancel        a background response still running
+
+With ``background`` the response object (status ``queued``) is stored and answered at once, the
+call runs on in a task of its own (the client may leave), and the stored object becomes the
+finished one (``completed``, ``incomplete``, ``failed``, or ``cancelled`` by the cancel route).
 
 Items get ids that name their response (``msg_<response>_<n>`` for output n,
 ``msg_<response>_in<n>`` for input n; ``fc``, ``fco``, ``rs`` for calls, call outputs and
@@ -22,6 +27,7 @@ order the model wrote them (agent_output.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -41,13 +47,14 @@ from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
 from yaied.server.response_store import ResponseStore, StoredResponse
 from yaied.server.responses_protocol import ResponsesRequest, parse_responses
-from yaied.server.state import ServerState
+from yaied.server.state import BackgroundRun, ServerState
 
 log = logging.getLogger(__name__)
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
 _INPUT_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
                  "reasoning": "rs"}  # fmt: skip
 _LIST_PARAMS = frozenset({"after", "before", "include", "include[]", "limit", "order"})
+CANCEL_WAIT_SECONDS = 10.0  # a cancelled call's abort comes within an engine step
 
 
 def routes() -> list[Route]:
@@ -56,6 +63,7 @@ def routes() -> list[Route]:
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
     ]
 
 
@@ -115,8 +123,34 @@ async def list_input_items(request: Request) -> Response:
     )
 
 
+async def cancel_response(request: Request) -> Response:
+    """Cancel a background response still running: its call is cancelled (within an engine
+    step) and it ends ``cancelled``, what this returns. A finished background response is
+    returned as it ended; any other is a 400."""
+    server: ServerState = request.state.server
+    key = (_namespace(request), request.path_params["response_id"])
+    await _stop_background(server, key)
+    stored = server.response_store.get(*key)
+    if stored is None:
+        raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
+    if not stored.body.get("background"):
+        raise APIError(400, "only background responses can be cancelled", param="response_id")
+    return json_response(stored.body)
+
+
+async def _stop_background(server: ServerState, key: tuple[str, str]) -> None:
+    """Cancel the background response ``key`` if it still runs, and wait for its end."""
+    running = server.background.get(key)
+    if running is not None:
+        running.cancelled = True
+        await running.cancel_calls()
+        await asyncio.wait({running.task}, timeout=CANCEL_WAIT_SECONDS)
+
+
 async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
+    # a running background response is cancelled first, or its end would store it again
+    await _stop_background(request.state.server, (_namespace(request), response_id))
     if not _store(request).delete(_namespace(request), response_id):
         raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
     return json_response({"id": response_id, "object": "response", "deleted": True})
@@ -159,7 +193,7 @@ class _Turn:
                 "role": "assistant", "content": content}  # fmt: skip
 
     def body(self, status: str, run: AgentRun | None = None) -> dict[str, Any]:
-        req, done = self.req, status != "in_progress"
+        req, done = self.req, status not in ("queued", "in_progress")
         output = [self.item(block) for block in self.blocks.blocks] if done else []
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -172,7 +206,7 @@ class _Turn:
             "tools": req.tools, "text": {"format": req.text_format}, "truncation": "disabled",
             "previous_response_id": req.previous_response_id, "store": req.store,
             "reasoning": {"effort": req.effort, "summary": None}, "user": req.parsed.user,
-            "usage": None,
+            "usage": None, "background": req.background,
         }  # fmt: skip
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -228,6 +262,9 @@ async def create_response(request: Request) -> Response:
         if previous is None:
             message = f"previous response {req.previous_response_id!r} is not stored here"
             raise APIError(404, message, param="previous_response_id", code="response_not_found")
+        if previous.body["status"] in ("queued", "in_progress"):
+            message = f"previous response {req.previous_response_id!r} is still in progress"
+            raise APIError(400, message, param="previous_response_id")
         turn.history, turn.chain_id = list(previous.messages), previous.chain_id
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     req.parsed.messages = [*system, *turn.history, *req.new_messages]
@@ -240,6 +277,13 @@ async def create_response(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     headers = {"X-Request-Id": request_id}
+    if req.background:
+        body = turn.body("queued")
+        _keep(server.response_store, namespace, turn, body)
+        task = asyncio.create_task(_run_in_background(server, namespace, turn, run))
+        server.background[(namespace, turn.id)] = BackgroundRun(task, run.started.cancel_unfinished)
+        task.add_done_callback(lambda _: server.background.pop((namespace, turn.id), None))
+        return json_response(body, headers=headers)
     if req.parsed.stream:
         stream = _events(turn, run, server.response_store, namespace)
         ping = server.config.sse_ping_seconds
@@ -253,6 +297,38 @@ async def create_response(request: Request) -> Response:
     body = turn.body(turn.status(run), run)
     _keep(server.response_store, namespace, turn, body)
     return json_response(body, headers=headers)
+
+
+async def _run_in_background(
+    server: ServerState, namespace: str, turn: _Turn, run: AgentRun
+) -> None:
+    """A background response's call to its end, then the finished object in the store."""
+    status, error, running = "failed", None, False
+    try:
+        async for deltas in run.deltas():
+            if not running:  # its first tokens: no longer queued
+                running = True
+                _keep(server.response_store, namespace, turn, turn.body("in_progress"))
+            turn.blocks.feed(deltas)
+        turn.blocks.close()
+        if run.choice.finish_reason == "abort":  # not by the cancel route: the engines stopped
+            status = "failed"
+            error = {"code": "server_error", "message": "the call was aborted by the server"}
+        else:
+            status = turn.status(run)
+    except APIError as exc:  # the engine failed the call
+        error = {"code": exc.code or "server_error", "message": exc.message}
+    except asyncio.CancelledError:  # the daemon stops
+        error = {"code": "server_error", "message": "the server stopped before it finished"}
+        raise
+    finally:
+        await asyncio.shield(run.started.cancel_unfinished())
+        background = server.background.get((namespace, turn.id))
+        if background is not None and background.cancelled:
+            status, error = "cancelled", None
+        body = turn.body(status, run)
+        body["error"] = error
+        _keep(server.response_store, namespace, turn, body)
 
 
 async def _drain(turn: _Turn, run: AgentRun) -> None:

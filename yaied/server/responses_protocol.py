@@ -50,11 +50,10 @@ RESPONSES_FIELDS = frozenset(
     }
 )
 _UNSUPPORTED = {
-    "background": "background responses",
     "conversation": "conversations (send previous_response_id)",
     "max_tool_calls": "max_tool_calls",
     "top_logprobs": "top_logprobs on /v1/responses",
-    "background_options": "background responses",
+    "background_options": "background_options",
     "prompt": "stored prompt templates (send instructions and input)",
     "moderation": "moderation",
     "context_management": "context management (compaction)",
@@ -83,6 +82,7 @@ class ResponsesRequest:
     tool_choice: Any = "auto"
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     effort: str | None = None
+    background: bool = False  # answered at once, run on, polled with GET (needs store)
 
 
 def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -> ResponsesRequest:
@@ -106,6 +106,12 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     out = ResponsesRequest(parsed, messages, items)
     out.instructions = _get(body, "instructions", (str,))
     out.store = _get(body, "store", (bool,), True)
+    out.background = _get(body, "background", (bool,), False)
+    if out.background and not out.store:
+        raise APIError(400, "background responses need store: true", param="background")
+    if out.background and parsed.stream:
+        text = "background responses are not streamed here: poll GET /v1/responses/{id}"
+        raise APIError(400, text, param="stream")
     out.previous_response_id = _get(body, "previous_response_id", (str,))
     out.metadata = _metadata(body)
     out.tools, out.tool_choice = _tools(body, parsed)

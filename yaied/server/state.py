@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,6 +32,16 @@ OFF_LOOP_SIZE = 16_384
 
 
 @dataclass(slots=True)
+class BackgroundRun:
+    """A ``background`` response still running (responses_api.py): its task, and how to cancel
+    its call."""
+
+    task: asyncio.Task[None]
+    cancel_calls: Callable[[], Awaitable[None]]
+    cancelled: bool = False  # set by POST /v1/responses/{id}/cancel: the status it ends with
+
+
+@dataclass(slots=True)
 class ServerState:
     config: ServerConfig
     model_name: str
@@ -44,6 +54,8 @@ class ServerState:
     keys: KeyTable = field(default_factory=KeyTable)  # the auth middleware's; a reload swaps them
     metrics: ServerMetrics = field(init=False)
     response_store: ResponseStore = field(init=False)  # /v1/responses with store (LRU, bounded)
+    # background responses still running, by (key namespace, response id)
+    background: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
     _chat: ChatSettings | None = None
     # Tokenizing and echo offsets of large requests (off_loop); shut down with the app.
     cpu_pool: ThreadPoolExecutor = field(
@@ -175,6 +187,12 @@ class ServerState:
         manager = self.manager or self.starting
         if manager is not None:
             await manager.stop(clock.left())
+        # background responses: their calls ended with the engines; their tasks go too
+        tasks = [run.task for run in self.background.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
