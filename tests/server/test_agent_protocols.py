@@ -191,6 +191,10 @@ def test_anthropic_blocks_become_chat_messages():
           "tool_choice": {"type": "sometimes"}}, "tool_choice"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
           "mcp_servers": []}, "mcp_servers"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "thinking": {"type": "adaptive", "display": "full"}}, "thinking"),
     ],
 )  # fmt: skip
 def test_anthropic_refusals_name_the_field(body, param):
@@ -269,3 +273,38 @@ def test_the_agents_sampling_fields_come_from_the_one_table():
     ).parsed
     assert chat.max_tokens == 5
     assert chat.sampling == {"temperature": 0.5, "top_p": 0.9, "top_k": 3, "stop": ["x"]}
+
+
+@pytest.mark.parametrize(
+    ("thinking", "enabled", "omitted"),
+    [
+        ({"type": "enabled", "budget_tokens": 1024}, True, False),
+        ({"type": "adaptive"}, True, False),
+        ({"type": "between_tools", "display": "summarized"}, True, False),
+        ({"type": "adaptive", "display": "omitted"}, True, True),
+        ({"type": "disabled"}, False, False),
+    ],
+)
+def test_anthropic_thinking_types_switch_the_templates_thinking(thinking, enabled, omitted):
+    """The current SDK's thinking types: each one but disabled has the model think (the
+    template's enable_thinking); display omitted keeps the blocks and leaves their text out."""
+    body = {"max_tokens": 9, "messages": [{"role": "user", "content": "x"}], "thinking": thinking}
+    req = parse_anthropic(body)
+    assert req.parsed.chat_template_kwargs == {"enable_thinking": enabled}
+    assert req.omit_thinking is omitted
+
+
+def test_omitted_thinking_keeps_its_blocks_without_their_text():
+    from yaied.server.messages_api import _block_body, _shown
+
+    blocks = Blocks()
+    events = blocks.feed([{"reasoning_content": "let me see"}, {"content": "Hi"}])
+    events += blocks.close()
+    req = parse_anthropic({"max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
+                           "thinking": {"type": "adaptive", "display": "omitted"}})  # fmt: skip
+    sent = [(e.action, e.block.kind) for e in events if _shown(e, req)]
+    assert ("delta", "reasoning") not in sent and ("start", "reasoning") in sent
+    assert ("delta", "text") in sent
+    thinking = _block_body(blocks.blocks[0], omit_thinking=True)
+    assert thinking == {"type": "thinking", "thinking": "", "signature": ""}
+    assert _block_body(blocks.blocks[0])["thinking"] == "let me see"

@@ -68,9 +68,10 @@ async def count_tokens(request: Request) -> Response:
     return json_response({"input_tokens": len(ids)})
 
 
-def _block_body(block: Block, done: bool = True) -> dict[str, Any]:
+def _block_body(block: Block, done: bool = True, omit_thinking: bool = False) -> dict[str, Any]:
     if block.kind == "reasoning":
-        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
+        text = block.text if done and not omit_thinking else ""
+        return {"type": "thinking", "thinking": text, "signature": ""}
     if block.kind == "text":
         return {"type": "text", "text": block.text if done else ""}
     arguments: Any = {}
@@ -137,7 +138,7 @@ async def create_message(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
-    message["content"] = [_block_body(block) for block in blocks.blocks]
+    message["content"] = [_block_body(b, omit_thinking=req.omit_thinking) for b in blocks.blocks]
     message.update(stop_reason=stop_reason, stop_sequence=stop_sequence, usage=_usage(run))
     return json_response(message, headers=headers)
 
@@ -157,9 +158,11 @@ async def _events(
     try:
         async for deltas in run.deltas():
             for event in blocks.feed(deltas):
-                yield _block_event(event)
+                if _shown(event, req):
+                    yield _block_event(event)
         for event in blocks.close():
-            yield _block_event(event)
+            if _shown(event, req):
+                yield _block_event(event)
     except APIError as exc:
         yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
         return
@@ -167,6 +170,12 @@ async def _events(
     delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
     yield _event("message_delta", delta=delta, usage=_usage(run))
     yield _event("message_stop")
+
+
+def _shown(event: BlockEvent, req: MessagesRequest) -> bool:
+    """Whether the stream sends ``event``: with thinking omitted, a thinking block starts and
+    stops but none of its text is sent."""
+    return not (req.omit_thinking and event.block.kind == "reasoning" and event.action == "delta")
 
 
 def _block_event(event: BlockEvent) -> bytes:

@@ -58,6 +58,9 @@ _UNSUPPORTED = {
     "diagnostics": "diagnostics",
 }
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Anthropic's thinking types: on (enabled, adaptive, between_tools: all "the model thinks"
+# here) or off
+_THINKING = ("enabled", "adaptive", "between_tools", "disabled")
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -65,6 +68,7 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 class MessagesRequest:
     parsed: ParsedRequest
     stop_sequences: tuple[str, ...] = ()
+    omit_thinking: bool = False  # thinking.display "omitted": blocks with their text left out
 
 
 def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
@@ -90,14 +94,21 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
     parsed.tools = _tools(body)
     if body["messages"][-1]["role"] == "assistant":
         _prefill(parsed)
+    out = MessagesRequest(parsed, tuple(parsed.sampling.get("stop") or ()))
     thinking = _get(body, "thinking", (dict,))
     if thinking is not None:
         kind = thinking.get("type")
-        if kind not in ("enabled", "disabled"):
-            raise APIError(400, "thinking.type must be enabled or disabled", "thinking.type")
-        # Templates that switch thinking (Qwen3's) read enable_thinking; others ignore it.
-        parsed.chat_template_kwargs = {"enable_thinking": kind == "enabled"}
-    return MessagesRequest(parsed, tuple(parsed.sampling.get("stop") or ()))
+        if kind not in _THINKING:
+            text = f"thinking.type must be one of {', '.join(_THINKING)}"
+            raise APIError(400, text, "thinking.type")
+        display = thinking.get("display")
+        if display not in (None, "summarized", "omitted"):
+            raise APIError(400, "thinking.display must be summarized or omitted", "thinking")
+        # Templates that switch thinking (Qwen3's) read enable_thinking; others ignore it. The
+        # model decides how long it thinks whatever the type (a budget is not enforced).
+        parsed.chat_template_kwargs = {"enable_thinking": kind != "disabled"}
+        out.omit_thinking = display == "omitted"
+    return out
 
 
 def _prefill(parsed: ParsedRequest) -> None:
