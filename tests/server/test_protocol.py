@@ -365,3 +365,12 @@ def test_reasoning_effort_goes_to_the_chat_template():
     both = {"messages": M, "reasoning_effort": "low",
             "chat_template_kwargs": {"reasoning_effort": "high"}}  # fmt: skip
     assert parse_chat(both).chat_template_kwargs == {"reasoning_effort": "high"}
+
+
+def test_a_prompt_past_the_context_has_openais_code():
+    """Clients (LangChain, the Agents SDK) shorten a conversation on context_length_exceeded."""
+    from yaied.core.errors import ContextLengthError
+
+    error = from_value_error(ContextLengthError("prompt (9 tokens) plus max_tokens (9) exceeds"))
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "prompt")
+    assert from_value_error(ValueError("prompt is empty")).code is None

@@ -217,6 +217,24 @@ def test_a_background_response_is_cancelled(client, live):
     assert running and all(line.endswith(" 0.0") for line in running), running
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_overflow(client):
+    """A chain that outgrows the context (1024 tokens here): OpenAI's code
+    context_length_exceeded without truncation, the oldest stored turns dropped with "auto"."""
+    words = "the cat sat on the mat and looked at the sun "
+    first = client.responses.create(
+        model=MODEL, input=words * 55, max_output_tokens=8, temperature=0
+    )
+    assert first.usage.input_tokens > 550
+    follow = {"model": MODEL, "input": words * 40, "previous_response_id": first.id,
+              "max_output_tokens": 8, "temperature": 0}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**follow)
+    assert caught.value.code == "context_length_exceeded"
+    second = client.responses.create(**follow, truncation="auto")
+    assert second.truncation == "auto" and second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens < first.usage.input_tokens  # the first turn is gone
+
+
 def test_bad_requests_get_4xx(live):
     url = live.v1 + "/responses"
     for body, status, param in [

@@ -10,3 +10,9 @@ class InputError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InputError):
+    """A prompt that, with what it asks to generate, does not fit the model's context: the
+    server answers OpenAI's code ``context_length_exceeded`` (clients match on it to shorten
+    a conversation), and ``/v1/responses`` with ``truncation: "auto"`` drops its oldest turns."""

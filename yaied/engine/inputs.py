@@ -23,7 +23,7 @@ from typing import Any
 
 from yaied.core.config import ModelConfig
 from yaied.core.detokenizer import IncrementalDetokenizer
-from yaied.core.errors import InputError
+from yaied.core.errors import ContextLengthError, InputError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import Request, SamplingParams
 from yaied.engine.grammar import Grammars
@@ -120,7 +120,7 @@ class InputProcessor:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         limit = self.info.max_model_len
         if num_prompt_tokens + max_tokens > limit:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"model's context length of {limit} tokens"
             )

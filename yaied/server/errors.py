@@ -15,6 +15,7 @@ import orjson
 from starlette.responses import Response
 
 from yaied.core import sampling_fields
+from yaied.core.errors import ContextLengthError
 from yaied.core.sampling_fields import Endpoint
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> 
         param = "prompt"
     if param is not None and aliases:
         param = aliases.get(param, param)
-    return APIError(400, message, param=param)
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+    return APIError(400, message, param=param, code=code)
 
 
 # What an exception's text looks like inside an error message: "KeyError: 'x'", "ConnectError(..)",

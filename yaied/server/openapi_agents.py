@@ -67,7 +67,7 @@ _RESPONSES = {
     "previous_response_id": {"type": "string"},
     "stream": {"type": "boolean"},
     "user": {"type": "string"},
-    "truncation": {"type": "string", "enum": ["disabled"]},
+    "truncation": {"type": "string", "enum": ["disabled", "auto"]},
     "prompt_cache_key": {"type": "string"},
     "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
     "background": {"type": "boolean"},

@@ -203,7 +203,7 @@ class _Turn:
             "temperature": req.parsed.sampling.get("temperature"),
             "top_p": req.parsed.sampling.get("top_p"),
             "parallel_tool_calls": req.parsed.tools.parallel, "tool_choice": req.tool_choice,
-            "tools": req.tools, "text": {"format": req.text_format}, "truncation": "disabled",
+            "tools": req.tools, "text": {"format": req.text_format}, "truncation": req.truncation,
             "previous_response_id": req.previous_response_id, "store": req.store,
             "reasoning": {"effort": req.effort, "summary": None}, "user": req.parsed.user,
             "usage": None, "background": req.background,
@@ -267,15 +267,25 @@ async def create_response(request: Request) -> Response:
             raise APIError(400, message, param="previous_response_id")
         turn.history, turn.chain_id = list(previous.messages), previous.chain_id
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    req.parsed.messages = [*system, *turn.history, *req.new_messages]
     session = request.headers.get("x-session-id") or req.parsed.user or turn.chain_id
-    try:
-        run = await start_chat(
-            request, server, manager, req.parsed, request_id,
-            session_id=session, max_tokens_name="max_output_tokens",
-        )  # fmt: skip
-    except ClientGone:
-        return Response(status_code=499)
+    structured = req.parsed.structured  # start_chat settles the output grammar in place
+    while True:
+        req.parsed.messages = [*system, *turn.history, *req.new_messages]
+        try:
+            run = await start_chat(
+                request, server, manager, req.parsed, request_id,
+                session_id=session, max_tokens_name="max_output_tokens",
+            )  # fmt: skip
+            break
+        except ClientGone:
+            return Response(status_code=499)
+        except APIError as exc:
+            # truncation "auto": the stored conversation loses its oldest turn until it fits
+            overflow = exc.code == "context_length_exceeded"
+            if req.truncation != "auto" or not overflow or not turn.history:
+                raise
+            turn.history = _without_oldest_turn(turn.history)
+            req.parsed.structured = structured
     headers = {"X-Request-Id": request_id}
     if req.background:
         body = turn.body("queued")
@@ -297,6 +307,15 @@ async def create_response(request: Request) -> Response:
     body = turn.body(turn.status(run), run)
     _keep(server.response_store, namespace, turn, body)
     return json_response(body, headers=headers)
+
+
+def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation without its first message and whatever follows it up to the next user
+    message (an answer, its tool calls and their results go with the question they answer)."""
+    rest = history[1:]
+    while rest and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return rest
 
 
 async def _run_in_background(

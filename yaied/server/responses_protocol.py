@@ -83,6 +83,7 @@ class ResponsesRequest:
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     effort: str | None = None
     background: bool = False  # answered at once, run on, polled with GET (needs store)
+    truncation: str = "disabled"  # "auto": the oldest stored turns go when the prompt overflows
 
 
 def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -> ResponsesRequest:
@@ -90,8 +91,9 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     for name, what in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise APIError(400, f"{what} is not supported", param=name)
-    if _get(body, "truncation", (str,), "disabled") != "disabled":
-        raise APIError(400, 'truncation must be "disabled"', param="truncation")
+    truncation = _get(body, "truncation", (str,), "disabled")
+    if truncation not in ("disabled", "auto"):
+        raise APIError(400, 'truncation must be "disabled" or "auto"', param="truncation")
     # hints with nothing to do here: the prefix cache needs no key, breakpoint or lifetime
     for name in ("service_tier", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"):
         _get(body, name, (str,))
@@ -106,6 +108,7 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     out = ResponsesRequest(parsed, messages, items)
     out.instructions = _get(body, "instructions", (str,))
     out.store = _get(body, "store", (bool,), True)
+    out.truncation = truncation
     out.background = _get(body, "background", (bool,), False)
     if out.background and not out.store:
         raise APIError(400, "background responses need store: true", param="background")

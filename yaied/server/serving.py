@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from yaied.core.errors import ContextLengthError
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call
@@ -207,7 +208,7 @@ def _params_for(
     if max_tokens is None:  # chat's default: whatever the context has left, under the cap
         max_tokens = limits.default_max_tokens(manager.info.max_model_len - num_prompt_tokens)
         if max_tokens < 1:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "
                 f"{manager.info.max_model_len} tokens"
             )
