@@ -233,6 +233,17 @@ def test_truncation_auto_drops_the_oldest_turns_that_overflow(client):
     second = client.responses.create(**follow, truncation="auto")
     assert second.truncation == "auto" and second.status in ("completed", "incomplete")
     assert second.usage.input_tokens < first.usage.input_tokens  # the first turn is gone
+    # tools beside a JSON answer: the output grammar is settled afresh on each try (a second
+    # try must not wrap the first try's grammar again)
+    answer = {"type": "json_schema", "name": "weather", "schema": WEATHER}
+    third = client.responses.create(
+        **{**follow, "input": words * 36 + ASK, "max_output_tokens": 80}, truncation="auto",
+        tools=TOOLS, tool_choice="auto", parallel_tool_calls=False, text={"format": answer},
+    )  # fmt: skip
+    assert third.status == "completed"
+    calls = _calls(third)
+    for value in [json.loads(c.arguments) for c in calls] or [json.loads(third.output_text)]:
+        jsonschema.validate(value, WEATHER)
 
 
 def test_bad_requests_get_4xx(live):
