@@ -160,8 +160,9 @@ def test_limits_reject_bad_settings():
 
 
 def test_chat_default_max_tokens_is_capped():
+    from yaied.server.chat_protocol import parse_chat
     from yaied.server.limits import RequestLimits
-    from yaied.server.protocol import parse_chat, parse_completion
+    from yaied.server.protocol import parse_completion
 
     limits = RequestLimits(max_tokens=10)
     assert limits.default_max_tokens(500) == 10 and limits.default_max_tokens(4) == 4

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from yaied.core.request import TokenLogprobs
+from yaied.server.chat_protocol import parse_chat
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.errors import APIError, from_value_error
-from yaied.server.protocol import parse_chat, parse_completion, parse_prompts
+from yaied.server.protocol import parse_completion, parse_prompts
 from yaied.server.responses import CompletionLogprobs, chat_logprobs, usage_body
 from yaied.server.token_text import TokenText, token_name
 

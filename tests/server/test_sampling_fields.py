@@ -21,15 +21,10 @@ from yaied.core.sampling_fields import (
 )
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.remote import RemoteHandle, request_body
+from yaied.server.chat_protocol import CHAT_FIELDS, parse_chat
 from yaied.server.errors import APIError, from_value_error, request_aliases
 from yaied.server.openapi import openapi_schema
-from yaied.server.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    ParsedRequest,
-    parse_chat,
-    parse_completion,
-)
+from yaied.server.protocol import COMPLETION_FIELDS, ParsedRequest, parse_completion
 
 # A valid value other than the default for every field.
 EXAMPLES: dict[str, Any] = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from yaied.server.chat_protocol import parse_chat
 from yaied.server.errors import APIError
-from yaied.server.protocol import parse_chat
 from yaied.tools.grammar import NO_PARAMETERS, ToolChoice
 
 USER = [{"role": "user", "content": "hi"}]

@@ -30,13 +30,14 @@ from yaied.server import (
 )
 from yaied.server.auth import AuthMiddleware
 from yaied.server.body import read_json
+from yaied.server.chat_protocol import parse_template_options
 from yaied.server.config import ServerConfig
 from yaied.server.error_shape import AnthropicErrors
 from yaied.server.errors import APIError, error_body, from_value_error, json_response
 from yaied.server.guard import GuardMiddleware, is_loopback
 from yaied.server.keys import KeyTable
 from yaied.server.openapi import openapi_schema
-from yaied.server.protocol import parse_detokenize, parse_template_options, parse_tokenize
+from yaied.server.protocol import parse_detokenize, parse_tokenize
 from yaied.server.state import EngineLoader, ServerState
 from yaied.server.tool_request import parse_tool_request
 from yaied.systemd_notify import SystemdNotifier

@@ -29,6 +29,7 @@ from yaied.server import responses as R
 from yaied.server.admission import prepare_jobs, request_size
 from yaied.server.auth import api_key_of, may_set_priority
 from yaied.server.body import read_json
+from yaied.server.chat_protocol import parse_chat
 from yaied.server.errors import (
     APIError,
     error_body,
@@ -38,7 +39,7 @@ from yaied.server.errors import (
 )
 from yaied.server.keys import scoped_id
 from yaied.server.limits import RequestLimits
-from yaied.server.protocol import ParsedRequest, parse_chat, parse_completion
+from yaied.server.protocol import ParsedRequest, parse_completion
 from yaied.server.serving import (
     ChoiceState,
     Job,

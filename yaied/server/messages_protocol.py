@@ -23,12 +23,12 @@ import orjson
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
 from yaied.core.sampling_fields import request_names
 from yaied.server.chat_messages import parse_messages
+from yaied.server.chat_protocol import check_continuation
 from yaied.server.errors import APIError
 from yaied.server.protocol import (
     ParsedRequest,
     _get,
     _refuse_unknown_fields,
-    check_continuation,
     parse_sampling,
 )
 from yaied.server.tool_request import parse_tool_request

@@ -28,9 +28,9 @@ from typing import Any
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
 from yaied.core.sampling_fields import request_names
 from yaied.server.chat_messages import parse_messages
+from yaied.server.chat_protocol import REASONING_EFFORTS
 from yaied.server.errors import APIError
 from yaied.server.protocol import (
-    REASONING_EFFORTS,
     ParsedRequest,
     _get,
     _refuse_unknown_fields,
