@@ -30,7 +30,7 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         if content is None:
             content = ""
         elif isinstance(content, list):
-            content = _text_parts(content, where)
+            content = join_text_parts(content, f"{where}.content")
         elif not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string or a list of parts", where)
         item: dict[str, Any] = {"role": role, "content": content}
@@ -48,15 +48,15 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _text_parts(parts: list[Any], where: str) -> str:
+def join_text_parts(parts: list[Any], where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Text parts (``{"type": <one of kinds>, "text"}``) joined by newlines; any other part is a
+    400 naming ``where``, the list's path. Chat's kind is ``text``; Responses' items also send
+    ``input_text`` and ``output_text``."""
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f"{where}.content[{j}]: only text parts are supported, got type {kind!r}",
-                param=f"{where}.content",
-            )
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            text = f"{where}[{j}]: only text parts are supported, got type {kind!r}"
+            raise APIError(400, text, param=where)
         texts.append(part["text"])
     return "\n".join(texts)

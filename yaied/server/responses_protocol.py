@@ -27,7 +27,7 @@ from typing import Any
 
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
 from yaied.core.sampling_fields import request_names
-from yaied.server.chat_messages import parse_messages
+from yaied.server.chat_messages import join_text_parts, parse_messages
 from yaied.server.chat_protocol import REASONING_EFFORTS
 from yaied.server.errors import APIError
 from yaied.server.protocol import (
@@ -200,19 +200,7 @@ def _output_text(output: Any, where: str) -> str:
         return output
     if not isinstance(output, list):
         raise APIError(400, f"{where} needs call_id and output (strings)", param=where)
-    return _joined_text(output, f"{where}.output")
-
-
-def _joined_text(parts: list[Any], where: str) -> str:
-    """Text parts (input_text, output_text, text) joined by newlines; any other part is a 400."""
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            text = f"{where}[{j}]: only text parts are supported, got {kind!r}"
-            raise APIError(400, text, param=where)
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return join_text_parts(output, f"{where}.output", _TEXT_PARTS)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -220,7 +208,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if role not in _ROLES:
         raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
     if isinstance(content, list):
-        content = _joined_text(content, f"{where}.content")
+        content = join_text_parts(content, f"{where}.content", _TEXT_PARTS)
     elif not isinstance(content, str):
         raise APIError(400, f"{where}.content must be a string or a list of parts", where)
     return {"role": "system" if role == "developer" else role, "content": content}

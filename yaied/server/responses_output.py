@@ -1,0 +1,159 @@
+"""The response object of ``/v1/responses`` as it is being made (``Turn``): its ids, output items,
+body, status and the conversation the next turn continues; and its typed SSE events
+(``SSEWriter``, ``block_events``). responses_api.py runs the call and stores what this builds.
+
+Items get ids that name their response (``msg_<response>_<n>`` for output n,
+``msg_<response>_in<n>`` for input n; ``fc``, ``fco``, ``rs`` for calls, call outputs and
+reasoning), so an ``item_reference`` in a later input finds its stored response without an
+index of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
+from yaied.server.agent_run import AgentRun
+from yaied.server.responses_protocol import ResponsesRequest
+
+_ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
+_INPUT_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                 "reasoning": "rs"}  # fmt: skip
+
+
+class Turn:
+    """One response being made: its request, ids and the blocks its output has so far."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.blocks = Blocks()
+        self.history: list[dict[str, Any]] = []  # the stored conversation before this turn
+        self.chain_id = response_id
+        # this turn's input items, each with an id (the client's, or one naming this response)
+        self.input_items = [
+            item
+            if "id" in item
+            else {"id": f"{_INPUT_PREFIX[item['type']]}_{response_id[5:]}_in{i}", **item}
+            for i, item in enumerate(req.input_items)
+        ]
+
+    def item_id(self, block: Block) -> str:
+        return f"{_ITEM_PREFIX[block.kind]}_{self.id[5:]}_{block.index}"
+
+    def item(self, block: Block, done: bool = True) -> dict[str, Any]:
+        status = "completed" if done else "in_progress"
+        text = block.text if done else ""
+        if block.kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": text}] if done else []
+            return {"type": "reasoning", "id": self.item_id(block), "summary": [],
+                    "content": content, "status": status}  # fmt: skip
+        if block.kind == "tool_call":
+            return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id,
+                    "name": block.name, "arguments": text, "status": status}  # fmt: skip
+        content = [text_part(text)] if done else []
+        return {"type": "message", "id": self.item_id(block), "status": status,
+                "role": "assistant", "content": content}  # fmt: skip
+
+    def body(self, status: str, run: AgentRun | None = None) -> dict[str, Any]:
+        req, done = self.req, status not in ("queued", "in_progress")
+        output = [self.item(block) for block in self.blocks.blocks] if done else []
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "metadata": req.metadata,
+            "max_output_tokens": req.parsed.max_tokens,
+            "temperature": req.parsed.sampling.get("temperature"),
+            "top_p": req.parsed.sampling.get("top_p"),
+            "parallel_tool_calls": req.parsed.tools.parallel, "tool_choice": req.tool_choice,
+            "tools": req.tools, "text": {"format": req.text_format}, "truncation": req.truncation,
+            "previous_response_id": req.previous_response_id, "store": req.store,
+            "reasoning": {"effort": req.effort, "summary": None}, "user": req.parsed.user,
+            "usage": None, "background": req.background,
+        }  # fmt: skip
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if done:
+            body["output_text"] = "".join(b.text for b in self.blocks.blocks if b.kind == "text")
+        if run is not None:
+            prompt, output_tokens, cached = run.usage
+            body["usage"] = {
+                "input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + output_tokens,
+            }  # fmt: skip
+        return body
+
+    def status(self, run: AgentRun) -> str:
+        kind = finish_kind(run.choice.finish_reason, self.blocks.blocks)
+        return "incomplete" if kind == "length" else "completed"
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """What the next turn continues: the history, this input, this output (no reasoning,
+        no instructions)."""
+        blocks = self.blocks.blocks
+        calls = [
+            {"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+            for b in blocks
+            if b.kind == "tool_call"
+        ]
+        reply: dict[str, Any] = {"role": "assistant"}
+        reply["content"] = "".join(b.text for b in blocks if b.kind == "text")
+        if calls:
+            reply["tool_calls"] = calls
+        return [*self.history, *self.req.new_messages, reply]
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class SSEWriter:
+    """SSE events as OpenAI sends them: ``event: <type>`` and the JSON with sequence_number."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]:
+    block, at = event.block, {"output_index": event.block.index}
+    item_id = turn.item_id(block)
+    if event.action == "start":
+        out = [write("response.output_item.added", item=turn.item(block, done=False), **at)]
+        if block.kind == "text":
+            part = text_part("")
+            out.append(write("response.content_part.added", item_id=item_id, content_index=0,
+                             part=part, **at))  # fmt: skip
+        return out
+    if event.action == "delta":
+        if block.kind == "tool_call":
+            kind, extra = "response.function_call_arguments.delta", {}
+        elif block.kind == "text":
+            kind, extra = "response.output_text.delta", {"content_index": 0, "logprobs": []}
+        else:
+            kind, extra = "response.reasoning_text.delta", {"content_index": 0}
+        return [write(kind, item_id=item_id, delta=event.delta, **extra, **at)]
+    text, out = block.text, []
+    if block.kind == "tool_call":
+        out.append(write("response.function_call_arguments.done", item_id=item_id,
+                         name=block.name, arguments=text, **at))  # fmt: skip
+    elif block.kind == "text":
+        out.append(write("response.output_text.done", item_id=item_id, content_index=0,
+                         text=text, logprobs=[], **at))  # fmt: skip
+        out.append(write("response.content_part.done", item_id=item_id, content_index=0,
+                         part=text_part(text), **at))  # fmt: skip
+    else:
+        out.append(write("response.reasoning_text.done", item_id=item_id, content_index=0,
+                         text=text, **at))  # fmt: skip
+    out.append(write("response.output_item.done", item=turn.item(block), **at))
+    return out
