@@ -262,10 +262,11 @@ async def _drain(turn: Turn, run: AgentRun) -> None:
 
 def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str, Any] | None:
     """The stored item an ``item_reference`` names: its id names its response (see above)."""
-    _, _, rest = item_id.partition("_")
-    response_suffix = rest.rpartition("_")[0]
+    response_suffix = item_id.partition("_")[2].rpartition("_")[0]
+    if not response_suffix:
+        return None
     stored = server.response_store.get(namespace, "resp_" + response_suffix)
-    return None if stored is None or not response_suffix else stored.item(item_id)
+    return None if stored is None else stored.item(item_id)
 
 
 def _keep(store: ResponseStore, namespace: str, turn: Turn, body: dict[str, Any]) -> None:
