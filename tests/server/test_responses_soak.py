@@ -103,3 +103,34 @@ def test_the_daemons_stop_ends_a_running_background_response(tiny_chat_model):
     assert not server.background
     ended = server.response_store.get("", started["id"]).body
     assert ended["status"] == "failed" and ended["error"]["code"] == "server_error"
+
+
+def test_a_background_response_holds_its_keys_max_in_flight(tiny_chat_model):
+    """A background response runs on after its request is answered: it counts against its key's
+    max_in_flight until its call ends, so a key cannot start any number of them."""
+    config = ServerConfig(
+        served_model_name=MODEL, api_keys=("carol-secret name=carol max_in_flight=1",)
+    )
+    loader = engine_loader(model=str(tiny_chat_model), threads=1, max_model_len=2048)
+    carol = {"Authorization": "Bearer carol-secret"}
+    body = {"model": MODEL, "input": "Go on.", "background": True, "max_output_tokens": 1500}
+    with in_process_server(config, loader, MODEL) as client:
+        started = client.post("/v1/responses", json=body, headers=carol).json()
+        assert started["status"] == "queued"
+        refused = client.post("/v1/responses", json=body, headers=carol)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "key_in_flight_limit"
+        # cancel is not a generation request: a key at its bound may still stop its own work
+        cancel = client.post(f"/v1/responses/{started['id']}/cancel", headers=carol)
+        assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
+        for _ in range(100):  # the task's end releases the slot once its callback has run
+            if not client.app.state.server.keys.in_flight:
+                break
+            client.get("/health")
+        again = client.post(
+            "/v1/responses",
+            json={**body, "background": False, "max_output_tokens": 4},
+            headers=carol,
+        )
+        assert again.status_code == 200, again.text
+    assert not client.app.state.server.keys.in_flight

@@ -5,12 +5,11 @@ With keys set, a request must carry ``Authorization: Bearer <secret>`` (or Anthr
 (server/keys.py), else 401. The key found is put in the request's state (``api_key_of``), where
 the routes read it to namespace ids and decide whether ``priority`` counts. A key past its
 ``max_in_flight`` generation requests gets 429 with Retry-After; the count drops when a
-response has been sent in full (a stream: at its end), however it ended.
+response has been sent in full (a stream: at its end), however it ended. A background response
+(``/v1/responses`` with ``background``) counts until its call ends (responses_api.py).
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -47,7 +46,6 @@ class AuthMiddleware:
         self.app = app
         self.keys = keys
         self.retry_after = str(retry_after_seconds)
-        self.in_flight: Counter[str] = Counter()  # key name -> generation requests running
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys.enabled or scope["path"] in OPEN_PATHS:
@@ -69,7 +67,7 @@ class AuthMiddleware:
         if scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        if key.max_in_flight and self.in_flight[key.name] >= key.max_in_flight:
+        if key.max_in_flight and self.keys.in_flight[key.name] >= key.max_in_flight:
             error = APIError(
                 429,
                 f"this key has {key.max_in_flight} requests in flight, its limit; retry later",
@@ -78,10 +76,8 @@ class AuthMiddleware:
             )
             await error.response()(scope, receive, send)
             return
-        self.in_flight[key.name] += 1
+        self.keys.hold(key.name)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight[key.name] -= 1
-            if not self.in_flight[key.name]:
-                del self.in_flight[key.name]
+            self.keys.release(key.name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -44,6 +45,9 @@ class KeyTable:
         if len(set(secrets)) != len(secrets):
             raise ValueError("server API keys: a secret is listed twice with different settings")
         self._secrets = [secret.encode() for secret in secrets]
+        # key name -> its generation requests running (the auth middleware's count, which
+        # max_in_flight bounds), background responses included until they end
+        self.in_flight: Counter[str] = Counter()
 
     @classmethod
     def parse(cls, entries: Iterable[str]) -> KeyTable:
@@ -58,8 +62,18 @@ class KeyTable:
 
     def replace(self, other: KeyTable) -> None:
         """Take ``other``'s keys (a reload): the middleware holds this table, so the next
-        request is checked against the new keys. On the event loop, between requests."""
+        request is checked against the new keys. On the event loop, between requests. The
+        requests in flight stay counted."""
         self.keys, self._secrets = other.keys, other._secrets
+
+    def hold(self, name: str) -> None:
+        """One more request of key ``name`` in flight."""
+        self.in_flight[name] += 1
+
+    def release(self, name: str) -> None:
+        self.in_flight[name] -= 1
+        if not self.in_flight[name]:
+            del self.in_flight[name]
 
     @property
     def enabled(self) -> bool:

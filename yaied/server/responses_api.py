@@ -196,7 +196,18 @@ async def create_response(request: Request) -> Response:
         _keep(server.response_store, namespace, turn, body)
         task = asyncio.create_task(_run_in_background(server, namespace, turn, run))
         server.background[(namespace, turn.id)] = BackgroundRun(task, run.started.cancel_unfinished)
-        task.add_done_callback(lambda _: server.background.pop((namespace, turn.id), None))
+        # The call runs on past this request: it holds one of its key's max_in_flight until it
+        # ends, or a key could start any number of them.
+        key = api_key_of(request)
+        if key is not None:
+            server.keys.hold(key.name)
+
+        def ended(_: asyncio.Task[None]) -> None:
+            server.background.pop((namespace, turn.id), None)
+            if key is not None:
+                server.keys.release(key.name)
+
+        task.add_done_callback(ended)
         return json_response(body, headers=headers)
     if req.parsed.stream:
         stream = _events(turn, run, server.response_store, namespace)
