@@ -308,3 +308,59 @@ def test_omitted_thinking_keeps_its_blocks_without_their_text():
     thinking = _block_body(blocks.blocks[0], omit_thinking=True)
     assert thinking == {"type": "thinking", "thinking": "", "signature": ""}
     assert _block_body(blocks.blocks[0])["thinking"] == "let me see"
+
+
+def test_responses_custom_tools_are_functions_of_one_string():
+    """A custom tool is shown as a function with one string parameter; a regex format holds
+    its JSON-escaped input; its earlier calls and outputs are the function's."""
+    req = parse_responses(
+        {
+            "input": [
+                {"role": "user", "content": "Patch it."},
+                {"type": "custom_tool_call", "call_id": "c1", "name": "patch", "input": 'a "b"'},
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+            ],
+            "tools": [
+                {"type": "custom", "name": "patch", "description": "Applies a patch"},
+                {"type": "custom", "name": "sql", "format": {"type": "grammar",
+                 "syntax": "regex", "definition": "SELECT [a-z]+;"}},
+                {"type": "function", "name": "w", "parameters": SCHEMA},
+            ],
+            "tool_choice": {"type": "custom", "name": "sql"},
+        }
+    )  # fmt: skip
+    assert req.custom_tools == {"patch", "sql"}
+    tools = {tool.name: tool for tool in req.parsed.tools.tools}
+    assert tools["patch"].parameters["properties"] == {"input": {"type": "string"}}
+    assert tools["patch"].input_regex is None and tools["w"].input_regex is None
+    assert tools["sql"].input_regex == r"SELECT\ ([a-z])+;"
+    assert req.parsed.tools.choice.name == "sql"
+    call = req.new_messages[1]["tool_calls"][0]["function"]
+    assert call == {"name": "patch", "arguments": '{"input": "a \\"b\\""}'}
+    assert req.new_messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    kinds = [item["type"] for item in req.input_items]
+    assert kinds == ["message", "custom_tool_call", "custom_tool_call_output"]
+    assert req.input_items[1]["input"] == 'a "b"'
+
+
+@pytest.mark.parametrize(
+    ("tool", "param"),
+    [
+        (
+            {"format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}},
+            "tools[0].format",
+        ),
+        (
+            {"format": {"type": "grammar", "syntax": "regex", "definition": "(a)\\1"}},
+            "tools[0].format",
+        ),
+        ({"format": {"type": "grammar", "syntax": "regex"}}, "tools[0].format"),
+        ({"format": {"type": "json"}}, "tools[0].format"),
+        ({"description": 5}, "tools[0].description"),
+        ({"name": "two words"}, "tools[0].name"),
+    ],
+)
+def test_responses_bad_custom_tools_are_refused(tool, param):
+    with pytest.raises(APIError) as caught:
+        parse_responses({"input": "x", "tools": [{"type": "custom", "name": "t", **tool}]})
+    assert caught.value.status == 400 and caught.value.param == param

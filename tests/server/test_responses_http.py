@@ -1,11 +1,12 @@
 """/v1/responses with the official openai client on the default model: whole and streamed
 responses, a function-tool loop over two turns through previous_response_id and one through
-item references, responses.parse into a pydantic model, GET and DELETE, input_items page by
-page, and the 4xx of bad requests."""
+item references, a custom (free-form) tool held to a regex, responses.parse into a pydantic
+model, GET and DELETE, input_items page by page, and the 4xx of bad requests."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -246,6 +247,47 @@ def test_truncation_auto_drops_the_oldest_turns_that_overflow(client):
         jsonschema.validate(value, WEATHER)
 
 
+SQL = r'SELECT [a-z_]+ FROM [a-z_]+( WHERE [a-z_]+ = "[^"\n]{1,12}")?;'
+CUSTOM_TOOLS = [
+    {"type": "custom", "name": "run_sql", "description": "Runs one SQL query on the shop database",
+     "format": {"type": "grammar", "syntax": "regex", "definition": SQL}},
+    {"type": "custom", "name": "note", "description": "Writes a free-form note"},
+]  # fmt: skip
+
+
+def test_a_custom_tool_call_holds_its_regex_and_continues(client):
+    """A free-form tool with a regex grammar, forced: its custom_tool_call's input matches the
+    pattern (quotes and all, through the JSON-escaped grammar), whole and streamed; its output
+    continues the conversation."""
+    ask = "How many orders did alice place? Query the orders table."
+    choice = {"type": "custom", "name": "run_sql"}
+    first = client.responses.create(
+        model=MODEL, input=ask, tools=CUSTOM_TOOLS, tool_choice=choice, max_output_tokens=100
+    )
+    call = first.output[-1]
+    assert call.type == "custom_tool_call" and call.name == "run_sql", first.output
+    assert re.fullmatch(SQL, call.input), call.input
+    with client.responses.stream(
+        model=MODEL, input=ask, tools=CUSTOM_TOOLS, tool_choice=choice, max_output_tokens=100
+    ) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert "response.custom_tool_call_input.done" in kinds and kinds[-1] == "response.completed"
+    streamed = events[-1].response.output[-1]
+    done = next(e for e in events if e.type == "response.custom_tool_call_input.done")
+    assert streamed.type == "custom_tool_call" and done.input == streamed.input
+    assert re.fullmatch(SQL, streamed.input), streamed.input
+    output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "3 orders"}
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input=[output], tools=CUSTOM_TOOLS,
+        max_output_tokens=16,
+    )  # fmt: skip
+    assert second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    listed = client.responses.input_items.list(second.id)
+    assert [item.type for item in listed.data] == ["custom_tool_call_output"]
+
+
 def test_bad_requests_get_4xx(live):
     url = live.v1 + "/responses"
     for body, status, param in [
@@ -257,6 +299,9 @@ def test_bad_requests_get_4xx(live):
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_x"}, 404,
          "previous_response_id"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"model": MODEL, "input": "x", "tools": [{"type": "custom", "name": "p", "format": {
+            "type": "grammar", "syntax": "lark", "definition": "start: x"}}]}, 400,
+         "tools[0].format"),
         ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400,
          "text.format"),
     ]:  # fmt: skip

@@ -41,6 +41,8 @@ _RESPONSES = {
                                 "message",
                                 "function_call",
                                 "function_call_output",
+                                "custom_tool_call",
+                                "custom_tool_call_output",
                                 "item_reference",
                             ],
                         },  # fmt: skip

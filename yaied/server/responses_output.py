@@ -18,10 +18,12 @@ import orjson
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun
 from yaied.server.responses_protocol import ResponsesRequest
+from yaied.tools.custom import input_of
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
 _INPUT_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-                 "reasoning": "rs"}  # fmt: skip
+                 "reasoning": "rs", "custom_tool_call": "ctc",
+                 "custom_tool_call_output": "ctco"}  # fmt: skip
 
 
 class Turn:
@@ -43,8 +45,13 @@ class Turn:
             for i, item in enumerate(req.input_items)
         ]
 
+    def is_custom(self, block: Block) -> bool:
+        """A call of a custom tool: a ``custom_tool_call`` item with the decoded input."""
+        return block.kind == "tool_call" and block.name in self.req.custom_tools
+
     def item_id(self, block: Block) -> str:
-        return f"{_ITEM_PREFIX[block.kind]}_{self.id[5:]}_{block.index}"
+        prefix = "ctc" if self.is_custom(block) else _ITEM_PREFIX[block.kind]
+        return f"{prefix}_{self.id[5:]}_{block.index}"
 
     def item(self, block: Block, done: bool = True) -> dict[str, Any]:
         status = "completed" if done else "in_progress"
@@ -53,6 +60,10 @@ class Turn:
             content = [{"type": "reasoning_text", "text": text}] if done else []
             return {"type": "reasoning", "id": self.item_id(block), "summary": [],
                     "content": content, "status": status}  # fmt: skip
+        if self.is_custom(block):
+            return {"type": "custom_tool_call", "id": self.item_id(block),
+                    "call_id": block.call_id, "name": block.name,
+                    "input": input_of(text) if done else ""}  # fmt: skip
         if block.kind == "tool_call":
             return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id,
                     "name": block.name, "arguments": text, "status": status}  # fmt: skip
@@ -136,6 +147,8 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
                              part=part, **at))  # fmt: skip
         return out
     if event.action == "delta":
+        if turn.is_custom(block):  # its input is decoded from the whole arguments at the end
+            return []
         if block.kind == "tool_call":
             kind, extra = "response.function_call_arguments.delta", {}
         elif block.kind == "text":
@@ -144,7 +157,14 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
             kind, extra = "response.reasoning_text.delta", {"content_index": 0}
         return [write(kind, item_id=item_id, delta=event.delta, **extra, **at)]
     text, out = block.text, []
-    if block.kind == "tool_call":
+    if turn.is_custom(block):
+        text = input_of(text)
+        if text:
+            out.append(write("response.custom_tool_call_input.delta", item_id=item_id,
+                             delta=text, **at))  # fmt: skip
+        out.append(write("response.custom_tool_call_input.done", item_id=item_id, input=text,
+                         **at))  # fmt: skip
+    elif block.kind == "tool_call":
         out.append(write("response.function_call_arguments.done", item_id=item_id,
                          name=block.name, arguments=text, **at))  # fmt: skip
     elif block.kind == "text":

@@ -6,6 +6,8 @@ as the client spelled it, unknown fields refused. The input items become chat me
     {"role": ..., "content": str | [input_text | output_text parts]}  -> that message
     {"type": "function_call", call_id, name, arguments}               -> assistant tool_calls
     {"type": "function_call_output", call_id, output}                 -> a "tool" message
+    {"type": "custom_tool_call", call_id, name, input}                -> as a function_call
+    {"type": "custom_tool_call_output", call_id, output}              -> a "tool" message
     {"type": "reasoning", ...}                                        -> dropped (as templates
                                                                           drop earlier thinking)
     {"type": "item_reference", id} (or just {id})                     -> the stored item it names
@@ -36,7 +38,7 @@ from yaied.server.protocol import (
     _refuse_unknown_fields,
     parse_sampling,
 )
-from yaied.server.tool_request import parse_tool_request
+from yaied.server.responses_tools import custom_call_as_function, parse_tools
 
 RESPONSES_FIELDS = frozenset(
     {
@@ -80,6 +82,7 @@ class ResponsesRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
     tool_choice: Any = "auto"
+    custom_tools: frozenset[str] = frozenset()  # their calls are custom_tool_call items
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     effort: str | None = None
     background: bool = False  # answered at once, run on, polled with GET (needs store)
@@ -117,7 +120,7 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
         raise APIError(400, text, param="stream")
     out.previous_response_id = _get(body, "previous_response_id", (str,))
     out.metadata = _metadata(body)
-    out.tools, out.tool_choice = _tools(body, parsed)
+    out.tools, out.tool_choice, out.custom_tools = parse_tools(body, parsed)
     parsed.structured, out.text_format = _text_format(body)
     out.effort = _effort(body)
     if out.effort is not None:  # templates that know it (gpt-oss) read it; others ignore it
@@ -155,14 +158,17 @@ def _input(
         elif kind == "function_call":
             call = _function_call(item, where, messages)
             items.append(_with_id(item, {"type": "function_call", **call}))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            call = _function_call(custom_call_as_function(item, where), where, messages)
+            shaped = {"type": kind, "call_id": call["call_id"], "name": call["name"]}
+            items.append(_with_id(item, {**shaped, "input": item["input"]}))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), _output_text(item.get("output"), where)
             if not isinstance(call_id, str):
                 text = f"{where} needs call_id and output (strings)"
                 raise APIError(400, text, param=where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-            items.append(_with_id(item, {"type": "function_call_output", "call_id": call_id,
-                                         "output": output}))  # fmt: skip
+            items.append(_with_id(item, {"type": kind, "call_id": call_id, "output": output}))
         elif kind == "reasoning":
             items.append(_with_id(item, {k: v for k, v in item.items() if k != "id"}))
         else:
@@ -240,32 +246,6 @@ def _metadata(body: dict[str, Any]) -> dict[str, str]:
         text = "metadata is at most 16 string pairs (keys 64, values 512 characters)"
         raise APIError(400, text, param="metadata")
     return dict(metadata)
-
-
-def _tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list[dict[str, Any]], Any]:
-    """Responses' flat function tools (``{"type": "function", "name", "parameters"}``) in chat's
-    shape, through chat's parser (the same names, schemas and bounds)."""
-    tools = _get(body, "tools", (list,), [])
-    chat_tools = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            text = f"tools[{i}]: only function tools are supported, got {kind!r}"
-            raise APIError(400, text, param=f"tools[{i}]")
-        function = {k: v for k, v in tool.items() if k != "type"}
-        chat_tools.append({"type": "function", "function": function})
-    choice = body.get("tool_choice")
-    chat_choice = choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            text = 'a named tool_choice is {"type": "function", "name": ...}'
-            raise APIError(400, text, param="tool_choice")
-        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
-    chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
-    chat_body["parallel_tool_calls"] = body.get("parallel_tool_calls")
-    parsed.tools = parse_tool_request(chat_body)
-    default_choice = "auto" if tools else "none"
-    return tools, choice if choice is not None else default_choice
 
 
 def _text_format(body: dict[str, Any]) -> tuple[GrammarSpec | None, dict[str, Any]]:

@@ -19,11 +19,13 @@ The markup around a call comes from the same `ToolCallFormat` the parser reads b
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from yaied.core.grammar_spec import GrammarSpec
+from yaied.tools.custom import INPUT
 from yaied.tools.formats import ToolCallFormat, get_format
 from yaied.tools.reasoning import THINK_END, THINK_START
 
@@ -48,6 +50,9 @@ class Tool:
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=lambda: dict(NO_PARAMETERS))
     strict: bool | None = None  # accepted; the grammar always enforces the schema in full
+    # A free-form (custom) tool held to a regex: the pattern of its JSON-escaped input
+    # (tools/custom.py); its arguments are then {"input": "<that>"} exactly.
+    input_regex: str | None = None
 
     def definition(self) -> dict[str, Any]:
         """The OpenAI tool definition, for chat templates and the fallback prompt."""
@@ -67,12 +72,16 @@ class ToolChoice:
 
 
 def call_tag(fmt: ToolCallFormat, tool: Tool) -> dict[str, Any]:
-    """One call of `tool` in `fmt`'s markup, its arguments held to the tool's schema."""
-    arguments = {
+    """One call of `tool` in `fmt`'s markup, its arguments held to the tool's schema (a custom
+    tool's regex: to that pattern over the JSON string of its input)."""
+    arguments: dict[str, Any] = {
         "type": "json_schema",
         "json_schema": tool.parameters,
         "max_whitespace_cnt": ARGUMENT_WHITESPACE,
     }
+    if tool.input_regex is not None:
+        head = re.escape('{"' + INPUT + '": "')
+        arguments = {"type": "regex", "pattern": head + tool.input_regex + re.escape('"}')}
     return {
         "type": "tag",
         "begin": fmt.call_prefix(tool.name),
