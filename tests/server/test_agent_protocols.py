@@ -62,6 +62,8 @@ def test_responses_items_become_chat_messages():
         ({"input": "x", "context_management": [{"type": "compaction"}]}, "context_management"),
         ({"input": "x", "prompt_cache_retention": 24}, "prompt_cache_retention"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+        ({"input": "x", "max_tool_calls": 0}, "max_tool_calls"),
+        ({"input": "x", "max_tool_calls": "3"}, "max_tool_calls"),
     ],
 )
 def test_responses_refusals_name_the_field(body, param):
@@ -79,6 +81,7 @@ def test_responses_newer_fields_are_accepted_where_they_ask_nothing():
             "prompt_cache_key": "k",
             "prompt_cache_retention": "24h",
             "prompt_cache_options": {"ttl": "1h"},
+            "max_tool_calls": 4,
             "reasoning": {"effort": "xhigh", "summary": "auto", "context": "auto"},
         }
     )

@@ -53,7 +53,6 @@ RESPONSES_FIELDS = frozenset(
 )
 _UNSUPPORTED = {
     "conversation": "conversations (send previous_response_id)",
-    "max_tool_calls": "max_tool_calls",
     "top_logprobs": "top_logprobs on /v1/responses",
     "background_options": "background_options",
     "prompt": "stored prompt templates (send instructions and input)",
@@ -101,6 +100,10 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     for name in ("service_tier", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"):
         _get(body, name, (str,))
     _get(body, "prompt_cache_options", (dict,))
+    # OpenAI bounds calls of its built-in tools by it; yaied runs none (function and custom
+    # tools are the client's to run), so there is nothing to count
+    if _get(body, "max_tool_calls", (int,), 1) < 1:
+        raise APIError(400, "max_tool_calls must be at least 1", param="max_tool_calls")
     _get(body, "include", (list,))  # nothing extra to include: reasoning text is always sent
     parsed = ParsedRequest("chat", _get(body, "model", (str,)))
     parsed.stream = _get(body, "stream", (bool,), False)
