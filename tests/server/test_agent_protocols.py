@@ -198,6 +198,11 @@ def test_anthropic_blocks_become_chat_messages():
           "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
           "thinking": {"type": "adaptive", "display": "full"}}, "thinking"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "context_management": {"edits": []}}, "context_management"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "document",
+          "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}}]}]},
+         "messages[0].content[0].source"),
     ],
 )  # fmt: skip
 def test_anthropic_refusals_name_the_field(body, param):
@@ -367,3 +372,27 @@ def test_responses_bad_custom_tools_are_refused(tool, param):
     with pytest.raises(APIError) as caught:
         parse_responses({"input": "x", "tools": [{"type": "custom", "name": "t", **tool}]})
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_anthropic_text_documents_are_read_as_text():
+    """A document whose source is text (plain, or content blocks) is its title, its context
+    and its text, in the user's message with the question beside it."""
+    req = parse_anthropic(
+        {
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [
+                {"type": "document", "title": "Notes", "context": "from the wiki",
+                 "source": {"type": "text", "media_type": "text/plain", "data": "Pay day: 25th."}},
+                {"type": "document", "source": {"type": "content", "content": [
+                    {"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}},
+                {"type": "text", "text": "When is pay day?"},
+            ]}],
+        }
+    )  # fmt: skip
+    assert req.parsed.messages == [
+        {
+            "role": "user",
+            "content": "Notes\n\nfrom the wiki\n\nPay day: 25th.\nPart one.\nPart two.\n"
+            "When is pay day?",
+        }
+    ]

@@ -136,6 +136,7 @@ def test_a_prefill_is_continued(client, live):
         live.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
               "continue_final_message": True},
+        timeout=60,
     ).json()  # fmt: skip
     text = chat["choices"][0]["message"]["content"]
     assert message.content[0].text == text and text  # the continuation alone

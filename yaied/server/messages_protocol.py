@@ -48,6 +48,7 @@ MESSAGES_FIELDS = frozenset(
         *request_names("messages"),
         *("model", "messages", "system", "tools", "tool_choice", "thinking", "stream"),
         *("metadata", "output_config", "container", "mcp_servers", "diagnostics"),
+        "context_management",
         *_NO_OPS,
     }
 )
@@ -56,6 +57,7 @@ _UNSUPPORTED = {
     "container": "containers",
     "mcp_servers": "MCP servers",
     "diagnostics": "diagnostics",
+    "context_management": "context management edits (clearing tool uses, thinking)",
 }
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # Anthropic's thinking types: on (enabled, adaptive, between_tools: all "the model thinks"
@@ -180,6 +182,8 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
             results.append(_tool_result(block, at))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
+        elif kind == "document" and role == "user":
+            texts.append(_document(block, at))
         else:
             raise APIError(400, f"{at}: a {role} message cannot hold a {kind!r} block", at)
     out = list(results)
@@ -189,6 +193,27 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
             item["tool_calls"] = calls
         out.append(item)
     return out
+
+
+def _document(block: dict[str, Any], at: str) -> str:
+    """A document block whose source is text (``{"type": "text", "data"}``, or ``content``: a
+    string or text blocks) as the text it holds, after its title and context; PDFs and
+    images (base64, url, file sources) are a 400: the model reads text."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), str):
+        text = source["content"]
+    elif kind == "content" and isinstance(source.get("content"), list):
+        text = _texts(source["content"], f"{at}.source.content")
+    else:
+        text_ = f"{at}: document blocks with a {kind!r} source are not supported (send text)"
+        raise APIError(400, text_, param=f"{at}.source")
+    parts = [block.get(name) for name in ("title", "context")]
+    if not all(part is None or isinstance(part, str) for part in parts):
+        raise APIError(400, f"{at}: a document's title and context are strings", param=at)
+    return "\n\n".join(part for part in [*parts, text] if part)
 
 
 def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
