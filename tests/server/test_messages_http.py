@@ -150,3 +150,38 @@ def test_a_prefill_is_continued(client, live):
     spaced = [messages[0], {"role": "assistant", "content": prefill + " "}]
     with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
         client.messages.create(model=MODEL, max_tokens=8, messages=spaced)
+
+
+def test_context_management_clears_old_tool_results(client):
+    """The beta client's clear_tool_uses edit: past its trigger, the results of all but the
+    last `keep` tool uses are cleared before the model reads them, and the answer says how
+    many and how many tokens (exactly: the prompt shrinks by that much), streamed or not."""
+    messages = [{"role": "user", "content": "Check the weather in five cities."}]
+    for i, city in enumerate(["Paris", "Rome", "Oslo", "Lima", "Kyiv"]):
+        call = {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather",
+                "input": {"city": city, "unit": "celsius"}}  # fmt: skip
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                  "content": f"{city}: " + "sunny and mild, light wind. " * 8}  # fmt: skip
+        messages += [{"role": "assistant", "content": [call]},
+                     {"role": "user", "content": [result]}]  # fmt: skip
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 200},
+            "keep": {"type": "tool_uses", "value": 2}}  # fmt: skip
+    common = dict(model=MODEL, max_tokens=4, messages=messages, tools=TOOLS, extra_body=GREEDY)
+    plain = client.messages.create(**common)
+    trimmed = client.beta.messages.create(
+        **common, context_management={"edits": [edit]}, betas=["context-management-2025-06-27"]
+    )
+    (applied,) = trimmed.context_management.applied_edits
+    assert applied.type == "clear_tool_uses_20250919" and applied.cleared_tool_uses == 3
+
+    def prompt(message):
+        return message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+    assert applied.cleared_input_tokens == prompt(plain) - prompt(trimmed) > 150
+    with client.beta.messages.stream(
+        **common, context_management={"edits": [{**edit, "exclude_tools": ["get_weather"]}]},
+        betas=["context-management-2025-06-27"],
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.context_management.applied_edits == []  # every use excluded: nothing cleared
+    assert prompt(final) == prompt(plain)

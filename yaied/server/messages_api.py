@@ -24,14 +24,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from yaied.router.manager import EngineManager
 from yaied.server.admission import request_size
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
 from yaied.server.body import read_json
+from yaied.server.context_edits import apply_edits
 from yaied.server.error_shape import anthropic_error
 from yaied.server.errors import APIError, from_value_error, json_response
 from yaied.server.generate import _SSEResponse
 from yaied.server.messages_protocol import MessagesRequest, parse_anthropic
+from yaied.server.protocol import ParsedRequest
 from yaied.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -50,22 +53,29 @@ async def count_tokens(request: Request) -> Response:
     manager = server.ready_manager()
     req = parse_anthropic(await read_json(request), count_only=True)
     server.check_model(req.parsed.model)
-    parsed, chat = req.parsed, server.chat_settings(manager)
+    count = await _prompt_tokens(server, manager, req.parsed, req.parsed.messages)
+    return json_response({"input_tokens": count})
+
+
+async def _prompt_tokens(
+    server: ServerState, manager: EngineManager, parsed: ParsedRequest, messages: list[Any]
+) -> int:
+    """The length of the prompt ``messages`` render to with ``parsed``'s tools and options."""
     render = functools.partial(
         manager.inputs.chat_prompt,
-        parsed.messages,
+        messages,
         server.config.chat_template,
         add_generation_prompt=parsed.add_generation_prompt,
         continue_final_message=parsed.continue_final_message,
         template_kwargs=parsed.chat_template_kwargs,
         tools=parsed.tools.definitions() or None,
-        tool_format=chat.tool_format,
+        tool_format=server.chat_settings(manager).tool_format,
     )
     try:  # a large conversation renders in the CPU thread, as the generation endpoints do
         ids, _ = await server.off_loop(request_size(parsed), render)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    return json_response({"input_tokens": len(ids)})
+    return len(ids)
 
 
 def _block_body(block: Block, done: bool = True, omit_thinking: bool = False) -> dict[str, Any]:
@@ -110,6 +120,12 @@ async def create_message(request: Request) -> Response:
     manager = server.ready_manager()
     req = parse_anthropic(await read_json(request))
     server.check_model(req.parsed.model)
+    applied = None
+    if req.context_edits:  # trimmed before the model reads it (context_edits.py)
+        count = functools.partial(_prompt_tokens, server, manager, req.parsed)
+        req.parsed.messages, applied = await apply_edits(
+            req.context_edits, req.parsed.messages, count
+        )
     session = request.headers.get("x-session-id") or req.parsed.user
     try:
         run = await start_chat(
@@ -120,6 +136,8 @@ async def create_message(request: Request) -> Response:
         return Response(status_code=499)
     headers = {"X-Request-Id": request_id, "request-id": request_id}
     message = _message(message_id, server.model_name)
+    if applied is not None:
+        message["context_management"] = {"applied_edits": applied}
     if req.parsed.stream:
         stream = _events(req, run, message)
         ping = server.config.sse_ping_seconds
@@ -168,7 +186,8 @@ async def _events(
         return
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
     delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-    yield _event("message_delta", delta=delta, usage=_usage(run))
+    extra = {k: message[k] for k in ("context_management",) if k in message}
+    yield _event("message_delta", delta=delta, usage=_usage(run), **extra)
     yield _event("message_stop")
 
 

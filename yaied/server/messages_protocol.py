@@ -15,7 +15,7 @@ temperature, top_p, top_k, stop_sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -24,6 +24,7 @@ from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spe
 from yaied.core.sampling_fields import request_names
 from yaied.server.chat_messages import parse_messages
 from yaied.server.chat_protocol import check_continuation
+from yaied.server.context_edits import Edit, parse_context_management
 from yaied.server.errors import APIError
 from yaied.server.protocol import (
     ParsedRequest,
@@ -57,7 +58,6 @@ _UNSUPPORTED = {
     "container": "containers",
     "mcp_servers": "MCP servers",
     "diagnostics": "diagnostics",
-    "context_management": "context management edits (clearing tool uses, thinking)",
 }
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # Anthropic's thinking types: on (enabled, adaptive, between_tools: all "the model thinks"
@@ -71,6 +71,7 @@ class MessagesRequest:
     parsed: ParsedRequest
     stop_sequences: tuple[str, ...] = ()
     omit_thinking: bool = False  # thinking.display "omitted": blocks with their text left out
+    context_edits: list[Edit] = field(default_factory=list)  # context_management (its module)
 
 
 def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
@@ -97,6 +98,7 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
     if body["messages"][-1]["role"] == "assistant":
         _prefill(parsed)
     out = MessagesRequest(parsed, tuple(parsed.sampling.get("stop") or ()))
+    out.context_edits = parse_context_management(body)
     thinking = _get(body, "thinking", (dict,))
     if thinking is not None:
         kind = thinking.get("type")
