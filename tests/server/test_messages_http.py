@@ -185,3 +185,9 @@ def test_context_management_clears_old_tool_results(client):
         final = stream.get_final_message()
     assert final.context_management.applied_edits == []  # every use excluded: nothing cleared
     assert prompt(final) == prompt(plain)
+    counted = client.beta.messages.count_tokens(
+        model=MODEL, messages=messages, tools=TOOLS, context_management={"edits": [edit]},
+        betas=["context-management-2025-06-27"],
+    )  # fmt: skip
+    assert counted.input_tokens == prompt(trimmed)
+    assert counted.context_management.original_input_tokens == prompt(plain)

@@ -53,8 +53,17 @@ async def count_tokens(request: Request) -> Response:
     manager = server.ready_manager()
     req = parse_anthropic(await read_json(request), count_only=True)
     server.check_model(req.parsed.model)
-    count = await _prompt_tokens(server, manager, req.parsed, req.parsed.messages)
-    return json_response({"input_tokens": count})
+    count = functools.partial(_prompt_tokens, server, manager, req.parsed)
+    tokens = await count(req.parsed.messages)
+    if not req.context_edits:
+        return json_response({"input_tokens": tokens})
+    # with edits, Anthropic counts the prompt the model would read, and the original beside it
+    edited, _ = await apply_edits(req.context_edits, req.parsed.messages, count)
+    body = {
+        "input_tokens": await count(edited),
+        "context_management": {"original_input_tokens": tokens},
+    }
+    return json_response(body)
 
 
 async def _prompt_tokens(

@@ -53,7 +53,9 @@ MESSAGES_FIELDS = frozenset(
         *_NO_OPS,
     }
 )
-COUNT_TOKENS_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+COUNT_TOKENS_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management"}
+)
 _UNSUPPORTED = {
     "container": "containers",
     "mcp_servers": "MCP servers",
