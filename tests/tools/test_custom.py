@@ -8,6 +8,8 @@ import json
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from yaied.tools.custom import arguments_of, input_of, json_string_regex
 
@@ -45,7 +47,11 @@ def test_a_json_string_is_accepted_when_its_value_matches(compiler, pattern, mat
         assert matcher.accept_string(encoded) == (text in matching), (pattern, encoded)
 
 
-@pytest.mark.parametrize("pattern", [r"(a)\1", r"(?=a)a", r"a\bb", r"(", r"[^\s\S]"])
+@pytest.mark.parametrize(
+    "pattern",
+    [r"(a)\1", r"(?=a)a", r"a\bb", r"(", r"[^\s\S]", r"(?i)ab", r"a(?s:.)", r"a{4294967296}",
+     r"a{1001}", "(" * 400 + "a" + ")" * 400],
+)  # fmt: skip
 def test_patterns_it_cannot_rewrite_are_refused(pattern):
     with pytest.raises(ValueError):
         json_string_regex(pattern)
@@ -56,3 +62,19 @@ def test_a_calls_input_round_trips_through_its_arguments():
     assert input_of(arguments_of(text)) == text
     assert input_of("not json") == "not json"  # what the model wrote, rather than nothing
     assert input_of('{"other": 1}') == '{"other": 1}'
+
+
+REGEX_ALPHABET = 'ab"\\\n.[]^-()|*+?{},0123$\\dDwWsS'
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(pattern=st.text(alphabet=REGEX_ALPHABET, max_size=12))
+def test_any_pattern_is_rewritten_or_refused(compiler, pattern):
+    """Whatever a client sends: a ValueError (the server's 400), or a regex xgrammar compiles."""
+    try:
+        rewritten = json_string_regex(pattern)
+    except ValueError:
+        return
+    compiler.compile_grammar(xgr.Grammar.from_regex('"' + rewritten + '"'))

@@ -11,14 +11,15 @@ literal patterns without escaping them (a quote in the pattern ends the JSON str
 
 Patterns are read with Python's own regex parser: literals, classes (ranges, negation, ``\\d``
 ``\\w`` ``\\s``), ``.``, groups, alternation and repetition; a leading ``^`` and trailing ``$``
-(the whole input must match anyway). Back-references, look-around and anchors elsewhere raise
-ValueError, which the server answers with a 400.
+(the whole input must match anyway). Back-references, look-around, anchors elsewhere, inline
+flags and counts over MAX_REPEAT raise ValueError, which the server answers with a 400.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from re import _constants as C  # noqa: N812 (the parser's opcode names)
 from re import _parser as sre_parse
 
@@ -36,6 +37,11 @@ _NOT_CATEGORIES = {
     C.CATEGORY_NOT_SPACE: C.CATEGORY_SPACE,
 }
 _MAX_CHAR = 0x10FFFF
+# Flags that change what a pattern matches (case, dot, anchors, verbose syntax): refused rather
+# than enforced as if absent
+_FLAGS = re.IGNORECASE | re.DOTALL | re.MULTILINE | re.VERBOSE | re.ASCII | re.LOCALE
+# An explicit {m,n} above this is refused: the grammar's size grows with it
+MAX_REPEAT = 1000
 
 
 def input_parameters(description: str | None = None) -> dict[str, object]:
@@ -72,15 +78,24 @@ def json_string_regex(pattern: str) -> str:
     """The regex of the JSON string contents (between the quotes) whose decoded value matches
     ``pattern`` in full, the escapes written as json.dumps writes them."""
     try:
-        tree = sre_parse.parse(pattern)
-    except re.error as exc:
+        with warnings.catch_warnings():  # "possible nested set" and the like: a client's pattern
+            warnings.simplefilter("ignore")
+            tree = sre_parse.parse(pattern)
+    except (re.error, OverflowError) as exc:
         raise ValueError(f"not a valid regular expression: {exc}") from None
+    except RecursionError:
+        raise ValueError("the regular expression is nested too deeply") from None
+    if tree.state.flags & _FLAGS:
+        raise ValueError("regular expressions with inline flags are not supported here")
     items = list(tree)
     if items and items[0] == (C.AT, C.AT_BEGINNING):
         items = items[1:]
     if items and items[-1][0] is C.AT and items[-1][1] in (C.AT_END, C.AT_END_STRING):
         items = items[:-1]
-    return _sequence(items)
+    try:
+        return _sequence(items)
+    except RecursionError:
+        raise ValueError("the regular expression is nested too deeply") from None
 
 
 def _sequence(items: list) -> str:
@@ -99,9 +114,13 @@ def _item(op, arg) -> str:  # noqa: ANN001 (the parser's untyped tuples)
     if op is C.BRANCH:
         return "(" + "|".join(_sequence(list(branch)) for branch in arg[1]) + ")"
     if op is C.SUBPATTERN:
+        if arg[1] or arg[2]:  # (?i:...) and the like
+            raise ValueError("regular expressions with inline flags are not supported here")
         return "(" + _sequence(list(arg[-1])) + ")"
     if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
         low, high, sub = arg
+        if max(low, 0 if high is C.MAXREPEAT else high) > MAX_REPEAT:
+            raise ValueError(f"repetition counts are at most {MAX_REPEAT} here")
         body = "(" + _sequence(list(sub)) + ")"
         if high is C.MAXREPEAT:
             return body + ("*" if low == 0 else "+" if low == 1 else f"{{{low},}}")
