@@ -74,6 +74,8 @@ FIELDS = [
     "encoding_format",
     "dimensions",
     "pooling",
+    "context_management",
+    "max_tool_calls",
 ]
 scalars = st.one_of(
     st.none(),
@@ -91,6 +93,7 @@ junk = st.recursive(
                 ["role", "content", "type", "text", "1", "function", "name", "parameters"]
                 + ["tool_calls", "tool_call_id", "arguments", "input_schema", "input"]
                 + ["tool_use_id", "call_id", "output", "format", "schema"]
+                + ["edits", "trigger", "keep", "value", "syntax", "definition", "source", "data"]
             ),
             inner,
             max_size=3,
@@ -259,3 +262,31 @@ def test_text_prompts_and_messages_never_get_a_5xx(live, endpoint, prompt, messa
     )
     assert response.status_code < 500, (endpoint, response.text)
     assert_error_body(response, endpoint)
+
+
+REGEX_TEXT = st.text(alphabet='ab"\\\n.[]^-()|*+?{},09$\\dws', max_size=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_chat_model):
+    loader = engine_loader(model=str(tiny_chat_model), max_model_len=2048, threads=1)
+    with in_process_server(ServerConfig(served_model_name="tiny"), loader, "ignored") as client:
+        yield client
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(definition=REGEX_TEXT, fmt=st.sampled_from(["regex", "lark", None]))
+def test_custom_tool_grammars_never_get_a_5xx(tiny_chat, definition, fmt):
+    """Any pattern a client sends as a custom tool's regex, forced: the call runs (200) or the
+    pattern is refused (400), compiled by xgrammar on the way; never a 5xx."""
+    tool = {"type": "custom", "name": "t"}
+    if fmt is not None:
+        tool["format"] = {"type": "grammar", "syntax": fmt, "definition": definition}
+    body = {"model": "tiny", "input": "x", "tools": [tool], "max_output_tokens": 4,
+            "tool_choice": {"type": "custom", "name": "t"}}  # fmt: skip
+    response = tiny_chat.post("/v1/responses", json=body)
+    assert response.status_code in (200, 400), (definition, response.text)
+    assert_error_body(response, "/v1/responses")
