@@ -257,8 +257,8 @@ CUSTOM_TOOLS = [
 
 def test_a_custom_tool_call_holds_its_regex_and_continues(client):
     """A free-form tool with a regex grammar, forced: its custom_tool_call's input matches the
-    pattern (quotes and all, through the JSON-escaped grammar), whole and streamed; its output
-    continues the conversation."""
+    pattern (quotes and all, through the JSON-escaped grammar), whole and streamed (the deltas
+    join to the input); its output continues the conversation."""
     ask = "How many orders did alice place? Query the orders table."
     choice = {"type": "custom", "name": "run_sql"}
     # greedy, so that the call completes within its budget (a sampled one can ramble)
@@ -279,6 +279,8 @@ def test_a_custom_tool_call_holds_its_regex_and_continues(client):
     streamed = events[-1].response.output[-1]
     done = next(e for e in events if e.type == "response.custom_tool_call_input.done")
     assert streamed.type == "custom_tool_call" and done.input == streamed.input
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert deltas and "".join(deltas) == streamed.input  # decoded from the arguments' JSON
     assert re.fullmatch(SQL, streamed.input), streamed.input
     output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "3 orders"}
     second = client.responses.create(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from yaied.tools.custom import arguments_of, input_of, json_string_regex
+from yaied.tools.custom import InputStream, arguments_of, input_of, json_string_regex
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -78,3 +78,22 @@ def test_any_pattern_is_rewritten_or_refused(compiler, pattern):
     except ValueError:
         return
     compiler.compile_grammar(xgr.Grammar.from_regex('"' + rewritten + '"'))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=30), cuts=st.lists(st.integers(1, 5), min_size=1, max_size=40),
+       ascii_only=st.booleans(), spaced=st.booleans())  # fmt: skip
+def test_a_streamed_input_decodes_to_the_whole(text, cuts, ascii_only, spaced):
+    """However the arguments are split into deltas and escaped, the decoded pieces join to the
+    input, and no piece waits for the call's end when the head is the forced one."""
+    value = json.dumps(text, ensure_ascii=ascii_only)
+    arguments = ('{ "input" :  ' if spaced else '{"input": ') + value + "}"
+    stream, pieces, at = InputStream(), [], 0
+    for cut in cuts * (len(arguments) // len(cuts) + 1):
+        if at >= len(arguments):
+            break
+        pieces.append(stream.feed(arguments[at : at + cut]))
+        at += cut
+    assert "".join(pieces) == text and stream.rest(arguments) == ""
+    other = InputStream()
+    assert other.feed('{"x": 1}') == "" and other.rest(arguments_of(text)) == text

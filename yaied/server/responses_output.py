@@ -18,7 +18,7 @@ import orjson
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun
 from yaied.server.responses_protocol import ResponsesRequest
-from yaied.tools.custom import input_of
+from yaied.tools.custom import InputStream, input_of
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
 _INPUT_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
@@ -35,6 +35,7 @@ class Turn:
         self.model = model
         self.created = int(time.time())
         self.blocks = Blocks()
+        self.input_streams: dict[int, InputStream] = {}  # custom calls' inputs, by block index
         self.history: list[dict[str, Any]] = []  # the stored conversation before this turn
         self.chain_id = response_id
         # this turn's input items, each with an id (the client's, or one naming this response)
@@ -61,7 +62,7 @@ class Turn:
             return {"type": "reasoning", "id": self.item_id(block), "summary": [],
                     "content": content, "status": status}  # fmt: skip
         if self.is_custom(block):
-            return {"type": "custom_tool_call", "id": self.item_id(block),
+            return {"type": "custom_tool_call", "id": self.item_id(block), "status": status,
                     "call_id": block.call_id, "name": block.name,
                     "input": input_of(text) if done else ""}  # fmt: skip
         if block.kind == "tool_call":
@@ -147,8 +148,12 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
                              part=part, **at))  # fmt: skip
         return out
     if event.action == "delta":
-        if turn.is_custom(block):  # its input is decoded from the whole arguments at the end
-            return []
+        if turn.is_custom(block):  # the input's text, decoded from the arguments' JSON
+            text = turn.input_streams.setdefault(block.index, InputStream()).feed(event.delta)
+            if not text:
+                return []
+            return [write("response.custom_tool_call_input.delta", item_id=item_id, delta=text,
+                          **at)]  # fmt: skip
         if block.kind == "tool_call":
             kind, extra = "response.function_call_arguments.delta", {}
         elif block.kind == "text":
@@ -158,12 +163,12 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
         return [write(kind, item_id=item_id, delta=event.delta, **extra, **at)]
     text, out = block.text, []
     if turn.is_custom(block):
-        text = input_of(text)
-        if text:
+        rest = turn.input_streams.setdefault(block.index, InputStream()).rest(text)
+        if rest:  # what the stream held back: all of it if the arguments had another shape
             out.append(write("response.custom_tool_call_input.delta", item_id=item_id,
-                             delta=text, **at))  # fmt: skip
-        out.append(write("response.custom_tool_call_input.done", item_id=item_id, input=text,
-                         **at))  # fmt: skip
+                             delta=rest, **at))  # fmt: skip
+        out.append(write("response.custom_tool_call_input.done", item_id=item_id,
+                         input=input_of(text), **at))  # fmt: skip
     elif block.kind == "tool_call":
         out.append(write("response.function_call_arguments.done", item_id=item_id,
                          name=block.name, arguments=text, **at))  # fmt: skip

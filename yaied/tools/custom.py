@@ -200,3 +200,70 @@ def _class_char(code: int) -> str:
 def _escaped(char: str) -> str:
     """The JSON encoding of one character, as a regex that matches just it."""
     return re.escape(json.dumps(char, ensure_ascii=False)[1:-1])
+
+
+_HEAD = re.compile(r'\s*\{\s*"' + INPUT + r'"\s*:\s*"')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+class InputStream:
+    """A custom call's input decoded as its JSON arguments stream in: ``feed`` returns the text
+    that the new characters complete (an escape split across deltas waits for its end). The
+    arguments the grammar forces start ``{"input": "``; anything else streams nothing, and the
+    whole input comes at the call's end (``rest``)."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.pos = -1  # where the string's undecoded characters start; -1: the head not yet read
+        self.text = ""  # decoded so far
+        self.closed = False
+
+    def feed(self, delta: str) -> str:
+        self.buffer += delta
+        if self.pos < 0:
+            head = _HEAD.match(self.buffer)
+            if head is None:
+                return ""
+            self.pos = head.end()
+        out = []
+        while not self.closed and self.pos < len(self.buffer):
+            char = self.buffer[self.pos]
+            if char == '"':
+                self.closed = True
+                break
+            if char != "\\":
+                out.append(char)
+                self.pos += 1
+                continue
+            decoded, length = self._escape(self.pos)
+            if decoded is None:  # the escape goes on in a later delta
+                break
+            out.append(decoded)
+            self.pos += length
+        new = "".join(out)
+        self.text += new
+        return new
+
+    def rest(self, arguments: str) -> str:
+        """What the whole input adds to the text already streamed (all of it when the head never
+        matched)."""
+        whole = input_of(arguments)
+        return whole[len(self.text) :] if whole.startswith(self.text) else ""
+
+    def _escape(self, at: int) -> tuple[str | None, int]:
+        """The escape at ``at`` (a backslash): its character and length, or None if incomplete."""
+        buffer = self.buffer
+        if at + 1 >= len(buffer):
+            return None, 0
+        kind = buffer[at + 1]
+        if kind != "u":
+            return _ESCAPES.get(kind, kind), 2
+        if at + 6 > len(buffer):
+            return None, 0
+        code = int(buffer[at + 2 : at + 6], 16)
+        if 0xD800 <= code < 0xDC00:  # a surrogate pair: the low half's escape follows
+            if at + 12 > len(buffer):
+                return None, 0
+            low = int(buffer[at + 8 : at + 12], 16)
+            return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)), 12
+        return chr(code), 6
