@@ -88,6 +88,30 @@ def test_a_chain_is_one_session_in_the_router(app):
     assert third["usage"]["input_tokens_details"]["cached_tokens"] > 0
 
 
+def test_conversations_are_per_key_and_bounded_with_the_responses(app):
+    """A key's conversation is absent to another key; a conversation grown by 300 turns stays
+    within the store's byte bound with everything else, dropping whole entries, LRU first."""
+    made = app.post("/v1/conversations", json={}, headers=ALICE).json()
+    path = f"/v1/conversations/{made['id']}"
+    assert app.get(path, headers=BOB).status_code == 404
+    assert app.get(path + "/items", headers=BOB).status_code == 404
+    assert app.delete(path, headers=BOB).status_code == 404
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 1, "conversation": made["id"]}
+    assert app.post("/v1/responses", json=body, headers=BOB).status_code == 404
+    assert app.post("/v1/responses", json=body, headers=ALICE).status_code == 200
+    assert len(app.get(path + "/items", headers=ALICE).json()["data"]) == 2
+    store = app.app.state.server.response_store
+    for _ in range(300):  # appends until the conversation alone passes the bound
+        text = {"type": "message", "role": "user", "content": "words " * 200}
+        response = app.post(path + "/items", json={"items": [text]}, headers=ALICE)
+        assert response.status_code in (200, 404, 413), response.text
+        assert store.num_bytes <= MAX_BYTES and len(store) <= MAX_COUNT
+        if response.status_code != 200:  # it no longer fits, or was pushed out: never a 5xx
+            break
+    else:
+        raise AssertionError("the conversation never reached the store's bound")
+
+
 def test_the_daemons_stop_ends_a_running_background_response(tiny_chat_model):
     """The stop aborts the call of a background response that still runs: its task ends (none
     left pending), and the stored object says it failed, with the reason."""

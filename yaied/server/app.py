@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from yaied.server import (
+    conversations_api,
     embeddings,
     engines_routes,
     generate,
@@ -196,6 +197,7 @@ def build_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *responses_api.routes(),
+        *conversations_api.routes(),
         *messages_api.routes(),
         *embeddings.routes(),
         *router_routes.routes(),

@@ -51,31 +51,65 @@ class StoredResponse:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class StoredConversation:
+    """A conversation (``/v1/conversations``): its items in Responses' shape, each with an id;
+    the responses run in it append their input and output. Replaced whole on every change."""
+
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: tuple[dict[str, Any], ...] = ()
+    size: int = 0
+
+    @staticmethod
+    def make(
+        id: str, created_at: int, metadata: dict[str, str], items: tuple[dict[str, Any], ...]
+    ) -> StoredConversation:
+        size = len(orjson.dumps([metadata, items]))
+        return StoredConversation(id, created_at, dict(metadata), tuple(items), size)
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at,
+                "metadata": self.metadata}  # fmt: skip
+
+
 class ResponseStore:
-    """LRU over (namespace, id), bounded by ``max_count`` and ``max_bytes``. Event-loop only."""
+    """LRU over (namespace, id), bounded by ``max_count`` and ``max_bytes``. Event-loop only.
+    Conversations share the map and its bounds (their ids, ``conv_``, never meet a response's)."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_evicted = 0
-        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], StoredResponse | StoredConversation] = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._items)
 
     def get(self, namespace: str, response_id: str) -> StoredResponse | None:
-        key = (namespace, response_id)
+        item = self._get(namespace, response_id)
+        return item if isinstance(item, StoredResponse) else None
+
+    def get_conversation(self, namespace: str, conversation_id: str) -> StoredConversation | None:
+        item = self._get(namespace, conversation_id)
+        return item if isinstance(item, StoredConversation) else None
+
+    def _get(self, namespace: str, key_id: str) -> StoredResponse | StoredConversation | None:
+        key = (namespace, key_id)
         item = self._items.get(key)
         if item is not None:
             self._items.move_to_end(key)  # read or continued: recently used
         return item
 
-    def put(self, namespace: str, item: StoredResponse) -> bool:
+    def put(self, namespace: str, item: StoredResponse | StoredConversation) -> bool:
         """Keep ``item``; False when it alone is over the byte bound (then nothing is kept)."""
         if item.size > self.max_bytes or self.max_count == 0:
             return False
-        self.delete(namespace, item.id)
+        self.delete(namespace, item.id, type(item))
         self._items[(namespace, item.id)] = item
         self.num_bytes += item.size
         while len(self._items) > self.max_count or self.num_bytes > self.max_bytes:
@@ -84,9 +118,10 @@ class ResponseStore:
             self.num_evicted += 1
         return True
 
-    def delete(self, namespace: str, response_id: str) -> bool:
-        item = self._items.pop((namespace, response_id), None)
-        if item is None:
+    def delete(self, namespace: str, response_id: str, kind: type = StoredResponse) -> bool:
+        """Remove the ``kind`` (a response, or StoredConversation) stored under that id."""
+        if not isinstance(self._items.get((namespace, response_id)), kind):
             return False
+        item = self._items.pop((namespace, response_id))
         self.num_bytes -= item.size
         return True

@@ -12,6 +12,9 @@ With ``background`` the response object (status ``queued``) is stored and answer
 call runs on in a task of its own (the client may leave), and the stored object becomes the
 finished one (``completed``, ``incomplete``, ``failed``, or ``cancelled`` by the cancel route).
 
+With ``conversation`` (conversations_api.py) the stored conversation's items come before the
+input, and the turn's input and output are appended to it once it has ended well (``_keep``).
+
 The response object and its events are built in responses_output.py (item ids name their
 response, which is how an ``item_reference`` finds its stored item: ``_stored_item``).
 
@@ -40,9 +43,9 @@ from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
-from yaied.server.response_store import ResponseStore, StoredResponse
-from yaied.server.responses_output import SSEWriter, Turn, block_events
-from yaied.server.responses_protocol import parse_responses
+from yaied.server.response_store import ResponseStore, StoredConversation, StoredResponse
+from yaied.server.responses_output import SSEWriter, Turn, block_events, item_id_prefix
+from yaied.server.responses_protocol import parse_items, parse_responses
 from yaied.server.state import BackgroundRun, ServerState
 
 log = logging.getLogger(__name__)
@@ -79,13 +82,18 @@ async def get_response(request: Request) -> Response:
 
 
 async def list_input_items(request: Request) -> Response:
-    """OpenAI's list of a response's input items: ``limit`` (1-100, default 20), ``order``
-    (``desc`` by default), ``after`` / ``before`` an item id of the list; ``include`` is
-    accepted (nothing here has more to include)."""
+    """OpenAI's list of a response's input items (``page_of``)."""
     response_id = request.path_params["response_id"]
     stored = _store(request).get(_namespace(request), response_id)
     if stored is None:
         raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
+    return json_response(page_of(list(stored.input_items), request, response_id))
+
+
+def page_of(items: list[dict[str, Any]], request: Request, owner: str) -> dict[str, Any]:
+    """One page of ``owner``'s items as OpenAI lists them: ``limit`` (1-100, default 20),
+    ``order`` (``desc`` by default), ``after`` / ``before`` an item id of the list; ``include``
+    is accepted (nothing here has more to include)."""
     query = request.query_params
     for name in query:
         if name not in _LIST_PARAMS:
@@ -96,24 +104,22 @@ async def list_input_items(request: Request) -> Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError(400, 'order must be "asc" or "desc"', param="order")
-    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+    items = items if order == "asc" else items[::-1]
     ids = [item["id"] for item in items]
     for name in ("after", "before"):
         if name in query and query[name] not in ids:
-            raise APIError(400, f"{name} names no input item of {response_id!r}", param=name)
+            raise APIError(400, f"{name} names no item of {owner!r}", param=name)
     start = ids.index(query["after"]) + 1 if "after" in query else 0
     end = ids.index(query["before"]) if "before" in query else len(ids)
     items = items[start:end]
     page = items[: int(limit)]
-    return json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > len(page),
-        }
-    )
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
 
 
 async def cancel_response(request: Request) -> Response:
@@ -170,6 +176,13 @@ async def create_response(request: Request) -> Response:
             message = f"previous response {req.previous_response_id!r} is still in progress"
             raise APIError(400, message, param="previous_response_id")
         turn.history, turn.chain_id = list(previous.messages), previous.chain_id
+    if req.conversation_id is not None:  # its items come before this input
+        conversation = server.response_store.get_conversation(namespace, req.conversation_id)
+        if conversation is None:
+            message = f"no conversation {req.conversation_id!r}"
+            raise APIError(404, message, param="conversation", code="conversation_not_found")
+        turn.history, _ = parse_items(list(conversation.items), where="conversation")
+        turn.chain_id = conversation.id  # the session: a conversation stays on its engine
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     session = request.headers.get("x-session-id") or req.parsed.user or turn.chain_id
     structured = req.parsed.structured  # start_chat settles the output grammar in place
@@ -280,7 +293,37 @@ def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str,
     return None if stored is None else stored.item(item_id)
 
 
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as a conversation keeps them: each with an id (the client's, or a new one)."""
+    return [
+        item if "id" in item else {"id": f"{item_id_prefix(item)}_{uuid.uuid4().hex}", **item}
+        for item in items
+    ]
+
+
+def append(
+    store: ResponseStore, namespace: str, conversation_id: str, items: list[dict[str, Any]]
+) -> bool:
+    """Add ``items`` to the conversation (conversations_api.py); False if it is gone (deleted,
+    or evicted) or would no longer fit the store."""
+    old = store.get_conversation(namespace, conversation_id)
+    if old is None:
+        return False
+    new = StoredConversation.make(
+        old.id, old.created_at, old.metadata, (*old.items, *with_ids(items))
+    )
+    return store.put(namespace, new)
+
+
 def _keep(store: ResponseStore, namespace: str, turn: Turn, body: dict[str, Any]) -> None:
+    """Store the response (with ``store``) and, once it has ended well, add its input and
+    output to its conversation."""
+    conversation = turn.req.conversation_id
+    ended_well = body["status"] in ("completed", "incomplete")
+    if conversation is not None and ended_well:
+        added = append(store, namespace, conversation, [*turn.input_items, *body["output"]])
+        if not added:
+            log.warning("%s: conversation %s is gone or full", turn.id, conversation)
     if turn.req.store:
         item = StoredResponse.make(
             turn.id, turn.conversation(), body, turn.chain_id, turn.input_items

@@ -121,6 +121,11 @@ class Turn:
         return [*self.history, *self.req.new_messages, reply]
 
 
+def item_id_prefix(item: dict[str, Any]) -> str:
+    """The prefix of an item id of this type (``msg``, ``fc``, ...)."""
+    return _INPUT_PREFIX.get(item.get("type", "message"), "item")
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 

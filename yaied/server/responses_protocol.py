@@ -12,6 +12,9 @@ as the client spelled it, unknown fields refused. The input items become chat me
                                                                           drop earlier thinking)
     {"type": "item_reference", id} (or just {id})                     -> the stored item it names
 
+A ``conversation`` (conversations_api.py) puts its stored items before this input, parsed the
+same way (``parse_items``).
+
 Each item is also kept in Responses' own shape (``input_items``), what
 ``GET /v1/responses/{id}/input_items`` lists. A reference is resolved by the caller's
 ``resolve`` (the store, in the caller's key namespace); without one, nothing is stored.
@@ -52,7 +55,6 @@ RESPONSES_FIELDS = frozenset(
     }
 )
 _UNSUPPORTED = {
-    "conversation": "conversations (send previous_response_id)",
     "top_logprobs": "top_logprobs on /v1/responses",
     "background_options": "background_options",
     "prompt": "stored prompt templates (send instructions and input)",
@@ -85,6 +87,7 @@ class ResponsesRequest:
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     effort: str | None = None
     background: bool = False  # answered at once, run on, polled with GET (needs store)
+    conversation_id: str | None = None  # its items come first; this turn's are added to it
     truncation: str = "disabled"  # "auto": the oldest stored turns go when the prompt overflows
 
 
@@ -122,6 +125,10 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
         text = "background responses are not streamed here: poll GET /v1/responses/{id}"
         raise APIError(400, text, param="stream")
     out.previous_response_id = _get(body, "previous_response_id", (str,))
+    out.conversation_id = _conversation(body)
+    if out.conversation_id is not None and out.previous_response_id is not None:
+        text = "conversation and previous_response_id cannot be used together"
+        raise APIError(400, text, param="conversation")
     out.metadata = _metadata(body)
     out.tools, out.tool_choice, out.custom_tools = parse_tools(body, parsed)
     parsed.structured, out.text_format = _text_format(body)
@@ -131,21 +138,39 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     return out
 
 
+def _conversation(body: dict[str, Any]) -> str | None:
+    value = body.get("conversation")
+    if isinstance(value, dict):
+        value = value.get("id")
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, "conversation is an id, or {id}", param="conversation")
+    return value
+
+
+def parse_items(
+    value: Any, where: str = "input", resolve: ItemResolver | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A list of Responses items (a conversation's, which need not hold a message) as chat
+    messages and as items in their stored shape."""
+    return _input(value, resolve, where=where, need_message=False)
+
+
 def _input(
-    value: Any, resolve: ItemResolver | None
+    value: Any, resolve: ItemResolver | None, where: str = "input", need_message: bool = True
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The input as chat messages, and as Responses items."""
+    name = where
     if isinstance(value, str):
         item = _with_id(
             {}, {"type": "message", "role": "user", "content": [_text_part("user", value)]}
         )
         return [{"role": "user", "content": value}], [item]
-    if not isinstance(value, list) or not value:
-        raise APIError(400, "input must be a string or a non-empty list of items", "input")
+    if not isinstance(value, list) or (need_message and not value):
+        raise APIError(400, f"{name} must be a string or a non-empty list of items", name)
     messages: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     for i, item in enumerate(value):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object", param=where)
         if item.get("type") == "item_reference" or item.keys() & {"type", "role", "id"} == {"id"}:
@@ -176,9 +201,9 @@ def _input(
             items.append(_with_id(item, {k: v for k, v in item.items() if k != "id"}))
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported", where)
-    if not messages:
-        raise APIError(400, "input holds no message", param="input")
-    return parse_messages(messages), items
+    if need_message and not messages:
+        raise APIError(400, f"{name} holds no message", param=name)
+    return (parse_messages(messages) if messages else []), items
 
 
 def _referenced(item: dict[str, Any], where: str, resolve: ItemResolver | None) -> dict[str, Any]:
