@@ -1,4 +1,5 @@
-"""The OpenAPI paths of the agents' APIs: /v1/responses, /v1/messages, /v1/embeddings.
+"""The OpenAPI paths of the agents' APIs: /v1/responses, /v1/conversations, /v1/messages,
+/v1/embeddings.
 
 Their sampling fields come from the one table (core/sampling_fields.py, endpoints "responses"
 and "messages"), as the OpenAI endpoints' do; the rest is each API's own request shape, closed
@@ -73,6 +74,8 @@ _RESPONSES = {
     "prompt_cache_key": {"type": "string"},
     "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
     "background": {"type": "boolean"},
+    "conversation": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+    "max_tool_calls": {"type": "integer", "minimum": 1},
 }
 _MESSAGES = {
     **_sampling("messages"),
@@ -94,6 +97,7 @@ _MESSAGES = {
     "thinking": {"type": "object"},
     "metadata": {"type": "object"},
     "output_config": {"type": "object"},
+    "context_management": {"type": "object", "properties": {"edits": {"type": "array"}}},
     "stream": {"type": "boolean"},
 }
 _EMBEDDINGS = {
@@ -170,8 +174,50 @@ def _cancel() -> dict[str, Any]:
     return {"post": {"summary": summary, "parameters": [path], "responses": answer}}
 
 
+def _conversation_paths() -> dict[str, Any]:
+    """/v1/conversations and its items (conversations_api.py)."""
+    ident = {
+        "name": "conversation_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
+    item = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    answer = {"200": {"description": "JSON"}, "404": {"description": "not stored for this key"}}
+    items = {"type": "array", "maxItems": 20, "items": _RESPONSES["input"]["oneOf"][1]["items"]}
+    metadata = _RESPONSES["metadata"]
+
+    def op(summary: str, parameters: list, body: dict | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"summary": summary, "parameters": parameters, "responses": answer}
+        if body is not None:
+            schema = {"type": "object", "properties": body, "additionalProperties": False}
+            out["requestBody"] = {"content": {"application/json": {"schema": schema}}}
+        return out
+
+    listing = _input_items()["get"]["parameters"][1:]
+    return {
+        "/v1/conversations": {
+            "post": op("Create a conversation", [], {"items": items, "metadata": metadata})
+        },
+        "/v1/conversations/{conversation_id}": {
+            "get": op("A conversation", [ident]),
+            "post": op("Update a conversation's metadata", [ident], {"metadata": metadata}),
+            "delete": op("Delete a conversation", [ident]),
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "get": op("A conversation's items, a page at a time", [ident, *listing]),
+            "post": op("Append items", [ident], {"items": items}),
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": op("One item", [ident, item]),
+            "delete": op("Delete one item (returns the conversation)", [ident, item]),
+        },
+    }
+
+
 def agent_paths() -> dict[str, Any]:
     return {
+        **_conversation_paths(),
         "/v1/responses": _post("OpenAI Responses API (stateful with store)", _RESPONSES, ["input"]),
         "/v1/responses/{response_id}": _by_id("A stored response"),
         "/v1/responses/{response_id}/input_items": _input_items(),
