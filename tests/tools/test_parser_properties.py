@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tools.test_parser import MARKUP, stream, summary
-from yaied.tools import get_format
+from yaied.tools import ToolCallArguments, ToolCallEnd, ToolCallParser, get_format
 
 # Pieces that look like markup without being it, so hold-back is exercised.
 _PROSE_PIECES = ["a", "Z", " ", "\n", "<", ">", "/", "{", "}", ";", '"', "<tool", "_call", "<|py"]
@@ -47,22 +47,23 @@ cuts = st.lists(st.integers(0, 7), max_size=200)
 
 
 @settings(max_examples=150, deadline=None)
-@given(before=prose, calls=calls, sizes=cuts)
-def test_hermes_recovers_generated_calls(before, calls, sizes):
+@given(before=prose, calls=calls, sizes=cuts, streamed=st.booleans())
+def test_hermes_recovers_generated_calls(before, calls, sizes, streamed):
+    """Buffered or streamed arguments (`stream` checks that the fragments add up)."""
     text = (before + "\n" if before else "") + get_format("hermes").render_calls(calls)
     expected = (before or None, [(n, json.loads(json.dumps(a))) for n, a in calls])
     for pieces in ([text], cut(text, sizes), list(text)):
-        message = stream("hermes", pieces)
+        message = stream("hermes", pieces, stream_arguments=streamed)
         assert summary(message) == expected and not message.errors
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls=calls, tag=st.booleans(), sizes=cuts)
-def test_llama3_json_recovers_generated_calls(calls, tag, sizes):
+@given(calls=calls, tag=st.booleans(), sizes=cuts, streamed=st.booleans())
+def test_llama3_json_recovers_generated_calls(calls, tag, sizes, streamed):
     text = ("<|python_tag|>" if tag else "") + get_format("llama3_json").render_calls(calls)
     expected = (None, [(n, json.loads(json.dumps(a))) for n, a in calls])
     for pieces in ([text], cut(text, sizes)):
-        message = stream("llama3_json", pieces)
+        message = stream("llama3_json", pieces, stream_arguments=streamed)
         assert summary(message) == expected and not message.errors
 
 
@@ -73,3 +74,24 @@ def test_prose_without_calls_comes_out_unchanged(text, fmt, sizes):
         text = "x" + text  # a message opening with "{" may be a call: held, tested elsewhere
     for pieces in ([text], cut(text, sizes)):
         assert summary(stream(fmt, pieces)) == (text or None, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=calls, sizes=cuts, keep=st.integers(0, 400))
+def test_a_streamed_call_cut_short_keeps_what_was_sent(calls, sizes, keep):
+    """The stream ends anywhere inside a streamed call (max_tokens): the call ends with the
+    arguments sent so far (a prefix of the whole), noted as an error; none of it is content."""
+    whole = get_format("hermes").render_calls(calls)
+    head = whole.find('"arguments": ') + len('"arguments": ') + 1
+    closing = whole.find("}\n</tool_call>", head)  # the call object's own brace (JSON escapes \n)
+    text = whole[: head + keep % (closing - head + 1)]  # cut before it
+    parser = ToolCallParser("hermes", stream_arguments=True)
+    events = [e for piece in cut(text, sizes) for e in parser.feed(piece)] + parser.finish()
+    message = parser.result()
+    assert message.content is None and message.tool_calls and message.errors
+    last = message.tool_calls[-1]
+    index = len(message.tool_calls) - 1
+    fragments = [e for e in events if isinstance(e, ToolCallArguments) and e.index == index]
+    sent = "".join(e.fragment for e in fragments)
+    assert sent == last.arguments_json and last.arguments_json in whole
+    assert isinstance(events[-1], ToolCallEnd)

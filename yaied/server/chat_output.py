@@ -87,7 +87,11 @@ class ChoiceMessage:
         self._calls = None
         if tools.active:
             names = [tool.name for tool in tools.tools]
-            self._calls = ToolCallParser(settings.tool_format, tool_names=names)
+            # output_grammar forces every call's markup whenever tools are active, so a call's
+            # arguments can go out as they come (the parser's stream_arguments)
+            self._calls = ToolCallParser(
+                settings.tool_format, tool_names=names, stream_arguments=True
+            )
         self._text: list[str] = []  # without parsers: the content as it came
 
     @property

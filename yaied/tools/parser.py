@@ -10,7 +10,13 @@ The parser is fed the detokenizer's text deltas and returns events as soon as th
   arguments as JSON text (json.dumps of the parsed object), and `ToolCallEnd`.
 
 Buffering whole calls costs the client argument streaming but means an event, once sent, is never
-wrong: there is no half-sent call to retract when the model breaks the JSON.
+wrong: there is no half-sent call to retract when the model breaks the JSON. Where a grammar
+forces every call's markup (`stream_arguments`: the chat path sets it whenever tools are active,
+as tools/grammar.py then constrains the calls), a call whose object opens with its name and then
+its arguments object goes out as it comes instead: `ToolCallStart` once the name is read, the
+arguments' raw text in `ToolCallArguments` fragments as they arrive, `ToolCallEnd` when the
+object closes. Its arguments are then the model's text as written (valid JSON, not re-dumped);
+a call cut off by the end of the stream ends with the arguments it had (noted in `errors`).
 
 Decisions a caller must know:
 
@@ -31,7 +37,9 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 from yaied.tools._scan import (
     INVALID,
@@ -52,6 +60,27 @@ from yaied.tools.events import (
     new_call_id,
 )
 from yaied.tools.formats import ToolCallFormat, get_format
+
+# A call object's head when it names its function first: `{"name": "<name>", "arguments": `
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+_ARGUMENTS_VALUE = re.compile(r'"(?:arguments|parameters)"\s*:\s*\S')
+
+
+@dataclass(slots=True)
+class _Streaming:
+    """The call whose arguments are going out as they arrive."""
+
+    index: int
+    call_id: str
+    name: str
+    start: int  # where the arguments object starts in the parser's buffer
+    sent: int = 0  # of its characters, sent
+    end: int = -1  # its length once it has closed
+    scanner: JsonObjectScanner = field(default_factory=JsonObjectScanner)
 
 
 class _State(enum.Enum):
@@ -75,8 +104,12 @@ class ToolCallParser:
         *,
         tool_names: Collection[str] | None = None,
         id_factory: Callable[[], str] = new_call_id,
+        stream_arguments: bool = False,
     ) -> None:
         self._fmt = get_format(fmt)
+        self._stream_arguments = stream_arguments
+        self._streaming: _Streaming | None = None
+        self._streamable = True  # the call in progress may still stream (its head not ruled out)
         self._tool_names = None if tool_names is None else frozenset(tool_names)
         self._new_id = id_factory
         self._state = _State.TEXT
@@ -171,10 +204,15 @@ class ToolCallParser:
             self._malformed("no JSON object after the call marker", 0)
             return True
         self._scanner = JsonObjectScanner()
+        self._streamable = self._stream_arguments and not self._bare
         self._state = _State.OBJECT
         return True
 
     def _step_object(self, final: bool) -> bool:
+        if self._streamable and self._streaming is None:
+            self._start_streaming()
+        if self._streaming is not None:
+            return self._step_streaming(final)
         end = self._scanner.scan(self._buf)
         if end == MORE:
             if final:
@@ -197,6 +235,66 @@ class ToolCallParser:
         self._raw = ""
         self._bare = False
         self._buf = self._buf[end:]
+        self._state = _State.AFTER
+        return True
+
+    def _start_streaming(self) -> None:
+        """Send the call's start once its head is read, if the head is the streamable one."""
+        head = _CALL_HEAD.match(self._buf)
+        if head is None:
+            # not yet: wait until the arguments' value has begun without such a head before it
+            self._streamable = _ARGUMENTS_VALUE.search(self._buf) is None
+            return
+        start = head.end()
+        if start == len(self._buf):
+            return  # the arguments' first character decides
+        name = json.loads(head.group(1))
+        known = self._tool_names is None or name in self._tool_names
+        if self._buf[start] != "{" or not name or not known:
+            self._streamable = False  # arguments as a string, or no such tool: buffered
+            return
+        index = len(self._calls)
+        self._streaming = _Streaming(index, self._new_id(), name, start)
+        self._events.append(ToolCallStart(index, self._streaming.call_id, name))
+
+    def _step_streaming(self, final: bool) -> bool:
+        call = self._streaming
+        assert call is not None
+        arguments = self._buf[call.start :]
+        if call.end < 0:
+            end = call.scanner.scan(arguments)
+            call.end = end if end >= 0 else -1
+            if end == INVALID:
+                return self._end_streaming("the call's arguments are not a JSON object", None)
+        upto = call.end if call.end >= 0 else len(arguments)
+        if upto > call.sent:
+            self._events.append(ToolCallArguments(call.index, arguments[call.sent : upto]))
+            call.sent = upto
+        if call.end < 0:
+            if final:
+                return self._end_streaming("the stream ended inside the call's JSON object", None)
+            return False
+        end = self._scanner.scan(self._buf)  # the call object's own closing brace
+        if end == INVALID:
+            return self._end_streaming("the call is not valid JSON", None)
+        if end == MORE:
+            if final:
+                return self._end_streaming("the stream ended inside the call's JSON object", None)
+            return False
+        return self._end_streaming(None, end)
+
+    def _end_streaming(self, error: str | None, end: int | None) -> bool:
+        """The streamed call ends (at `end` of the buffer, or broken): its arguments are what
+        was sent; what follows a broken one is read as text after a call."""
+        call = self._streaming
+        assert call is not None
+        arguments = self._buf[call.start : call.start + call.sent]
+        self._calls.append(ToolCall(call.call_id, call.name, arguments))
+        self._events.append(ToolCallEnd(call.index))
+        if error is not None:
+            self._errors.append(error)
+        self._buf = self._buf[end if end is not None else call.start + call.sent :]
+        self._streaming, self._raw, self._bare = None, "", False
         self._state = _State.AFTER
         return True
 
