@@ -342,7 +342,7 @@ def test_responses_custom_tools_are_functions_of_one_string():
     tools = {tool.name: tool for tool in req.parsed.tools.tools}
     assert tools["patch"].parameters["properties"] == {"input": {"type": "string"}}
     assert tools["patch"].input_regex is None and tools["w"].input_regex is None
-    assert tools["sql"].input_regex == r"SELECT\ ([a-z])+;"
+    assert tools["sql"].input_regex == "SELECT ([a-z])+;"
     assert req.parsed.tools.choice.name == "sql"
     call = req.new_messages[1]["tool_calls"][0]["function"]
     assert call == {"name": "patch", "arguments": '{"input": "a \\"b\\""}'}

@@ -40,6 +40,7 @@ _MAX_CHAR = 0x10FFFF
 # Flags that change what a pattern matches (case, dot, anchors, verbose syntax): refused rather
 # than enforced as if absent
 _FLAGS = re.IGNORECASE | re.DOTALL | re.MULTILINE | re.VERBOSE | re.ASCII | re.LOCALE
+_METACHARACTERS = frozenset("\\.^$*+?()[]{}|")
 # An explicit {m,n} above this is refused: the grammar's size grows with it
 MAX_REPEAT = 1000
 
@@ -199,7 +200,13 @@ def _class_char(code: int) -> str:
 
 def _escaped(char: str) -> str:
     """The JSON encoding of one character, as a regex that matches just it."""
-    return re.escape(json.dumps(char, ensure_ascii=False)[1:-1])
+    return regex_literal(json.dumps(char, ensure_ascii=False)[1:-1])
+
+
+def regex_literal(text: str) -> str:
+    """A regex matching ``text``: its metacharacters escaped, nothing else (re.escape also
+    escapes spaces and the like, which xgrammar's regex reader warns about on every compile)."""
+    return "".join("\\" + c if c in _METACHARACTERS else c for c in text)
 
 
 _HEAD = re.compile(r'\s*\{\s*"' + INPUT + r'"\s*:\s*"')

@@ -19,13 +19,12 @@ The markup around a call comes from the same `ToolCallFormat` the parser reads b
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from yaied.core.grammar_spec import GrammarSpec
-from yaied.tools.custom import INPUT
+from yaied.tools.custom import INPUT, regex_literal
 from yaied.tools.formats import ToolCallFormat, get_format
 from yaied.tools.reasoning import THINK_END, THINK_START
 
@@ -80,8 +79,8 @@ def call_tag(fmt: ToolCallFormat, tool: Tool) -> dict[str, Any]:
         "max_whitespace_cnt": ARGUMENT_WHITESPACE,
     }
     if tool.input_regex is not None:
-        head = re.escape('{"' + INPUT + '": "')
-        arguments = {"type": "regex", "pattern": head + tool.input_regex + re.escape('"}')}
+        head = regex_literal('{"' + INPUT + '": "')
+        arguments = {"type": "regex", "pattern": head + tool.input_regex + regex_literal('"}')}
     return {
         "type": "tag",
         "begin": fmt.call_prefix(tool.name),
