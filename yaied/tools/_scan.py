@@ -8,7 +8,9 @@ JSON object ends without waiting for a closing tag that may itself sit inside a 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 # Characters that may appear in JSON outside strings. Anything else there (such as the "<" of a
@@ -89,6 +91,28 @@ class JsonObjectScanner:
                 break
         self._pos, self._depth, self._in_string, self._escape = pos, depth, in_string, escape
         return result
+
+
+# A call object's head when it names its function first: `{"name": "<name>", "arguments": `
+CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+ARGUMENTS_VALUE = re.compile(r'"(?:arguments|parameters)"\s*:\s*\S')
+
+
+@dataclass(slots=True)
+class StreamedCall:
+    """The tool-call parser's call whose arguments are going out as they arrive."""
+
+    index: int
+    call_id: str
+    name: str
+    start: int  # where the arguments object starts in the parser's buffer
+    sent: int = 0  # of its characters, sent
+    end: int = -1  # its length once it has closed
+    scanner: JsonObjectScanner = field(default_factory=JsonObjectScanner)
 
 
 def decode_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | str:

@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 
 from yaied.tools._scan import (
+    ARGUMENTS_VALUE,
+    CALL_HEAD,
     INVALID,
     MORE,
     JsonObjectScanner,
+    StreamedCall,
     decode_call,
     find_first,
     partial_suffix,
@@ -60,27 +61,6 @@ from yaied.tools.events import (
     new_call_id,
 )
 from yaied.tools.formats import ToolCallFormat, get_format
-
-# A call object's head when it names its function first: `{"name": "<name>", "arguments": `
-_CALL_HEAD = re.compile(
-    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-)
-
-
-_ARGUMENTS_VALUE = re.compile(r'"(?:arguments|parameters)"\s*:\s*\S')
-
-
-@dataclass(slots=True)
-class _Streaming:
-    """The call whose arguments are going out as they arrive."""
-
-    index: int
-    call_id: str
-    name: str
-    start: int  # where the arguments object starts in the parser's buffer
-    sent: int = 0  # of its characters, sent
-    end: int = -1  # its length once it has closed
-    scanner: JsonObjectScanner = field(default_factory=JsonObjectScanner)
 
 
 class _State(enum.Enum):
@@ -108,7 +88,7 @@ class ToolCallParser:
     ) -> None:
         self._fmt = get_format(fmt)
         self._stream_arguments = stream_arguments
-        self._streaming: _Streaming | None = None
+        self._streaming: StreamedCall | None = None
         self._streamable = True  # the call in progress may still stream (its head not ruled out)
         self._tool_names = None if tool_names is None else frozenset(tool_names)
         self._new_id = id_factory
@@ -240,10 +220,10 @@ class ToolCallParser:
 
     def _start_streaming(self) -> None:
         """Send the call's start once its head is read, if the head is the streamable one."""
-        head = _CALL_HEAD.match(self._buf)
+        head = CALL_HEAD.match(self._buf)
         if head is None:
             # not yet: wait until the arguments' value has begun without such a head before it
-            self._streamable = _ARGUMENTS_VALUE.search(self._buf) is None
+            self._streamable = ARGUMENTS_VALUE.search(self._buf) is None
             return
         start = head.end()
         if start == len(self._buf):
@@ -254,7 +234,7 @@ class ToolCallParser:
             self._streamable = False  # arguments as a string, or no such tool: buffered
             return
         index = len(self._calls)
-        self._streaming = _Streaming(index, self._new_id(), name, start)
+        self._streaming = StreamedCall(index, self._new_id(), name, start)
         self._events.append(ToolCallStart(index, self._streaming.call_id, name))
 
     def _step_streaming(self, final: bool) -> bool:
