@@ -95,3 +95,25 @@ def test_a_streamed_call_cut_short_keeps_what_was_sent(calls, sizes, keep):
     sent = "".join(e.fragment for e in fragments)
     assert sent == last.arguments_json and last.arguments_json in whole
     assert isinstance(events[-1], ToolCallEnd)
+
+
+_JUNK_PIECES = [*_PROSE_PIECES, "<tool_call>", "</tool_call>", '{"name": ', '"a\\x"', '"f"',
+                ", ", '"arguments": ', '"parameters": ', "{", "}", '"', "\\", "[", "]", "1",
+                "\n"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_JUNK_PIECES), max_size=40), sizes=cuts,
+       fmt=st.sampled_from(["hermes", "llama3_json"]))  # fmt: skip
+def test_streamed_arguments_survive_any_text(pieces, sizes, fmt):
+    """Whatever the model writes without a grammar (markup fragments, bad escapes, cut calls),
+    the streaming parser raises nothing and every call's fragments add up to its arguments."""
+    text = "".join(pieces)
+    parser = ToolCallParser(fmt, stream_arguments=True)
+    events = [e for piece in cut(text, sizes) for e in parser.feed(piece)] + parser.finish()
+    message = parser.result()
+    for index, call in enumerate(message.tool_calls):
+        sent = [e.fragment for e in events if isinstance(e, ToolCallArguments) and e.index == index]
+        assert "".join(sent) == call.arguments_json
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert len(ends) == len(message.tool_calls)

@@ -115,6 +115,15 @@ class StreamedCall:
     scanner: JsonObjectScanner = field(default_factory=JsonObjectScanner)
 
 
+def json_string(literal: str) -> str | None:
+    """The value of a JSON string literal (quotes included), or None if it is not one."""
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def decode_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | str:
     """(name, arguments) of a closed call object, or why it is not a call.
 

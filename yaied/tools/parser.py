@@ -48,6 +48,7 @@ from yaied.tools._scan import (
     StreamedCall,
     decode_call,
     find_first,
+    json_string,
     partial_suffix,
 )
 from yaied.tools.events import (
@@ -228,7 +229,7 @@ class ToolCallParser:
         start = head.end()
         if start == len(self._buf):
             return  # the arguments' first character decides
-        name = json.loads(head.group(1))
+        name = json_string(head.group(1))  # None: an escape JSON lacks (reported when buffered)
         known = self._tool_names is None or name in self._tool_names
         if self._buf[start] != "{" or not name or not known:
             self._streamable = False  # arguments as a string, or no such tool: buffered
