@@ -267,16 +267,17 @@ def test_the_agents_sampling_fields_come_from_the_one_table():
     from yaied.server.openapi_agents import agent_paths
 
     responses, messages = request_names("responses"), request_names("messages")
-    assert responses == {"max_output_tokens", "temperature", "top_p"}
+    assert responses == {"max_output_tokens", "temperature", "top_p", "top_logprobs"}
     assert messages == {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences"}
     paths = agent_paths()
     for path, names in (("/v1/responses", responses), ("/v1/messages", messages)):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert names <= set(schema["properties"])
     values = {"max_output_tokens": 5, "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
-              "top_k": 3, "stop_sequences": ["x"]}  # fmt: skip
+              "top_k": 3, "stop_sequences": ["x"], "top_logprobs": 2}  # fmt: skip
     req = parse_responses({"input": "x", **{n: values[n] for n in responses}})
     assert req.parsed.max_tokens == 5 and req.parsed.sampling == {"temperature": 0.5, "top_p": 0.9}
+    assert req.parsed.logprobs == 2
     chat = parse_anthropic(
         {"messages": [{"role": "user", "content": "x"}], **{n: values[n] for n in messages}}
     ).parsed

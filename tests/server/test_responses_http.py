@@ -293,6 +293,26 @@ def test_a_custom_tool_call_holds_its_regex_and_continues(client):
     assert [item.type for item in listed.data] == ["custom_tool_call_output"]
 
 
+def test_output_text_logprobs_whole_and_streamed(client):
+    """include message.output_text.logprobs (with top_logprobs): a logprob per output token
+    with its alternatives, the tokens spelling the text; streamed, the deltas carry them."""
+    ask = dict(model=MODEL, input="Say hello.", max_output_tokens=12, temperature=0,
+               include=["message.output_text.logprobs"])  # fmt: skip
+    whole = client.responses.create(**ask, top_logprobs=2)
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in part.logprobs)
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response
+    assert sum(len(e.logprobs) for e in deltas) == final.usage.output_tokens
+    assert [e.token for d in deltas for e in d.logprobs] == [
+        e.token for e in final.output[0].content[0].logprobs
+    ]
+
+
 def test_bad_requests_get_4xx(live):
     url = live.v1 + "/responses"
     for body, status, param in [
@@ -304,6 +324,9 @@ def test_bad_requests_get_4xx(live):
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_x"}, 404,
          "previous_response_id"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"model": MODEL, "input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"],
+          "tools": TOOLS}, 400, "include"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "custom", "name": "p", "format": {
             "type": "grammar", "syntax": "lark", "definition": "start: x"}}]}, 400,
          "tools[0].format"),

@@ -218,8 +218,9 @@ FIELDS: tuple[SamplingField, ...] = (
         "logprobs",
         _integer(minimum=0, maximum=MAX_LOGPROBS),
         "Each sampled token's log-probability under the model and this many alternatives "
-        "(chat: with logprobs: true).",
+        "(chat: with logprobs: true; responses: with include message.output_text.logprobs).",
         chat=("top_logprobs",),
+        responses=("top_logprobs",),
         remote=False,
     ),
     # No request field: completions' echo with logprobs asks for it.

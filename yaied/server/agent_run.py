@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from yaied.core.request import FinishReason, TokenEvent
+from yaied.core.request import FinishReason, TokenEvent, TokenLogprobs
 from yaied.router.manager import EngineManager
 from yaied.server.admission import prepare_jobs, request_size
 from yaied.server.auth import api_key_of, may_set_priority
@@ -50,6 +50,8 @@ class AgentRun:
     choice: ChoiceState
     started: Submitted
     request_id: str
+    # the sampled tokens' logprobs (when asked for) that no delta has carried yet
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -68,7 +70,8 @@ class AgentRun:
                 if event.finish_reason is FinishReason.ERROR:
                     text = public_error("generation failed", event.error, self.request_id)
                     raise APIError(500, text, code="engine_error")
-                text, _ = choice.update(event)
+                text, logprobs = choice.update(event)
+                self.new_logprobs.extend(logprobs)
                 out = message.feed(text) if text else []
                 if event.finished:
                     out += message.finish()

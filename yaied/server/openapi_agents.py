@@ -75,6 +75,7 @@ _RESPONSES = {
     "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
     "background": {"type": "boolean"},
     "conversation": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+    "include": {"type": "array", "items": {"type": "string"}},
     "max_tool_calls": {"type": "integer", "minimum": 1},
 }
 _MESSAGES = {

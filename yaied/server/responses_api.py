@@ -166,6 +166,10 @@ async def create_response(request: Request) -> Response:
         await read_json(request), lambda item_id: _stored_item(server, namespace, item_id)
     )
     server.check_model(req.parsed.model)
+    if req.parsed.logprobs is not None and server.chat_settings(manager).reasoning:
+        # the text's tokens would be mixed with the reasoning's, which the deltas split apart
+        text = "logprobs with a reasoning parser are not supported on /v1/responses"
+        raise APIError(400, text, param="include")
     turn = Turn(req, response_id, server.model_name)
     if req.previous_response_id is not None:
         previous = server.response_store.get(namespace, req.previous_response_id)
@@ -203,6 +207,7 @@ async def create_response(request: Request) -> Response:
                 raise
             turn.history = _without_oldest_turn(turn.history)
             req.parsed.structured = structured
+    turn.run = run
     headers = {"X-Request-Id": request_id}
     if req.background:
         body = turn.body("queued")

@@ -17,6 +17,7 @@ import orjson
 
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun
+from yaied.server.responses import chat_logprobs
 from yaied.server.responses_protocol import ResponsesRequest
 from yaied.tools.custom import InputStream, input_of
 
@@ -36,6 +37,7 @@ class Turn:
         self.created = int(time.time())
         self.blocks = Blocks()
         self.input_streams: dict[int, InputStream] = {}  # custom calls' inputs, by block index
+        self.run: AgentRun | None = None  # the call, once started: its logprobs
         self.history: list[dict[str, Any]] = []  # the stored conversation before this turn
         self.chain_id = response_id
         # this turn's input items, each with an id (the client's, or one naming this response)
@@ -68,9 +70,21 @@ class Turn:
         if block.kind == "tool_call":
             return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id,
                     "name": block.name, "arguments": text, "status": status}  # fmt: skip
-        content = [text_part(text)] if done else []
+        content = [text_part(text, self.logprobs(everything=True))] if done else []
         return {"type": "message", "id": self.item_id(block), "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
+
+    def logprobs(self, everything: bool = False) -> list[dict[str, Any]]:
+        """The output text's token logprobs when asked for (responses_protocol: only without
+        tools or a reasoning parser, so every token is the text's): those no delta has carried
+        yet, or all of them."""
+        run = self.run
+        if run is None or self.req.parsed.logprobs is None:
+            return []
+        if everything:
+            return chat_logprobs(run.choice.names, run.choice.chat_logprobs)["content"]
+        taken, run.new_logprobs = run.new_logprobs, []
+        return chat_logprobs(run.choice.names, taken)["content"]
 
     def body(self, status: str, run: AgentRun | None = None) -> dict[str, Any]:
         req, done = self.req, status not in ("queued", "in_progress")
@@ -126,8 +140,8 @@ def item_id_prefix(item: dict[str, Any]) -> str:
     return _INPUT_PREFIX.get(item.get("type", "message"), "item")
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 class SSEWriter:
@@ -162,7 +176,8 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
         if block.kind == "tool_call":
             kind, extra = "response.function_call_arguments.delta", {}
         elif block.kind == "text":
-            kind, extra = "response.output_text.delta", {"content_index": 0, "logprobs": []}
+            kind, extra = "response.output_text.delta", {"content_index": 0,
+                                                          "logprobs": turn.logprobs()}  # fmt: skip
         else:
             kind, extra = "response.reasoning_text.delta", {"content_index": 0}
         return [write(kind, item_id=item_id, delta=event.delta, **extra, **at)]
@@ -178,10 +193,11 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
         out.append(write("response.function_call_arguments.done", item_id=item_id,
                          name=block.name, arguments=text, **at))  # fmt: skip
     elif block.kind == "text":
+        logprobs = turn.logprobs(everything=True)
         out.append(write("response.output_text.done", item_id=item_id, content_index=0,
-                         text=text, logprobs=[], **at))  # fmt: skip
+                         text=text, logprobs=logprobs, **at))  # fmt: skip
         out.append(write("response.content_part.done", item_id=item_id, content_index=0,
-                         part=text_part(text), **at))  # fmt: skip
+                         part=text_part(text, logprobs), **at))  # fmt: skip
     else:
         out.append(write("response.reasoning_text.done", item_id=item_id, content_index=0,
                          text=text, **at))  # fmt: skip

@@ -49,13 +49,12 @@ RESPONSES_FIELDS = frozenset(
         *("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls"),
         *("text", "reasoning", "metadata", "store", "previous_response_id", "stream", "user"),
         *("include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier"),
-        *("background", "conversation", "max_tool_calls", "stream_options", "top_logprobs"),
+        *("background", "conversation", "max_tool_calls", "stream_options"),
         *("prompt_cache_retention", "prompt_cache_options", "prompt", "moderation"),
         *("context_management", "image", "access_programs", "background_options"),
     }
 )
 _UNSUPPORTED = {
-    "top_logprobs": "top_logprobs on /v1/responses",
     "background_options": "background_options",
     "prompt": "stored prompt templates (send instructions and input)",
     "moderation": "moderation",
@@ -107,12 +106,14 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     # tools are the client's to run), so there is nothing to count
     if _get(body, "max_tool_calls", (int,), 1) < 1:
         raise APIError(400, "max_tool_calls must be at least 1", param="max_tool_calls")
-    _get(body, "include", (list,))  # nothing extra to include: reasoning text is always sent
     parsed = ParsedRequest("chat", _get(body, "model", (str,)))
     parsed.stream = _get(body, "stream", (bool,), False)
     _get(body, "stream_options", (dict,))
     parsed.user = _get(body, "user", (str,))
     parse_sampling(body, parsed, "responses")
+    logprobs = _include(body)
+    if logprobs or parsed.logprobs is not None:  # top_logprobs alone asks for them too
+        parsed.logprobs = parsed.logprobs or 0
     messages, items = _input(body.get("input"), resolve)
     out = ResponsesRequest(parsed, messages, items)
     out.instructions = _get(body, "instructions", (str,))
@@ -131,11 +132,23 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
         raise APIError(400, text, param="conversation")
     out.metadata = _metadata(body)
     out.tools, out.tool_choice, out.custom_tools = parse_tools(body, parsed)
+    if parsed.logprobs is not None and parsed.tools.active:
+        text = "logprobs with tools are not supported on /v1/responses"
+        raise APIError(400, text, param="include")
     parsed.structured, out.text_format = _text_format(body)
     out.effort = _effort(body)
     if out.effort is not None:  # templates that know it (gpt-oss) read it; others ignore it
         parsed.chat_template_kwargs = {"reasoning_effort": out.effort}
     return out
+
+
+def _include(body: dict[str, Any]) -> bool:
+    """Whether ``include`` asks for the output text's logprobs; its other values ask for
+    nothing more (reasoning text is always sent)."""
+    include = _get(body, "include", (list,), [])
+    if not all(isinstance(value, str) for value in include):
+        raise APIError(400, "include is a list of strings", param="include")
+    return "message.output_text.logprobs" in include
 
 
 def _conversation(body: dict[str, Any]) -> str | None:
