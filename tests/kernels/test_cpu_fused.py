@@ -88,3 +88,27 @@ def test_argmax_rows_torch_would_mark(ops):
     half = logits.bfloat16()
     assert torch.equal(ops.argmax(half), half.argmax(dim=-1))
     assert torch.equal(ops.argmax(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [31, 64, 49152, 49157], ids=lambda v: f"v{v}")
+def test_token_bitmask_is_xgrammars(ops, vocab):
+    """Structured outputs' masks: the same -inf entries as xgrammar's kernel, for words of all
+    zeros, all ones and mixed bits, a ragged last word, listed rows only, columns past the
+    vocabulary left alone (apply_bitmask bans those itself)."""
+    xgr = pytest.importorskip("xgrammar")
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=generator)
+    mask[1] = 0
+    mask[2] = -1
+    mask[3, : words // 2] = 0
+    logits = torch.randn(6, vocab + 5, generator=generator)
+    rows = [0, 1, 3, 5]
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab, indices=rows)
+    assert ops.apply_token_bitmask(logits, mask, rows, vocab)
+    assert torch.equal(logits, expected)
+    # what it does not take, it leaves to the caller
+    assert not ops.apply_token_bitmask(logits.double(), mask, rows, vocab)
+    assert not ops.apply_token_bitmask(logits, mask, [6], vocab)
+    assert not ops.apply_token_bitmask(logits, mask, rows, words * 32 + 1)

@@ -131,3 +131,29 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int6
 #pragma omp parallel for num_threads(threads) schedule(static) if(rows * n >= 4 * PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * n, n);
 }
+
+/* Structured outputs' token masks: in each listed row of fp32 logits, every token whose bit in
+ * that row of the bitmask is 0 becomes -inf (xgrammar's layout: bit t % 32 of int32 word t / 32,
+ * a row of ceil(vocab / 32) words). A word of 0, 32 banned tokens, is a run of stores (most of a
+ * row under a JSON grammar); a word of all ones is skipped. xgrammar's own CPU kernel took about
+ * 0.25 ms a row of the default model's 49,152 logits (5 ms a step for 20 constrained rows). */
+void apply_token_bitmask_f32(float *logits, int64_t stride, const int32_t *mask,
+                             int64_t mask_stride, const int64_t *rows, int64_t num_rows,
+                             int64_t vocab) {
+    const float banned = -INFINITY;
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *x = logits + rows[i] * stride;
+        const uint32_t *words = (const uint32_t *)mask + rows[i] * mask_stride;
+        for (int64_t base = 0; base < vocab; base += 32) {
+            uint32_t word = words[base / 32];
+            int64_t n = vocab - base < 32 ? vocab - base : 32;
+            if (word == 0xFFFFFFFFu) continue;
+            if (word == 0) {
+                for (int64_t j = 0; j < n; j++) x[base + j] = banned;
+                continue;
+            }
+            for (int64_t j = 0; j < n; j++)
+                if (!((word >> j) & 1u)) x[base + j] = banned;
+        }
+    }
+}

@@ -44,6 +44,9 @@ class CpuFusedOps:
         self._argmax = library.cdll.argmax_rows_f32
         self._argmax.argtypes = [_P, _I, _I, _P, _I]
         self._argmax.restype = None
+        self._bitmask = library.cdll.apply_token_bitmask_f32
+        self._bitmask.argtypes = [_P, _I, _P, _I, _P, _I, _I]
+        self._bitmask.restype = None
 
     @classmethod
     def load(
@@ -132,6 +135,31 @@ class CpuFusedOps:
         elif rows:
             return logits.argmax(dim=-1)  # torch's own error for an empty row
         return out
+
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int], vocab: int
+    ) -> bool:
+        """In place: logits[r, t] = -inf where bit t of mask[r] is 0, for r in ``rows`` and t
+        below ``vocab`` (xgrammar.apply_token_bitmask_inplace with indices). fp32 contiguous
+        logits and int32 contiguous masks with a row for every listed row; False (nothing done)
+        for anything else, which the caller masks its own way."""
+        if (
+            logits.dtype != torch.float32
+            or mask.dtype != torch.int32
+            or logits.dim() != 2
+            or mask.dim() != 2
+            or not logits.is_contiguous()
+            or not mask.is_contiguous()
+            or not 0 <= vocab <= min(logits.shape[1], mask.shape[1] * 32)
+            or any(not 0 <= r < min(logits.shape[0], mask.shape[0]) for r in rows)
+        ):
+            return False
+        index = (ctypes.c_int64 * len(rows))(*rows)
+        self._bitmask(
+            logits.data_ptr(), logits.shape[1], mask.data_ptr(), mask.shape[1],
+            ctypes.addressof(index), len(rows), vocab,
+        )  # fmt: skip
+        return True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * width] contiguous -> silu(gate) * up, [rows, width]."""

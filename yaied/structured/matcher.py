@@ -24,7 +24,7 @@ terminated matcher fills a row that allows only the stop tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,13 +70,29 @@ def allocate_bitmask(
     return TokenBitmask(host, device_copy, vocab_size)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: TokenBitmask, rows: Sequence[int]) -> None:
+def apply_bitmask(
+    logits: torch.Tensor,
+    bitmask: TokenBitmask,
+    rows: Sequence[int],
+    cpu_kernel: Callable[[torch.Tensor, torch.Tensor, list[int], int], bool] | None = None,
+) -> None:
     """In place: in each logits row listed in `rows`, set the tokens that bitmask row forbids to
-    -inf. Columns past the bitmask's vocabulary (never valid tokens) are set to -inf too."""
+    -inf. Columns past the bitmask's vocabulary (never valid tokens) are set to -inf too.
+    `cpu_kernel` (the worker's CpuFusedOps.apply_token_bitmask) masks CPU logits in place of
+    xgrammar's kernel, which is several times slower there; it returns False for what it does
+    not take."""
     if not rows:
         return
     rows = list(rows)
     mask = bitmask.host
+    vocab = min(logits.shape[-1], bitmask.vocab_size)
+    if (
+        cpu_kernel is not None
+        and logits.device.type == "cpu"
+        and cpu_kernel(logits, mask, rows, vocab)
+    ):
+        _ban_past(logits, bitmask, rows)
+        return
     if logits.device.type != "cpu":
         if bitmask.device_copy is None or bitmask.device_copy.device != logits.device:
             raise ValueError(f"the bitmask was not allocated for {logits.device}")
@@ -85,11 +101,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: TokenBitmask, rows: Sequence[in
         # which waits for this copy, so the non-blocking copy never reads a half-filled row.
         bitmask.device_copy[:used].copy_(bitmask.host[:used], non_blocking=True)
         mask = bitmask.device_copy
-    vocab = min(logits.shape[-1], bitmask.vocab_size)
     if logits.dtype in _KERNEL_DTYPES and logits.device.type in ("cpu", "cuda"):
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
     else:
         _apply_torch(logits, mask, rows, vocab)
+    _ban_past(logits, bitmask, rows)
+
+
+def _ban_past(logits: torch.Tensor, bitmask: TokenBitmask, rows: list[int]) -> None:
+    """Columns past the bitmask's vocabulary (padding of the LM head): never valid tokens."""
     if logits.shape[-1] > bitmask.vocab_size:
         index = torch.tensor(rows, device=logits.device)
         logits[index, bitmask.vocab_size :] = float("-inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -127,7 +128,9 @@ class ModelRunner:
             sample_rows = torch.tensor(row_ids, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden[sample_rows])  # raw, [rows, vocab]
         # Grammars first, in place: every knob after, and the logprobs, see only allowed tokens.
-        mask_time = _apply_grammars(logits, rows, batch.grammar_bitmask)
+        ops = getattr(self.model, "fused_ops", None)
+        masker = ops.apply_token_bitmask if isinstance(ops, CpuFusedOps) else None
+        mask_time = _apply_grammars(logits, rows, batch.grammar_bitmask, masker)
         token_ids = self._sample(logits, rows)
         logprobs = sampled_logprobs(logits, token_ids, [s.params.logprobs for s in rows])
         finite = self._finite_rows(batch.seqs, hidden, first_row, _per_seq_max(logits, sampling))
@@ -309,7 +312,10 @@ def _per_seq_max(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor
 
 
 def _apply_grammars(
-    logits: torch.Tensor, seqs: list[ScheduledSeq], bitmask: TokenBitmask | None
+    logits: torch.Tensor,
+    seqs: list[ScheduledSeq],
+    bitmask: TokenBitmask | None,
+    cpu_kernel: Callable | None = None,
 ) -> float:
     """Mask the constrained rows' logits (row i is seqs[i]'s) with their bitmask rows, in place;
     returns the seconds spent. Unconstrained rows are not touched, so they sample as they would
@@ -328,7 +334,7 @@ def _apply_grammars(
             None if logits.device.type == "cpu" else torch.empty_like(host, device=logits.device)
         )
         bitmask = TokenBitmask(host, on_device, bitmask.vocab_size)
-    apply_bitmask(logits, bitmask, [i for i, _ in pairs])
+    apply_bitmask(logits, bitmask, [i for i, _ in pairs], cpu_kernel)
     return time.perf_counter() - start
 
 
