@@ -3,6 +3,8 @@ malformed field, naming it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from yaied.server.chat_protocol import parse_chat
@@ -118,3 +120,54 @@ def test_malformed_tool_history_is_a_400(message, param):
     with pytest.raises(APIError) as info:
         parse_chat({"messages": [*USER, message]})
     assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_chat_custom_tools_parse_and_their_calls_come_back_as_functions():
+    """Chat's custom tools (the format's grammar nested under "grammar"): a function of one
+    string, its regex held; a named custom choice; an earlier custom call in the history is
+    the function call the model made."""
+    sql = {
+        "type": "custom",
+        "custom": {
+            "name": "sql",
+            "format": {
+                "type": "grammar",
+                "grammar": {"syntax": "regex", "definition": "SELECT [a-z]+;"},
+            },
+        },
+    }
+    note = {"type": "custom", "custom": {"name": "note", "description": "a note"}}
+    parsed = chat(
+        tools=[sql, note, WEATHER], tool_choice={"type": "custom", "custom": {"name": "sql"}}
+    )
+    tools = {tool.name: tool for tool in parsed.tools.tools}
+    assert parsed.tools.custom == {"sql", "note"} and parsed.tools.choice.name == "sql"
+    assert tools["sql"].input_regex == "SELECT ([a-z])+;" and tools["note"].input_regex is None
+    assert tools["note"].parameters["properties"] == {"input": {"type": "string"}}
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "custom", "custom": {"name": "sql", "input": 'SELECT "a";'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]
+    call = chat(messages=history, tools=[sql]).messages[1]["tool_calls"][0]
+    assert call["function"] == {"name": "sql", "arguments": json.dumps({"input": 'SELECT "a";'})}
+    for bad, param in [
+        (
+            {
+                "format": {
+                    "type": "grammar",
+                    "grammar": {"syntax": "lark", "definition": "start: a"},
+                }
+            },
+            "tools[0].custom.format",
+        ),
+        ({"name": "a b"}, "tools[0].custom.name"),
+    ]:
+        with pytest.raises(APIError) as info:
+            chat(tools=[{"type": "custom", "custom": {"name": "t", **bad}}])
+        assert info.value.param == param

@@ -4,6 +4,7 @@ ChatML template knows no tools: the fallback renders them, hermes markup is pars
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -195,3 +196,38 @@ def test_the_openai_client_parses_strict_tools_into_pydantic(client):
     )
     call = completion.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, LookUp)
+
+
+SQL = r'SELECT [a-z_]{1,20} FROM [a-z_]{1,20}( WHERE [a-z_]{1,20} = "[^"\n]{1,12}")?;'
+SQL_FORMAT = {"type": "grammar", "grammar": {"syntax": "regex", "definition": SQL}}
+RUN_SQL = {"type": "custom", "custom": {"name": "run_sql", "format": SQL_FORMAT}}
+
+
+def test_a_custom_tool_call_in_chat_whole_and_streamed(client, live):
+    """Chat's custom tools: the call comes back as {"type": "custom", "custom": {"name",
+    "input"}} with the input matching the tool's regex; streamed, its input arrives in pieces
+    that join to a matching input; the call goes back in the history."""
+    ask = [{"role": "user", "content": "How many orders did alice place? Query the orders table."}]
+    choice = {"type": "custom", "custom": {"name": "run_sql"}}
+    common = dict(model=MODEL, messages=ask, tools=[RUN_SQL, *TOOLS], tool_choice=choice,
+                  temperature=0, max_tokens=120)  # fmt: skip
+    whole = client.chat.completions.create(**common)
+    call = whole.choices[0].message.tool_calls[0]
+    assert call.type == "custom" and call.custom.name == "run_sql"
+    assert re.fullmatch(SQL, call.custom.input), call.custom.input
+    assert whole.choices[0].finish_reason == "tool_calls"
+    pieces, starts = [], []
+    with httpx.stream("POST", live.v1 + "/chat/completions", json={**common, "stream": True},
+                      timeout=120) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                for delta in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    starts += [delta] if "id" in delta else []
+                    pieces.append(delta["custom"]["input"])
+    assert [(s["type"], s["custom"]["name"]) for s in starts] == [("custom", "run_sql")]
+    assert len(pieces) > 2 and re.fullmatch(SQL, "".join(pieces)), pieces
+    history = [*ask, whole.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "3 orders"}]  # fmt: skip
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[RUN_SQL],
+                                            max_tokens=8, temperature=0)  # fmt: skip
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")

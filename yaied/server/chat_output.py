@@ -31,6 +31,7 @@ from yaied.tools import (
     detect_format,
     prompt_opens_reasoning,
 )
+from yaied.tools.custom import InputStream, input_of
 from yaied.tools.grammar import output_structural_tag
 
 
@@ -93,6 +94,9 @@ class ChoiceMessage:
                 settings.tool_format, tool_names=names, stream_arguments=True
             )
         self._text: list[str] = []  # without parsers: the content as it came
+        # chat's custom tools: their calls' streamed inputs, by call index
+        self._custom = tools.custom
+        self._inputs: dict[int, InputStream] = {}
 
     @property
     def parses(self) -> bool:
@@ -130,13 +134,13 @@ class ChoiceMessage:
                 _add_reasoning(message, self._reasoning.result().reasoning)
             if parsed.tool_calls:
                 message["tool_calls"] = [
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments_json},
-                    }
+                    {"id": call.id, "type": "custom",
+                     "custom": {"name": call.name, "input": input_of(call.arguments_json)}}
+                    if call.name in self._custom else
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments_json}}
                     for call in parsed.tool_calls
-                ]
+                ]  # fmt: skip
             return message
         if self._reasoning is not None:
             result = self._reasoning.result()
@@ -152,7 +156,30 @@ class ChoiceMessage:
         events = self._calls.feed(text) if text else []
         if final:
             events += self._calls.finish()
-        return _tool_deltas(events)
+        deltas = _tool_deltas(events)
+        return self._as_custom(deltas) if self._custom else deltas
+
+    def _as_custom(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat's custom tools' calls in their own delta shape (``{"index", "id", "type":
+        "custom", "custom": {"name", "input"}}``), the input decoded from the arguments' JSON as
+        it streams. Only the chat API has custom tools here (the agents' APIs keep their calls
+        as functions and shape them themselves)."""
+        out = []
+        for delta in deltas:
+            call = delta.get("tool_calls", [{}])[0]
+            index, function = call.get("index"), call.get("function", {})
+            if "name" in function and function["name"] in self._custom:
+                self._inputs[index] = InputStream()
+                custom = {"name": function["name"], "input": ""}
+                out.append({"tool_calls": [{"index": index, "id": call["id"], "type": "custom",
+                                            "custom": custom}]})  # fmt: skip
+            elif index in self._inputs and "arguments" in function:
+                text = self._inputs[index].feed(function["arguments"])
+                if text:
+                    out.append({"tool_calls": [{"index": index, "custom": {"input": text}}]})
+            else:
+                out.append(delta)
+        return out
 
 
 def _add_reasoning(message: dict[str, Any], reasoning: str | None) -> None:

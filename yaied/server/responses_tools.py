@@ -16,8 +16,8 @@ from typing import Any
 
 from yaied.server.errors import APIError
 from yaied.server.protocol import ParsedRequest, _get
-from yaied.server.tool_request import parse_tool_request
-from yaied.tools.custom import arguments_of, input_parameters, json_string_regex
+from yaied.server.tool_request import custom_function, parse_tool_request
+from yaied.tools.custom import arguments_of
 
 
 def parse_tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list, Any, frozenset[str]]:
@@ -30,7 +30,8 @@ def parse_tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list, Any,
         if kind == "function":
             function = {k: v for k, v in tool.items() if k != "type"}
         elif kind == "custom":
-            function, regexes[tool.get("name")] = _custom(tool, f"tools[{i}]")
+            fmt = tool.get("format", {"type": "text"})
+            function, regexes[tool.get("name")] = custom_function(tool, fmt, f"tools[{i}]")
         else:
             text = f"tools[{i}]: only function and custom tools are supported, got {kind!r}"
             raise APIError(400, text, param=f"tools[{i}]")
@@ -58,36 +59,6 @@ def parse_tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list, Any,
     ]
     default_choice = "auto" if tools else "none"
     return tools, choice if choice is not None else default_choice, frozenset(regexes)
-
-
-def _custom(tool: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:
-    """A custom tool as the function the model sees, and its input's JSON-escaped regex."""
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise APIError(400, f"{where}.description must be a string", f"{where}.description")
-    fmt = tool.get("format", {"type": "text"})
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    regex = note = None
-    if kind == "grammar":
-        syntax, definition = fmt.get("syntax"), fmt.get("definition")
-        if syntax == "lark":
-            text = f"{where}.format: lark grammars are not supported here; send a regex or text"
-            raise APIError(400, text, param=f"{where}.format")
-        if syntax != "regex" or not isinstance(definition, str):
-            text = f"{where}.format: a grammar is {{syntax: regex, definition: <a string>}}"
-            raise APIError(400, text, param=f"{where}.format")
-        try:
-            regex = json_string_regex(definition)
-        except ValueError as exc:
-            raise APIError(400, f"{where}.format.definition: {exc}", f"{where}.format") from None
-        note = f"The input matches the regular expression {definition}"
-    elif kind != "text":
-        text = f"{where}.format.type must be text or grammar"
-        raise APIError(400, text, param=f"{where}.format")
-    function = {"name": tool.get("name"), "parameters": input_parameters(note)}
-    if description:
-        function["description"] = description
-    return function, regex
 
 
 def custom_call_as_function(item: dict[str, Any], where: str) -> dict[str, Any]:

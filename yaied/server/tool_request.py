@@ -7,11 +7,12 @@ field as the client spelled it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from yaied.core.grammar_spec import StructuredOutputError, make_spec
 from yaied.server.errors import APIError
+from yaied.tools.custom import arguments_of, input_parameters, json_string_regex
 from yaied.tools.grammar import NO_PARAMETERS, Tool, ToolChoice
 
 # OpenAI caps a request at 128 tools; a bigger list is a prompt no model follows anyway.
@@ -28,6 +29,8 @@ class ToolRequest:
     tools: list[Tool] = field(default_factory=list)
     choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel: bool = True
+    # chat's custom tools ({"type": "custom"}): their calls are written back in that shape
+    custom: frozenset[str] = frozenset()
 
     @property
     def active(self) -> bool:
@@ -52,7 +55,8 @@ def parse_tool_request(body: dict[str, Any]) -> ToolRequest:
         parallel = True
     elif not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
-    return ToolRequest(tools, choice, parallel)
+    custom = frozenset(tool.name for tool in tools if tool.free_form)
+    return ToolRequest(tools, choice, parallel, custom)
 
 
 def _parse_tools(value: Any) -> list[Tool]:
@@ -67,8 +71,13 @@ def _parse_tools(value: Any) -> list[Tool]:
         where = f"tools[{i}]"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object", param=where)
-        if item.get("type", "function") != "function":
-            raise APIError(400, f"{where}.type must be 'function'", param=f"{where}.type")
+        kind = item.get("type", "function")
+        if kind == "custom":
+            tools.append(_parse_custom(item.get("custom"), f"{where}.custom"))
+            continue
+        if kind != "function":
+            text = f"{where}.type must be 'function' or 'custom'"
+            raise APIError(400, text, param=f"{where}.type")
         function = item.get("function")
         if not isinstance(function, dict):
             raise APIError(400, f"{where}.function must be an object", param=f"{where}.function")
@@ -105,6 +114,55 @@ def _parse_function(function: dict[str, Any], where: str) -> Tool:
     return Tool(name, description, parameters, strict)
 
 
+def _parse_custom(custom: Any, where: str) -> Tool:
+    """Chat's custom tool (``{"name", "description", "format"}``, the format's grammar nested
+    as ``{"type": "grammar", "grammar": {"syntax", "definition"}}``) as a function of one
+    string (tools/custom.py), its regex enforced over the JSON-escaped input."""
+    if not isinstance(custom, dict):
+        raise APIError(400, f"{where} must be an object", param=where)
+    fmt = custom.get("format", {"type": "text"})
+    grammar = fmt.get("grammar") if isinstance(fmt, dict) else None
+    if isinstance(grammar, dict):
+        fmt = {"type": fmt.get("type"), **grammar}
+    function, regex = custom_function(custom, fmt, where)
+    tool = _parse_function(function, where)
+    return replace(tool, input_regex=regex, free_form=True)
+
+
+def custom_function(
+    tool: dict[str, Any], fmt: Any, where: str
+) -> tuple[dict[str, Any], str | None]:
+    """A custom tool (name, description; its format: ``{"type": "text"}`` or ``{"type":
+    "grammar", "syntax", "definition"}``) as the function the model sees, and its input's
+    JSON-escaped regex. Lark grammars are refused: xgrammar reads EBNF, and the grammar would
+    have to hold inside a JSON string."""
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise APIError(400, f"{where}.description must be a string", f"{where}.description")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    regex = note = None
+    if kind == "grammar":
+        syntax, definition = fmt.get("syntax"), fmt.get("definition")
+        if syntax == "lark":
+            text = f"{where}.format: lark grammars are not supported here; send a regex or text"
+            raise APIError(400, text, param=f"{where}.format")
+        if syntax != "regex" or not isinstance(definition, str):
+            text = f"{where}.format: a grammar is {{syntax: regex, definition: <a string>}}"
+            raise APIError(400, text, param=f"{where}.format")
+        try:
+            regex = json_string_regex(definition)
+        except ValueError as exc:
+            raise APIError(400, f"{where}.format.definition: {exc}", f"{where}.format") from None
+        note = f"The input matches the regular expression {definition}"
+    elif kind != "text":
+        text = f"{where}.format.type must be text or grammar"
+        raise APIError(400, text, param=f"{where}.format")
+    function = {"name": tool.get("name"), "parameters": input_parameters(note)}
+    if description:
+        function["description"] = description
+    return function, regex
+
+
 def _parse_choice(value: Any, tools: list[Tool]) -> ToolChoice:
     param = "tool_choice"
     if value is None:
@@ -115,12 +173,14 @@ def _parse_choice(value: Any, tools: list[Tool]) -> ToolChoice:
             raise APIError(400, f"tool_choice must be one of {modes} or a function", param)
         choice = ToolChoice(value)  # type: ignore[arg-type]
     elif isinstance(value, dict):
-        function = value.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if value.get("type") != "function" or not isinstance(name, str):
+        kind = value.get("type")
+        named = value.get(kind) if kind in ("function", "custom") else None
+        name = named.get("name") if isinstance(named, dict) else None
+        if not isinstance(name, str):
             raise APIError(
                 400,
-                'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                'a named tool_choice is {"type": "function", "function": {"name": ...}} (or '
+                "custom)",
                 param,
             )
         if name not in {tool.name for tool in tools}:
@@ -141,6 +201,11 @@ def parse_tool_calls_field(calls: Any, where: str) -> list[dict[str, Any]]:
     out = []
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
+        custom = call.get("custom") if isinstance(call, dict) else None
+        if isinstance(custom, dict) and isinstance(custom.get("input"), str):
+            # a custom tool's earlier call, as the function of one string the model made
+            call = {**call, "function": {"name": custom.get("name"),
+                                         "arguments": arguments_of(custom["input"])}}  # fmt: skip
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise APIError(400, f"{at} needs function.name (a string)", param=at)

@@ -52,6 +52,7 @@ class Tool:
     # A free-form (custom) tool held to a regex: the pattern of its JSON-escaped input
     # (tools/custom.py); its arguments are then {"input": "<that>"} exactly.
     input_regex: str | None = None
+    free_form: bool = False  # chat's custom tool: its calls are written back as custom calls
 
     def definition(self) -> dict[str, Any]:
         """The OpenAI tool definition, for chat templates and the fallback prompt."""
