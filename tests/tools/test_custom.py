@@ -61,6 +61,7 @@ def test_a_calls_input_round_trips_through_its_arguments():
     text = 'line 1\n"quoted" \\ é'
     assert input_of(arguments_of(text)) == text
     assert input_of("not json") == "not json"  # what the model wrote, rather than nothing
+    assert input_of('{"input": "SELECT \\"a') == 'SELECT "a'  # a call cut short: its part
     assert input_of('{"other": 1}') == '{"other": 1}'
 
 

@@ -59,12 +59,15 @@ def input_parameters(description: str | None = None) -> dict[str, object]:
 
 
 def input_of(arguments: str) -> str:
-    """A custom tool call's text from its JSON arguments (the raw text if they are not an object
-    with a string ``input``: what the model wrote, rather than nothing)."""
+    """A custom tool call's text from its JSON arguments: the decoded ``input``; of a call cut
+    short (max_tokens), the part of it that was written; else the raw text (what the model
+    wrote, rather than nothing)."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return arguments
+        stream = InputStream()
+        text = stream.feed(arguments)
+        return text if stream.pos >= 0 else arguments
     if isinstance(value, dict) and isinstance(value.get(INPUT), str):
         return value[INPUT]
     return arguments
