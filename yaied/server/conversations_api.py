@@ -73,7 +73,7 @@ async def update_conversation(request: Request) -> Response:
     _refuse_unknown_fields(body, frozenset({"metadata"}))
     if "metadata" not in body:
         raise APIError(400, "metadata is required", param="metadata")
-    new = StoredConversation.make(old.id, old.created_at, _metadata(body), old.items)
+    new = old.changed(metadata=_metadata(body))
     _keep(request, new)
     return json_response(new.body())
 
@@ -98,8 +98,7 @@ async def add_items(request: Request) -> Response:
     items = _items(body.get("items"))
     if not items:
         raise APIError(400, "items must be a non-empty list", param="items")
-    new = StoredConversation.make(old.id, old.created_at, old.metadata, (*old.items, *items))
-    _keep(request, new)
+    _keep(request, old.changed(items=(*old.items, *items)))
     return json_response({"object": "list", "data": items, "first_id": items[0]["id"],
                           "last_id": items[-1]["id"], "has_more": False})  # fmt: skip
 
@@ -117,7 +116,7 @@ async def delete_item(request: Request) -> Response:
     items = tuple(item for item in old.items if item["id"] != item_id)
     if len(items) == len(old.items):
         raise APIError(404, f"no item {item_id!r} in {old.id!r}", code="item_not_found")
-    new = StoredConversation.make(old.id, old.created_at, old.metadata, items)
+    new = old.changed(items=items)
     _keep(request, new)
     return json_response(new.body())
 

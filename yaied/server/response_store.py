@@ -69,6 +69,20 @@ class StoredConversation:
         size = len(orjson.dumps([metadata, items]))
         return StoredConversation(id, created_at, dict(metadata), tuple(items), size)
 
+    def changed(
+        self,
+        *,
+        metadata: dict[str, str] | None = None,
+        items: tuple[dict[str, Any], ...] | None = None,
+    ) -> StoredConversation:
+        """This conversation with new metadata or items (its size counted again)."""
+        return StoredConversation.make(
+            self.id,
+            self.created_at,
+            self.metadata if metadata is None else metadata,
+            self.items if items is None else items,
+        )
+
     def body(self) -> dict[str, Any]:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at,
                 "metadata": self.metadata}  # fmt: skip

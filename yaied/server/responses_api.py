@@ -43,7 +43,7 @@ from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
-from yaied.server.response_store import ResponseStore, StoredConversation, StoredResponse
+from yaied.server.response_store import ResponseStore, StoredResponse
 from yaied.server.responses_output import SSEWriter, Turn, block_events, item_id_prefix
 from yaied.server.responses_protocol import parse_items, parse_responses
 from yaied.server.state import BackgroundRun, ServerState
@@ -314,10 +314,7 @@ def append(
     old = store.get_conversation(namespace, conversation_id)
     if old is None:
         return False
-    new = StoredConversation.make(
-        old.id, old.created_at, old.metadata, (*old.items, *with_ids(items))
-    )
-    return store.put(namespace, new)
+    return store.put(namespace, old.changed(items=(*old.items, *with_ids(items))))
 
 
 def _keep(store: ResponseStore, namespace: str, turn: Turn, body: dict[str, Any]) -> None:

@@ -100,6 +100,8 @@ CALL_HEAD = re.compile(
 
 
 ARGUMENTS_VALUE = re.compile(r'"(?:arguments|parameters)"\s*:\s*\S')
+# Longer than any such head (a 64-character name, the keys, a little whitespace)
+MAX_HEAD = 512
 
 
 @dataclass(slots=True)

@@ -11,12 +11,12 @@ The parser is fed the detokenizer's text deltas and returns events as soon as th
 
 Buffering whole calls costs the client argument streaming but means an event, once sent, is never
 wrong: there is no half-sent call to retract when the model breaks the JSON. Where a grammar
-forces every call's markup (`stream_arguments`: the chat path sets it whenever tools are active,
-as tools/grammar.py then constrains the calls), a call whose object opens with its name and then
-its arguments object goes out as it comes instead: `ToolCallStart` once the name is read, the
-arguments' raw text in `ToolCallArguments` fragments as they arrive, `ToolCallEnd` when the
-object closes. Its arguments are then the model's text as written (valid JSON, not re-dumped);
-a call cut off by the end of the stream ends with the arguments it had (noted in `errors`).
+forces every call's markup (`stream_arguments`: the chat path sets it whenever tools are active),
+a call whose object opens with its name and then its arguments object goes out as it comes:
+`ToolCallStart` once the name is read, the arguments' raw text in `ToolCallArguments` fragments
+as they arrive, `ToolCallEnd` when the object closes. Its arguments are then the model's text
+as written (valid JSON, not re-dumped); a call cut off by the end of the stream ends with the
+arguments it had (noted in `errors`).
 
 Decisions a caller must know:
 
@@ -43,6 +43,7 @@ from yaied.tools._scan import (
     ARGUMENTS_VALUE,
     CALL_HEAD,
     INVALID,
+    MAX_HEAD,
     MORE,
     JsonObjectScanner,
     StreamedCall,
@@ -223,8 +224,8 @@ class ToolCallParser:
         """Send the call's start once its head is read, if the head is the streamable one."""
         head = CALL_HEAD.match(self._buf)
         if head is None:
-            # not yet: wait until the arguments' value has begun without such a head before it
-            self._streamable = ARGUMENTS_VALUE.search(self._buf) is None
+            # not yet: wait until the arguments begin without such a head, or it outgrows one
+            self._streamable = len(self._buf) < MAX_HEAD and not ARGUMENTS_VALUE.search(self._buf)
             return
         start = head.end()
         if start == len(self._buf):
@@ -265,8 +266,7 @@ class ToolCallParser:
         return self._end_streaming(None, end)
 
     def _end_streaming(self, error: str | None, end: int | None) -> bool:
-        """The streamed call ends (at `end` of the buffer, or broken): its arguments are what
-        was sent; what follows a broken one is read as text after a call."""
+        """The streamed call ends at `end` (None: broken), with the arguments it sent."""
         call = self._streaming
         assert call is not None
         arguments = self._buf[call.start : call.start + call.sent]
