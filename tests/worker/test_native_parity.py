@@ -218,17 +218,38 @@ def test_decode_loop_gives_the_kernels_bits(kind, dtype, isa_level, tiny_model_d
     assert runs["loop"] == runs["python"]
 
 
+def _sdpa_over_bf16_kv(module, query, key, value, *args, **kwargs):
+    """transformers' SDPA over K and V rounded to bf16 and back: what bf16 pools hold."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = (t.to(torch.bfloat16).to(t.dtype) for t in (key, value))
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
 @pytest.mark.parametrize("kind", ["llama", "llama3-scaled", "qwen2"])
-def test_fp32_math_over_bf16_weights_matches_transformers(kind, isa_level, tiny_model_dirs):
-    """dtype auto below AVX512-BF16 is fp32 math over bf16-stored linear weights: greedy output,
-    alone and batched (the decode loop's few rows and the matmul path's many), equals
-    transformers fp32 over the same weights rounded to bf16, at every ISA level."""
+def test_fp32_math_over_bf16_weights_matches_transformers(
+    kind, kv_cache_dtype, isa_level, tiny_model_dirs
+):
+    """dtype auto below AVX512-BF16 is fp32 math over bf16-stored linear weights and (under
+    ``cache.kv_cache_dtype`` auto) bf16 KV pools: greedy output, alone and batched (the decode
+    loop's few rows and the matmul path's many), equals transformers fp32 over the same weights
+    rounded to bf16, and over K/V rounded to bf16 where the pools are, at every ISA level."""
+    from transformers import AttentionInterface
+
     from yaied.kernels.cpu_isa import has_bf16_math
 
     if has_bf16_math(isa_level):
         pytest.skip("at this level dtype auto is bf16 math")
     folder = tiny_model_dirs[kind]
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    bf16_pools = kv_cache_dtype == "auto"
+    attention = "sdpa"
+    if bf16_pools:
+        attention = "yaied_test_sdpa_over_bf16_kv"
+        AttentionInterface.register(attention, _sdpa_over_bf16_kv)
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=attention
+    ).eval()
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, torch.nn.Linear):  # a tied embedding is rounded with its head
@@ -238,12 +259,17 @@ def test_fp32_math_over_bf16_weights_matches_transformers(kind, isa_level, tiny_
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("YAIED_CPU_ISA", isa_level)
         with LLM(
-            str(folder), kv_cache_gib=0.02, max_num_batched_tokens=48, show_progress=False
+            str(folder),
+            kv_cache_gib=0.02,
+            max_num_batched_tokens=48,
+            kv_cache_dtype=kv_cache_dtype,
+            show_progress=False,
         ) as llm:
             info = llm.engine.worker.info
-            assert (info.dtype, info.weight_dtype, info.cpu_isa) == (
+            assert (info.dtype, info.weight_dtype, info.kv_cache_dtype, info.cpu_isa) == (
                 "float32",
                 "bfloat16",
+                "bfloat16" if bf16_pools else "float32",
                 isa_level,
             )
             alone = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]

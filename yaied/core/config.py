@@ -49,9 +49,13 @@ class CacheConfig:
     kv_cache_gib: float = 1.0  # KV pool size on CPU
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations, KV
     enable_prefix_caching: bool = True  # share KV pages of common prefixes between requests
+    # The KV pools' dtype: auto (the math's), or bfloat16 pools under float32 math on CPU (half
+    # the bytes a decode reads and the pool holds; yaied/worker/runner_setup.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _at_least("cache.page_size", self.page_size, 1)
+        _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "bfloat16", "float32"))
         if not self.kv_cache_gib > 0:
             raise ValueError(f"cache.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -15,8 +15,9 @@ class ModelInfo:
     vocab_size: int
     num_pages: int = 0
     page_size: int = 0
-    dtype: str = ""  # the math's (activations, KV cache)
+    dtype: str = ""  # the math's (activations)
     device: str = ""
     weight_dtype: str = ""  # linear weights as stored (bfloat16 under fp32 math on most CPUs)
     cpu_isa: str = ""  # the ISA level the CPU kernels run at (yaied/kernels/cpu_isa.py)
     quantization: str = ""  # the block types of quantized projections ("q4_1"), "" for none
+    kv_cache_dtype: str = ""  # the KV pools' (bfloat16 under fp32 math: cache.kv_cache_dtype)

@@ -18,7 +18,12 @@ import torch
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-_FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+# (activations, KV pools) -> entry: bf16 pools under fp32 math too (``cache.kv_dtype``)
+_FUNCTIONS = {
+    (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+    (torch.float32, torch.float32): "paged_decode_f32",
+    (torch.float32, torch.bfloat16): "paged_decode_f32_kv_bf16",
+}
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _STEP_ARGTYPES = [_P, _I] + [_P] * 8 + [_I] * 7 + [ctypes.c_float]
@@ -31,15 +36,15 @@ class CpuDecodeKernel:
         self.level = library.level
         self._functions = {}
         self._steps = {}
-        for dtype, name in _FUNCTIONS.items():
+        for dtypes, name in _FUNCTIONS.items():
             function = getattr(library.cdll, name)
             function.argtypes = _ARGTYPES
             function.restype = ctypes.c_int
-            self._functions[dtype] = function
+            self._functions[dtypes] = function
             step = getattr(library.cdll, f"{name}_step")
             step.argtypes = _STEP_ARGTYPES
             step.restype = ctypes.c_int
-            self._steps[dtype] = step
+            self._steps[dtypes] = step
 
     @classmethod
     def load(
@@ -48,12 +53,15 @@ class CpuDecodeKernel:
         library = load_library(SOURCE, level, cache_dir, strict=strict)
         return None if library is None else cls(library)
 
-    def step_address(self, dtype: torch.dtype) -> int:
-        """The step entry's address, for C callers (cpu_decode_loop.c)."""
-        return ctypes.cast(self._steps[dtype], ctypes.c_void_p).value
+    def step_address(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+        """The step entry's address, for C callers (cpu_decode_loop.c); ``dtype`` the
+        activations', ``kv_dtype`` the pools' (default the same)."""
+        return ctypes.cast(self._steps[dtype, kv_dtype or dtype], ctypes.c_void_p).value
 
-    def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
-        return dtype in self._functions and group <= 16 and head_dim <= 256
+    def supports(
+        self, dtype: torch.dtype, group: int, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> bool:
+        return (dtype, kv_dtype or dtype) in self._functions and group <= 16 and head_dim <= 256
 
     def __call__(
         self,
@@ -71,13 +79,14 @@ class CpuDecodeKernel:
         _check(q.device.type == "cpu", "the CPU kernel needs CPU tensors")
         _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
         _check(v_cache.shape == k_cache.shape, "k and v caches differ in shape")
-        _check(q.dtype == k_cache.dtype == v_cache.dtype, "q and caches differ in dtype")
+        _check(v_cache.dtype == k_cache.dtype, "k and v caches differ in dtype")
+        _check((q.dtype, k_cache.dtype) in self._functions, "no kernel for these dtypes")
         _check(page_table.dtype == context_lens.dtype == torch.int64, "indices must be int64")
         _check(page_table.shape[0] == rows and context_lens.shape == (rows,), "bad index shapes")
         q, page_table, context_lens = (t.contiguous() for t in (q, page_table, context_lens))
         _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
         out = torch.empty_like(q)
-        status = self._functions[q.dtype](
+        status = self._functions[q.dtype, k_cache.dtype](
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -111,11 +120,12 @@ class CpuDecodeKernel:
         the C side relies on and nothing it has checked for an earlier layer of the step."""
         rows = qkv.shape[0]
         kv_heads, _, _, head_dim = k_cache.shape
-        _check(qkv.stride(1) == 1 and qkv.dtype == k_cache.dtype, "bad qkv")
+        step = self._steps.get((qkv.dtype, k_cache.dtype))
+        _check(qkv.stride(1) == 1 and step is not None, "bad qkv")
         _check(qkv.shape[1] == (heads + 2 * kv_heads) * head_dim, "qkv and cache disagree")
         _check(cos.shape == (rows, head_dim // 2) and cos.dtype == torch.float32, "bad cos")
         out = qkv.new_empty((rows, heads * head_dim))
-        status = self._steps[qkv.dtype](
+        status = step(
             qkv.data_ptr(),
             qkv.stride(0),
             cos.data_ptr(),

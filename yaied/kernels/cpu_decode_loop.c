@@ -9,22 +9,23 @@
  *
  * x [rows, hidden] is the residual stream without the last layer's output, updated in place;
  * delta [rows, hidden] receives that output (the caller folds it into the final norm). Linear
- * weights are bf16; everything else is bf16 (`decode_layers_bf16`) or fp32 (`_f32`). The file
- * has no ISA-specific code of its own: the kernels it calls are built for the selected level.
+ * weights are bf16; everything else is bf16 (`decode_layers_bf16`) or fp32 (`_f32`), but the KV
+ * pools, bf16 under fp32 math too where `cache.kv_dtype` says so (`_f32_kv_bf16`). The file has
+ * no ISA-specific code of its own: the kernels it calls are built for the selected level.
  */
 #include "cpu_common.h"
 
-/* The loop for activations (and norms, biases, KV pools) of type T over bf16 linear weights (or
- * quantized ones: `linear` is then cpu_quant.c's entry and each weight its `qweight` descriptor):
- * `_bf16` for bf16 models, `_f32` for fp32 math over bf16 weights. */
-#define DEFINE_LOOP(T, SUFFIX)                                                                  \
+/* The loop for activations (and norms, biases) of type T and KV pools of type C over bf16 linear
+ * weights (or quantized ones: `linear` is then cpu_quant.c's entry and each weight its `qweight`
+ * descriptor): `_bf16` for bf16 models, `_f32` for fp32 math over bf16 weights. */
+#define DEFINE_LOOP(T, C, SUFFIX)                                                                  \
     typedef int (*few_rows_linear_##SUFFIX##_fn)(                                               \
         const T *delta, T *residual, const T *norm_weight, float eps, const T *x,               \
         const uint16_t *w, const T *bias, T *out, int64_t rows, int64_t N, int64_t K,           \
         int64_t silu, int64_t threads);                                                         \
                                                                                                 \
     typedef int (*decode_step_##SUFFIX##_fn)(                                                   \
-        T *qkv, int64_t q_stride, const float *cos, const float *sin, T *k_cache, T *v_cache,   \
+        T *qkv, int64_t q_stride, const float *cos, const float *sin, C *k_cache, C *v_cache,   \
         const int64_t *slots, const int64_t *page_table, const int64_t *context_lens, T *out,   \
         int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_pages,     \
         int64_t page_size, int64_t max_pages, float scale);                                     \
@@ -40,7 +41,7 @@
         const T *gate_up_b;                                                                     \
         const uint16_t *down_w;                                                                 \
         const T *down_b;                                                                        \
-        T *k_cache, *v_cache;                                                                   \
+        C *k_cache, *v_cache;                                                                   \
     } Layer_##SUFFIX;                                                                           \
                                                                                                 \
     /* Returns 0, or the first failing kernel's status (-2: no scratch memory). */              \
@@ -81,5 +82,6 @@
         return status;                                                                          \
     }
 
-DEFINE_LOOP(uint16_t, bf16)
-DEFINE_LOOP(float, f32)
+DEFINE_LOOP(uint16_t, uint16_t, bf16)
+DEFINE_LOOP(float, float, f32)
+DEFINE_LOOP(float, uint16_t, f32_kv_bf16) /* fp32 math over bf16 KV pools (cache.kv_dtype) */

@@ -32,7 +32,12 @@ _LAYER_FIELDS = (
     "v_cache",
 )
 _WEIGHTS = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # bf16 whatever the activations
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# (activations, KV pools) -> entry suffix: bf16 pools under fp32 math too (``cache.kv_dtype``)
+_SUFFIX = {
+    (torch.bfloat16, torch.bfloat16): "bf16",
+    (torch.float32, torch.float32): "f32",
+    (torch.float32, torch.bfloat16): "f32_kv_bf16",
+}
 
 
 class _Layer(ctypes.Structure):
@@ -41,7 +46,7 @@ class _Layer(ctypes.Structure):
 
 class LayerTensors(NamedTuple):
     """One decoder layer's tensors (contiguous; biases may be None) and its KV pools: linear
-    weights bf16, the rest in the activations' dtype."""
+    weights bf16, the pools in theirs, the rest in the activations' dtype."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -73,12 +78,12 @@ class CpuDecodeLoop:
     def __init__(self, library: KernelLibrary) -> None:
         self.level = library.level
         self._runs = {}
-        for dtype, suffix in _SUFFIX.items():
+        for dtypes, suffix in _SUFFIX.items():
             run = getattr(library.cdll, f"decode_layers_{suffix}")
             run.argtypes = [_P, _P, _P, _I, _P, _P] + [_I] * 6 + [_F] + [_P] * 5
             run.argtypes += [_I, _I, _I, _F, _I]
             run.restype = ctypes.c_int
-            self._runs[dtype] = run
+            self._runs[dtypes] = run
 
     @classmethod
     def load(
@@ -88,19 +93,21 @@ class CpuDecodeLoop:
         return None if library is None else cls(library)
 
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in _SUFFIX
+    def supports(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
+        return (dtype, kv_dtype or dtype) in _SUFFIX
 
     @staticmethod
     def layers(tensors: list[LayerTensors], dtype: torch.dtype) -> ctypes.Array:
         """The layers' pointers, once: the caller keeps the tensors alive while it uses them.
-        ``dtype``: the activations'."""
+        ``dtype``: the activations' (the pools may be bf16 under fp32: ``supports``)."""
         array = (_Layer * len(tensors))()
         for entry, layer in zip(array, tensors, strict=True):
             for name, tensor in zip(_LAYER_FIELDS, layer, strict=True):
                 if tensor is None:
                     continue
                 want = torch.bfloat16 if name in _WEIGHTS else dtype
+                if name in ("k_cache", "v_cache") and (dtype, layer.k_cache.dtype) in _SUFFIX:
+                    want = layer.k_cache.dtype  # both pools alike, of a type the loop takes
                 if name in _WEIGHTS and tensor.dtype == torch.int64 and tensor.shape == (2,):
                     want = torch.int64  # a quantized weight's descriptor (cpu_quant.py)
                 if tensor.dtype != want or not tensor.is_contiguous():
@@ -122,18 +129,21 @@ class CpuDecodeLoop:
         context_lens: torch.Tensor,
         num_pages: int,
         page_size: int,
+        kv_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Run every layer over x [rows, hidden] (the residual stream, updated in place); returns
         the last layer's output, not yet added. ``linear`` and ``step``: the kernels' addresses.
         cos, sin: [rows, head_dim / 2] fp32; slots, context_lens: [rows], page_table:
-        [rows, max_pages], int64, all contiguous (the runner builds them so)."""
+        [rows, max_pages], int64, all contiguous (the runner builds them so). ``kv_dtype``: the
+        pools' (default the activations'; ``layers`` checked them)."""
         rows = x.shape[0]
-        if x.dtype not in self._runs or not x.is_contiguous() or x.shape[1] != shape.hidden:
+        run = self._runs.get((x.dtype, kv_dtype or x.dtype))
+        if run is None or not x.is_contiguous() or x.shape[1] != shape.hidden:
             raise ValueError("the decode loop takes a contiguous [rows, hidden] input")
         if cos.shape != (rows, shape.head_dim // 2) or page_table.shape[0] != rows:
             raise ValueError("the step's tables do not match its rows")
         delta = torch.empty_like(x)
-        status = self._runs[x.dtype](
+        status = run(
             linear, step, layers, len(layers), x.data_ptr(), delta.data_ptr(), rows,
             shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim,
             shape.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), page_table.data_ptr(),

@@ -358,7 +358,18 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
 }
 #endif
 
-/* fp32 K/V have no dot body. */
+/* fp32 activations have no dot body, over fp32 or bf16 pools. */
+static inline int dot_body_f32_kv_bf16(const float *q, const uint16_t *k_cache,
+                                       const uint16_t *v_cache, const int64_t *pages,
+                                       int64_t begin, int64_t end, int64_t context_len, float *out,
+                                       float *partial, int64_t group, int64_t head_dim,
+                                       int64_t page_size, int64_t page_stride, float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
+    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
+    (void)page_stride, (void)scale;
+    return 0;
+}
+
 static inline int dot_body_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *pages, int64_t begin, int64_t end,
                                int64_t context_len, float *out, float *partial, int64_t group,
@@ -372,8 +383,11 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. A block's K and V
  * rows are widened to fp32 once and serve every query head of the group; each head's scores are
- * one vector, its softmax sum BLOCK partial sums, its output head_dim / BLOCK vectors. */
-#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX)                                         \
+ * one vector, its softmax sum BLOCK partial sums, its output head_dim / BLOCK vectors.
+ * T is the activations' type (q, out, the step's qkv rows), C the pools' (K/V as stored, read by
+ * LOADV_C, written through STORE_C), DOT the body tried first (dot_body_bf16 where both are
+ * bf16). */
+#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT)                                         \
     static inline void NAME##_widen(const T *src, vf *dst, int64_t head_dim) {                     \
         int64_t c = 0;                                                                             \
         for (; c + BLOCK <= head_dim; c += BLOCK) dst[c / BLOCK] = LOADV(src + c);                 \
@@ -384,8 +398,28 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* A K or V row of the pools in fp32 vectors (a head size past the vectors' is zero-padded). */ \
+    static inline void NAME##_widen_kv(const C *src, vf *dst, int64_t head_dim) {                  \
+        int64_t c = 0;                                                                             \
+        for (; c + BLOCK <= head_dim; c += BLOCK) dst[c / BLOCK] = LOADV_C(src + c);               \
+        if (c < head_dim) {                                                                        \
+            C tail[BLOCK] = {0};                                                                   \
+            memcpy(tail, src + c, (size_t)(head_dim - c) * sizeof(C));                             \
+            dst[c / BLOCK] = LOADV_C(tail);                                                        \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* A new K or V row into the pools, rounded to their type where it is narrower. */            \
+    static inline void NAME##_store_kv(C *dst, const T *src, int64_t head_dim) {                   \
+        if (sizeof(C) == sizeof(T)) {                                                              \
+            memcpy(dst, src, head_dim * sizeof(T));                                                \
+            return;                                                                                \
+        }                                                                                          \
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE_C(LOAD(src[d]));                     \
+    }                                                                                              \
+                                                                                                   \
     static inline __attribute__((always_inline)) void NAME##_one(                                 \
-        const T *q, const T *k_cache, const T *v_cache, const int64_t *pages, int64_t begin,     \
+        const T *q, const C *k_cache, const C *v_cache, const int64_t *pages, int64_t begin,     \
         int64_t end, int64_t context_len, T *out, float *partial, int64_t group,                 \
         int64_t head_dim, int64_t page_size, int64_t page_stride, float scale) {                 \
         const int64_t chunks = (head_dim + BLOCK - 1) / BLOCK;                                     \
@@ -405,12 +439,12 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
         for (int64_t start = begin; start < end; start += BLOCK) {                                 \
             int64_t n = end - start < BLOCK ? end - start : BLOCK;                                 \
             prefetch_rows(k_cache, v_cache, pages, start + AHEAD, start + AHEAD + BLOCK,           \
-                          context_len, page_size, page_stride, head_dim, sizeof(T));               \
+                          context_len, page_size, page_stride, head_dim, sizeof(C));               \
             for (int64_t i = 0; i < BLOCK; i++) {                                                  \
                 int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */      \
                 int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * head_dim;  \
-                NAME##_widen(k_cache + at, key[i], head_dim);                                      \
-                NAME##_widen(v_cache + at, value[i], head_dim);                                    \
+                NAME##_widen_kv(k_cache + at, key[i], head_dim);                                   \
+                NAME##_widen_kv(v_cache + at, value[i], head_dim);                                 \
             }                                                                                      \
             for (int64_t g = 0; g < group; g++) {                                                  \
                 vf dots[BLOCK];                                                                    \
@@ -491,7 +525,7 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
                                                                                                    \
     /* The planned items (plan_items), then the merge of split pairs; q and out rows `q_stride`  \
      * and `out_stride` elements apart. Called inside a parallel region. */                      \
-    static void NAME##_rows(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,      \
+    static void NAME##_rows(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache,      \
                             const int64_t *page_table, const int64_t *context_lens, T *out,        \
                             int64_t out_stride, const DecodeItem *items, int64_t count,            \
                             float *partials, int64_t group, int64_t head_dim, int64_t num_pages,   \
@@ -506,10 +540,10 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
             const T *qh = q + r * q_stride + h * group * head_dim;                                 \
             T *oh = out + r * out_stride + h * group * head_dim;                                   \
             const int64_t *pages = page_table + r * max_pages;                                     \
-            const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
+            const C *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
             float *partial = it->parts > 1 ? partials + i * partial_stride : NULL;                 \
-            if (dot_body_##SUFFIX(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh,      \
-                                  partial, group, head_dim, page_size, page_stride, scale))        \
+            if (DOT(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial, group,    \
+                    head_dim, page_size, page_stride, scale))                                      \
                 continue;                                                                          \
             /* Constant head sizes let the compiler unroll and vectorise fully. */                 \
             if (head_dim == 64 && page_size == 16)                                                 \
@@ -531,7 +565,7 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
     }                                                                                              \
                                                                                                    \
     /* Returns 0, -1 for sizes past MAX_GROUP or MAX_HEAD_DIM, -2 without scratch memory. */      \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *page_table,            \
+    int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *page_table,            \
              const int64_t *context_lens, T *out, int64_t row_begin, int64_t row_end,              \
              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_pages,                 \
              int64_t page_size, int64_t max_pages, float scale) {                                  \
@@ -553,8 +587,8 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
      * head_dim] (q_stride elements apart): rotate q and k in place (rotate-half; cos, sin         \
      * [rows, head_dim / 2] fp32), write k and v to the pools at slots[r], then attend as above    \
      * into out [rows, heads * head_dim]. One call where the general path takes five. */           \
-    int NAME##_step(T *qkv, int64_t q_stride, const float *cos, const float *sin, T *k_cache,      \
-                    T *v_cache, const int64_t *slots, const int64_t *page_table,                   \
+    int NAME##_step(T *qkv, int64_t q_stride, const float *cos, const float *sin, C *k_cache,      \
+                    C *v_cache, const int64_t *slots, const int64_t *page_table,                   \
                     const int64_t *context_lens, T *out, int64_t rows, int64_t kv_heads,           \
                     int64_t group, int64_t head_dim, int64_t num_pages, int64_t page_size,         \
                     int64_t max_pages, float scale) {                                              \
@@ -575,9 +609,9 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
                                     sin + r * half);                                               \
                 for (int64_t h = 0; h < kv_heads; h++) {                                           \
                     int64_t at = h * head_stride + slots[r] * head_dim;                            \
-                    memcpy(k_cache + at, row + (heads + h) * head_dim, head_dim * sizeof(T));      \
-                    memcpy(v_cache + at, row + (heads + kv_heads + h) * head_dim,                  \
-                           head_dim * sizeof(T));                                                  \
+                    NAME##_store_kv(k_cache + at, row + (heads + h) * head_dim, head_dim);         \
+                    NAME##_store_kv(v_cache + at, row + (heads + kv_heads + h) * head_dim,         \
+                                    head_dim);                                                     \
                 }                                                                                  \
             } /* the implicit barrier: every row's K/V is written before any row attends */        \
             NAME##_rows(qkv, q_stride, k_cache, v_cache, page_table, context_lens, out,            \
@@ -590,5 +624,11 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, load_bf16, float_to_bf16, bf16)
-DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, load_f32, STORE_F32, f32)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, load_bf16, float_to_bf16, bf16, uint16_t,
+              load_bf16, float_to_bf16, dot_body_bf16)
+DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, load_f32, STORE_F32, f32, float, load_f32,
+              STORE_F32, dot_body_f32)
+/* fp32 math over bf16 pools (`cache.kv_dtype` bfloat16 under fp32 math): half the bytes a
+ * step reads and the pool holds; each new K/V row is rounded once, as it is written. */
+DEFINE_KERNEL(paged_decode_f32_kv_bf16, float, LOAD_F32, load_f32, STORE_F32, f32, uint16_t,
+              load_bf16, float_to_bf16, dot_body_f32_kv_bf16)

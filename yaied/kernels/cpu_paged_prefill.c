@@ -19,7 +19,8 @@
  * [KEY_BLOCK / 2][head_dim] pairs along keys, P is rounded to bf16 (on AMX at head_dim 64, K's
  * rows stay as they are and V is transposed instead: attend_rows_amx64; the AMX bodies are in
  * cpu_paged_prefill_amx.h). Otherwise (fp32, or a CPU without it) everything is converted to
- * fp32 while packing and multiplied in fp32.
+ * fp32 while packing and multiplied in fp32; so are bf16 pools under fp32 activations
+ * (`cache.kv_dtype` bfloat16 under fp32 math), widened as they are packed.
  * The torch reference is yaied.worker.attention._prefill_attention.
  */
 #include "cpu_amx.h"
@@ -195,6 +196,7 @@ typedef struct {
     const int64_t *pages;
     void *out;
     int bf16_in, bf16_dot, amx;
+    int bf16_kv; /* the pools' type: bf16, or fp32; bf16_in says the activations' (q, out) */
     int64_t num_tokens, start_pos, context_len, kv_heads, group, dim, page_size, head_stride;
     int64_t key_blocks, block_bytes; /* packed bytes of one block of K (V is the same) */
     float scale;
@@ -316,8 +318,8 @@ static void pack_block(const Problem *pr, int64_t h, int64_t b) {
         int64_t row = h * pr->head_stride +
                       (pr->pages[pos / pr->page_size] * pr->page_size + pos % pr->page_size) * dim;
         for (int64_t d = 0; d < dim; d++) {
-            kt[d * KEY_BLOCK + j] = load_any(pr->k_cache, row + d, pr->bf16_in);
-            v[j * dim + d] = load_any(pr->v_cache, row + d, pr->bf16_in);
+            kt[d * KEY_BLOCK + j] = load_any(pr->k_cache, row + d, pr->bf16_kv);
+            v[j * dim + d] = load_any(pr->v_cache, row + d, pr->bf16_kv);
         }
     }
 }
@@ -488,15 +490,16 @@ int paged_prefill_amx_ready(void) {
 
 /* Returns 0, or -1 for shapes it does not take (the launcher checks them first). */
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const int64_t *pages,
-                  void *out, int64_t bf16_in, int64_t allow_bf16_dot, int64_t num_tokens,
+                  void *out, int64_t bf16_in, int64_t bf16_kv, int64_t allow_bf16_dot,
+                  int64_t num_tokens,
                   int64_t start_pos, int64_t kv_heads, int64_t group, int64_t dim,
                   int64_t num_pages, int64_t page_size, float scale, int64_t threads,
                   int64_t allow_amx) {
     if (group > MAX_GROUP || dim > MAX_HEAD_DIM || dim % 16 || num_tokens < 1) return -1;
-    Problem pr = {q, k_cache, v_cache, pages, out, (int)bf16_in, 0, 0, num_tokens, start_pos,
-                  start_pos + num_tokens, kv_heads, group, dim, page_size,
+    Problem pr = {q, k_cache, v_cache, pages, out, (int)bf16_in, 0, 0, (int)bf16_kv, num_tokens,
+                  start_pos, start_pos + num_tokens, kv_heads, group, dim, page_size,
                   num_pages * page_size * dim, 0, 0, scale, NULL};
-    pr.bf16_dot = HAVE_BF16_DOT && bf16_in && allow_bf16_dot && dim % 64 == 0;
+    pr.bf16_dot = HAVE_BF16_DOT && bf16_in && bf16_kv && allow_bf16_dot && dim % 64 == 0;
     pr.amx = pr.bf16_dot && allow_amx && paged_prefill_amx_ready();
     pr.key_blocks = (pr.context_len + KEY_BLOCK - 1) / KEY_BLOCK;
     pr.block_bytes = KEY_BLOCK * dim * (pr.bf16_dot ? 2 : 4);
@@ -538,12 +541,13 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, const
  * Returns 0, or -1 for shapes it does not take or scratch it cannot get. */
 int paged_prefill_chunks(const void *q, const void *k_cache, const void *v_cache,
                          const int64_t *pages, const int64_t *chunks, void *out, int64_t num_chunks,
-                         int64_t bf16_in, int64_t allow_bf16_dot, int64_t kv_heads, int64_t group,
+                         int64_t bf16_in, int64_t bf16_kv, int64_t allow_bf16_dot,
+                         int64_t kv_heads, int64_t group,
                          int64_t dim, int64_t num_pages, int64_t page_size, float scale,
                          int64_t threads, int64_t allow_amx) {
     if (group > MAX_GROUP || dim > MAX_HEAD_DIM || dim % 16) return -1;
     if (num_chunks < 1) return 0;
-    int bf16_dot = HAVE_BF16_DOT && bf16_in && allow_bf16_dot && dim % 64 == 0;
+    int bf16_dot = HAVE_BF16_DOT && bf16_in && bf16_kv && allow_bf16_dot && dim % 64 == 0;
     int amx = bf16_dot && allow_amx && paged_prefill_amx_ready();
     size_t row_bytes = (size_t)(kv_heads * group * dim) * (bf16_in ? 2 : 4);
     int failed = 0;
@@ -559,7 +563,8 @@ int paged_prefill_chunks(const void *q, const void *k_cache, const void *v_cache
             const int64_t *info = chunks + 4 * c;
             int64_t first = info[0], n = info[1], start = info[2];
             Problem pr = {(const char *)q + first * row_bytes, k_cache, v_cache, pages + info[3],
-                          (char *)out + first * row_bytes, (int)bf16_in, bf16_dot, amx, n, start,
+                          (char *)out + first * row_bytes, (int)bf16_in, bf16_dot, amx,
+                          (int)bf16_kv, n, start,
                           start + n, kv_heads, group, dim, page_size, num_pages * page_size * dim,
                           0, 0, scale, NULL};
             pr.key_blocks = (pr.context_len + KEY_BLOCK - 1) / KEY_BLOCK;

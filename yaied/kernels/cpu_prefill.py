@@ -17,7 +17,7 @@ import torch
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int64] * 2
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int64] * 2
 MAX_GROUP, MAX_HEAD_DIM = 16, 256
 
 
@@ -30,7 +30,7 @@ class CpuPrefillKernel:
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
         self._chunks = library.cdll.paged_prefill_chunks
-        self._chunks.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
+        self._chunks.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9
         self._chunks.argtypes += [ctypes.c_float] + [ctypes.c_int64] * 2
         self._chunks.restype = ctypes.c_int
         self.has_bf16_dot = bool(library.cdll.paged_prefill_has_bf16_dot())
@@ -51,9 +51,14 @@ class CpuPrefillKernel:
         return None if library is None else cls(library)
 
     @staticmethod
-    def supports(dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    def supports(
+        dtype: torch.dtype, group: int, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> bool:
+        """``dtype``: the activations'; ``kv_dtype``: the pools' (default the same): bf16 pools
+        under fp32 activations too (``cache.kv_dtype``)."""
         return (
             dtype in (torch.bfloat16, torch.float32)
+            and kv_dtype in (None, dtype, torch.bfloat16)
             and group <= MAX_GROUP
             and head_dim <= MAX_HEAD_DIM
             and head_dim % 16 == 0
@@ -92,9 +97,10 @@ class CpuPrefillKernel:
         kv_heads, num_pages, page_size, cache_dim = k_cache.shape
         _check(q.device.type == "cpu", "the CPU kernel needs CPU tensors")
         _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
-        _check(self.supports(q.dtype, heads // kv_heads, head_dim), "unsupported shapes or dtype")
+        group, kv_dtype = heads // kv_heads, k_cache.dtype
+        _check(self.supports(q.dtype, group, head_dim, kv_dtype), "unsupported shapes or dtype")
         _check(v_cache.shape == k_cache.shape, "k and v caches differ in shape")
-        _check(q.dtype == k_cache.dtype == v_cache.dtype, "q and caches differ in dtype")
+        _check(v_cache.dtype == kv_dtype, "k and v caches differ in dtype")
         _check(pages.dtype == torch.int64 and pages.dim() == 1, "pages must be 1-d int64")
         _check(n >= 1 and start_pos >= 0, "empty chunk or negative start")
         _check(pages.numel() * page_size >= start_pos + n, "too few pages for the context")
@@ -111,6 +117,7 @@ class CpuPrefillKernel:
             pages.data_ptr(),
             out.data_ptr(),
             int(q.dtype == torch.bfloat16),
+            int(kv_dtype == torch.bfloat16),
             int(self.use_bf16_dot),
             n,
             start_pos,
@@ -143,8 +150,12 @@ class CpuPrefillKernel:
         heads, head_dim = q.shape[1:]
         kv_heads, num_pages, page_size, cache_dim = k_cache.shape
         _check(cache_dim == head_dim and heads % kv_heads == 0, "q and cache shapes disagree")
-        _check(self.supports(q.dtype, heads // kv_heads, head_dim), "unsupported shapes or dtype")
-        _check(q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, "dtypes differ")
+        kv_dtype = k_cache.dtype
+        _check(
+            self.supports(q.dtype, heads // kv_heads, head_dim, kv_dtype),
+            "unsupported shapes or dtype",
+        )
+        _check(q.dtype == out.dtype and v_cache.dtype == kv_dtype, "dtypes differ")
         _check(out.shape == q.shape and out.is_contiguous(), "out must be contiguous, like q")
         _check(chunks.dtype == pages.dtype == torch.int64, "chunks and pages must be int64")
         _check(chunks.dim() == 2 and chunks.shape[1] == 4, "chunks must be [num_chunks, 4]")
@@ -152,8 +163,8 @@ class CpuPrefillKernel:
         status = self._chunks(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pages.data_ptr(),
             chunks.data_ptr(), out.data_ptr(), chunks.shape[0], int(q.dtype == torch.bfloat16),
-            int(self.use_bf16_dot), kv_heads, heads // kv_heads, head_dim, num_pages, page_size,
-            scale, torch.get_num_threads(), int(self.use_amx),
+            int(kv_dtype == torch.bfloat16), int(self.use_bf16_dot), kv_heads, heads // kv_heads,
+            head_dim, num_pages, page_size, scale, torch.get_num_threads(), int(self.use_amx),
         )  # fmt: skip
         _check(status == 0, "the CPU kernel rejected the shapes")
 

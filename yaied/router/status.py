@@ -56,7 +56,14 @@ class ManagerStatus:
         kernels (one value where all agree, else every engine's)."""
         infos = {i: h.info for i, h in self.handles.items() if h.info is not None}
         report: dict[str, Any] = {}
-        for field in ("device", "dtype", "weight_dtype", "quantization", "cpu_isa"):
+        for field in (
+            "device",
+            "dtype",
+            "weight_dtype",
+            "kv_cache_dtype",
+            "quantization",
+            "cpu_isa",
+        ):
             values = {i: getattr(info, field) for i, info in infos.items() if getattr(info, field)}
             if values:
                 distinct = set(values.values())

@@ -129,7 +129,9 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     # k, v: [num_tokens, kv_heads, head_dim]; caches viewed as [kv_heads, num_slots, head_dim]
+    # (rounded to the pools' dtype where it is narrower: cache.kv_dtype)
     kv_heads, _, _, head_dim = k_cache.shape
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -165,12 +167,22 @@ def decode_step_attention(
     )
 
 
-def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def gather_pages(
+    cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """cache: [kv_heads, num_pages, page_size, head_dim]; pages: [B, P] (or [P]) ->
-    [kv_heads * B, P * page_size, head_dim] (or [kv_heads, P * page_size, head_dim])."""
+    [kv_heads * B, P * page_size, head_dim] (or [kv_heads, P * page_size, head_dim]), in
+    ``dtype`` where given (the activations', over bf16 pools under fp32 math)."""
     kv_heads, num_pages, page_size, head_dim = cache.shape
     gathered = cache.view(kv_heads, num_pages, -1).index_select(1, pages.reshape(-1))
-    return gathered.view(-1, pages.shape[-1] * page_size, head_dim)
+    return gathered.view(-1, pages.shape[-1] * page_size, head_dim).to(dtype or cache.dtype)
+
+
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Fresh K or V rows as a later read of the pool sees them: rounded to the pool's dtype
+    and back where it is narrower (cache.kv_dtype), so that a prompt attends to the same
+    values whether its prefix was cached or not."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def paged_attention(
@@ -228,8 +240,8 @@ def _decode_attention(
     group = num_heads // kv_heads
     # Head h reads kv head h // group: query rows [kv_heads * b, group, head_dim].
     query = q.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
-    keys = gather_pages(k_cache, bucket.page_table)  # [kv_heads * b, max_len, head_dim]
-    values = gather_pages(v_cache, bucket.page_table)
+    keys = gather_pages(k_cache, bucket.page_table, q.dtype)  # [kv_heads * b, max_len, head_dim]
+    values = gather_pages(v_cache, bucket.page_table, q.dtype)
     scores = torch.baddbmm(bucket.bias, query, keys.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     result = torch.bmm(probs, values)  # [kv_heads * b, group, head_dim]
@@ -247,11 +259,12 @@ def _prefill_attention(
 ) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
     if chunk.pages is None:
+        k, v = as_stored(k, k_cache), as_stored(v, v_cache)
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     else:
         context_len = chunk.mask.shape[1]
-        keys = gather_pages(k_cache, chunk.pages)[:, :context_len].unsqueeze(0)
-        values = gather_pages(v_cache, chunk.pages)[:, :context_len].unsqueeze(0)
+        keys = gather_pages(k_cache, chunk.pages, q.dtype)[:, :context_len].unsqueeze(0)
+        values = gather_pages(v_cache, chunk.pages, q.dtype)[:, :context_len].unsqueeze(0)
     result = F.scaled_dot_product_attention(
         query,
         keys,

@@ -54,13 +54,16 @@ class ModelRunner:
         seed: int = 0,
         triton: TritonBatchPacker | None = None,
         batch_invariant: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.device = device
-        self.dtype = kv_caches[0][0].dtype
+        # The math's (activations'), and the pools' where they differ (cache.kv_cache_dtype)
+        self.kv_dtype = kv_caches[0][0].dtype
+        self.dtype = dtype or self.kv_dtype
         # The Triton path (on a GPU; on CPU only in the interpreter, for tests) builds its own
         # inputs and attends with the kernels in yaied/kernels; the torch path uses the rest.
         self.triton = triton
@@ -89,14 +92,14 @@ class ModelRunner:
         kernel = CpuDecodeKernel.load()
         shape = model.shape
         group = shape.num_heads // shape.num_kv_heads
-        if kernel is None or not kernel.supports(self.dtype, group, shape.head_dim):
+        if kernel is None or not kernel.supports(self.dtype, group, shape.head_dim, self.kv_dtype):
             return None
         return kernel
 
     def _load_prefill_kernel(self, model: nn.Module) -> CpuPrefillKernel | None:
         shape = model.shape
         group = shape.num_heads // shape.num_kv_heads
-        if not CpuPrefillKernel.supports(self.dtype, group, shape.head_dim):
+        if not CpuPrefillKernel.supports(self.dtype, group, shape.head_dim, self.kv_dtype):
             return None
         return CpuPrefillKernel.load()
 

@@ -40,7 +40,13 @@ from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 from yaied.worker.parallel.leader import LeaderRunner, RankLauncher, TensorParallel
 from yaied.worker.quantized import bind_quantized, quantized_types
-from yaied.worker.runner_setup import KVCaches, allocate_kv, build_runner, capture_graphs
+from yaied.worker.runner_setup import (
+    KVCaches,
+    allocate_kv,
+    build_runner,
+    capture_graphs,
+    resolve_kv_dtype,
+)
 from yaied.worker.step_failures import describe, is_fatal, rerun_one_by_one
 
 if TYPE_CHECKING:
@@ -129,7 +135,14 @@ class Worker:
             self._prepare_gpu_model()
         shape = self.loaded.model.shape
         page_size = config.cache.page_size
-        num_pages = self._num_pages(kv_bytes_per_token(shape, self.loaded.dtype) * page_size)
+        self.kv_dtype = resolve_kv_dtype(
+            config.cache.kv_cache_dtype,
+            self.loaded.dtype,
+            self.device,
+            self.backend,
+            self.loaded.weight_dtype,
+        )
+        num_pages = self._num_pages(kv_bytes_per_token(shape, self.kv_dtype) * page_size)
         max_len = self.loaded.max_model_len
         if num_pages * page_size < max_len:
             raise ValueError(
@@ -152,18 +165,20 @@ class Worker:
             weight_dtype=str(self.loaded.weight_dtype or self.loaded.dtype).removeprefix("torch."),
             cpu_isa=self._kernel_level(),
             quantization=quantized_types(self.loaded.model),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )
         if self.isa is not None:
             prefill = self.runner.prefill_kernel
             log.info(
                 "CPU kernels at ISA level %s (this CPU: %s, selected: %s); math %s, weights %s%s"
-                "; prefill attention %s%s",
+                ", KV pools %s; prefill attention %s%s",
                 self.info.cpu_isa or "none (torch paths)",
                 detected_level(),
                 self.isa,
                 self.info.dtype,
                 self.info.weight_dtype,
                 f", projections {self.info.quantization}" if self.info.quantization else "",
+                self.info.kv_cache_dtype,
                 prefill.path(self.runner.dtype, shape.head_dim) if prefill else "torch",
                 "; batch-invariant" if config.engine.batch_invariant else "",
             )
@@ -218,15 +233,16 @@ class Worker:
         return min(levels, key=LEVELS.index, default="")
 
     def _allocate_kv(self, num_pages: int) -> KVCaches:
-        page_size, dtype = self.config.cache.page_size, self.loaded.dtype
-        return allocate_kv(self.loaded.model, num_pages, page_size, dtype, self.device)
+        page_size = self.config.cache.page_size
+        return allocate_kv(self.loaded.model, num_pages, page_size, self.kv_dtype, self.device)
 
     def _runner(self, kv_caches: KVCaches) -> ModelRunner:
         model, config, device, backend = self.loaded.model, self.config, self.device, self.backend
+        dtype = self.loaded.dtype
         if self.parallel is None:
-            return build_runner(model, kv_caches, config, device, backend)
+            return build_runner(model, kv_caches, config, device, backend, dtype=dtype)
         self.parallel.send_pool(kv_caches[0][0].shape[1])  # the same pool on every rank
-        runner = build_runner(model, kv_caches, config, device, backend, LeaderRunner)
+        runner = build_runner(model, kv_caches, config, device, backend, LeaderRunner, dtype)
         runner.parallel = self.parallel
         return runner
 

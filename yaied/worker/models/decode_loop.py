@@ -85,9 +85,11 @@ class LlamaDecodeLoop:
         if not fused.output_decodes:  # a prompt token: the layer path, as in a prefill
             return None
         k_cache = kv_caches[0][0]
+        if not self.loop.supports(self.dtype, k_cache.dtype):
+            return None
         return self.loop(
             self.linear,
-            fused.kernel.step_address(self.dtype),
+            fused.kernel.step_address(self.dtype, k_cache.dtype),
             self._layer_pointers(kv_caches),
             self.shape,
             x,
@@ -98,6 +100,7 @@ class LlamaDecodeLoop:
             fused.context_lens,
             k_cache.shape[1],
             k_cache.shape[2],
+            k_cache.dtype,
         )
 
     def _layer_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:

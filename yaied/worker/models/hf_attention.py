@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from yaied.worker.attention import AttentionMetadata, gather_pages, paged_attention, write_kv
+from yaied.worker.attention import (
+    AttentionMetadata,
+    as_stored,
+    gather_pages,
+    paged_attention,
+    write_kv,
+)
 
 ATTENTION_NAME = "yaied_paged"
 
@@ -151,8 +157,9 @@ def masked_paged_attention(
     out = torch.empty_like(q)
     for start, count, table in _decode_groups(meta):
         rows = slice(start, start + count)
-        keys = gather_pages(k_cache, table.to(q.device))  # [kv_heads * b, max_len, head_dim]
-        values = gather_pages(v_cache, table.to(q.device))
+        table = table.to(q.device)
+        keys = gather_pages(k_cache, table, q.dtype)  # [kv_heads * b, max_len, head_dim]
+        values = gather_pages(v_cache, table, q.dtype)
         key_pos = torch.arange(keys.shape[1], device=q.device)
         allowed = _visible(positions[rows], key_pos, window).repeat(kv_heads, 1)[:, None, :]
         # Head h reads kv head h // group: query rows [kv_heads * b, group, head_dim].
@@ -163,12 +170,13 @@ def masked_paged_attention(
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         n = chunk.num_tokens
         if chunk.pages is None:
-            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv, n, d]
+            keys = as_stored(k[rows], k_cache).transpose(0, 1)  # [kv, n, d]
+            values = as_stored(v[rows], v_cache).transpose(0, 1)
             key_pos = positions[rows]
         else:
             context_len = chunk.start_pos + n
-            keys = gather_pages(k_cache, chunk.pages)[:, :context_len]
-            values = gather_pages(v_cache, chunk.pages)[:, :context_len]
+            keys = gather_pages(k_cache, chunk.pages, q.dtype)[:, :context_len]
+            values = gather_pages(v_cache, chunk.pages, q.dtype)[:, :context_len]
             key_pos = torch.arange(context_len, device=q.device)
         allowed = _visible(positions[rows], key_pos, window)  # [n, L]
         allowed = allowed.repeat(group, 1)[None]  # rows (g, i) of each kv head: [1, group*n, L]

@@ -93,7 +93,12 @@ class Follower:
         import torch
 
         from yaied.worker.parallel.group import GRAPHS, LOGITS, POOL, STEP, STOP, decode_step
-        from yaied.worker.runner_setup import allocate_kv, build_runner, capture_graphs
+        from yaied.worker.runner_setup import (
+            allocate_kv,
+            build_runner,
+            capture_graphs,
+            resolve_kv_dtype,
+        )
 
         model, hidden_size = self.loaded.model, self.loaded.model.shape.hidden_size
         with torch.inference_mode():
@@ -111,9 +116,16 @@ class Follower:
                     self.runner = self.kv_caches = None  # a warm-up pool is freed first
                     page_size = self.config.cache.page_size
                     dtype = self.loaded.dtype
-                    self.kv_caches = allocate_kv(model, arg, page_size, dtype, self.device)
+                    kv_dtype = resolve_kv_dtype(
+                        self.config.cache.kv_cache_dtype,
+                        dtype,
+                        self.device,
+                        self.backend,
+                        self.loaded.weight_dtype,
+                    )
+                    self.kv_caches = allocate_kv(model, arg, page_size, kv_dtype, self.device)
                     self.runner = build_runner(
-                        model, self.kv_caches, self.config, self.device, self.backend
+                        model, self.kv_caches, self.config, self.device, self.backend, dtype=dtype
                     )
                 elif command == GRAPHS:
                     self.runner.graphs = capture_graphs(
