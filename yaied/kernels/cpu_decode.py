@@ -18,7 +18,7 @@ import torch
 from yaied.kernels.cpu_build import KernelLibrary, load_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-# (activations, KV pools) -> entry: bf16 pools under fp32 math too (``cache.kv_dtype``)
+# (activations, KV pools) -> entry: bf16 pools under fp32 math too (``cache.kv_cache_dtype``)
 _FUNCTIONS = {
     (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
     (torch.float32, torch.float32): "paged_decode_f32",

@@ -10,7 +10,7 @@
  * x [rows, hidden] is the residual stream without the last layer's output, updated in place;
  * delta [rows, hidden] receives that output (the caller folds it into the final norm). Linear
  * weights are bf16; everything else is bf16 (`decode_layers_bf16`) or fp32 (`_f32`), but the KV
- * pools, bf16 under fp32 math too where `cache.kv_dtype` says so (`_f32_kv_bf16`). The file has
+ * pools, bf16 under fp32 math too where `cache.kv_cache_dtype` says so (`_f32_kv_bf16`). The file has
  * no ISA-specific code of its own: the kernels it calls are built for the selected level.
  */
 #include "cpu_common.h"
@@ -84,4 +84,4 @@
 
 DEFINE_LOOP(uint16_t, uint16_t, bf16)
 DEFINE_LOOP(float, float, f32)
-DEFINE_LOOP(float, uint16_t, f32_kv_bf16) /* fp32 math over bf16 KV pools (cache.kv_dtype) */
+DEFINE_LOOP(float, uint16_t, f32_kv_bf16) /* fp32 math over bf16 KV pools (cache.kv_cache_dtype) */

@@ -32,7 +32,7 @@ _LAYER_FIELDS = (
     "v_cache",
 )
 _WEIGHTS = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})  # bf16 whatever the activations
-# (activations, KV pools) -> entry suffix: bf16 pools under fp32 math too (``cache.kv_dtype``)
+# (activations, KV pools) -> entry suffix: bf16 pools under fp32 math too (``cache.kv_cache_dtype``)
 _SUFFIX = {
     (torch.bfloat16, torch.bfloat16): "bf16",
     (torch.float32, torch.float32): "f32",

@@ -358,28 +358,9 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
 }
 #endif
 
-/* fp32 activations have no dot body, over fp32 or bf16 pools. */
-static inline int dot_body_f32_kv_bf16(const float *q, const uint16_t *k_cache,
-                                       const uint16_t *v_cache, const int64_t *pages,
-                                       int64_t begin, int64_t end, int64_t context_len, float *out,
-                                       float *partial, int64_t group, int64_t head_dim,
-                                       int64_t page_size, int64_t page_stride, float scale) {
-    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
-    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
-    (void)page_stride, (void)scale;
-    return 0;
-}
-
-static inline int dot_body_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int64_t *pages, int64_t begin, int64_t end,
-                               int64_t context_len, float *out, float *partial, int64_t group,
-                               int64_t head_dim, int64_t page_size, int64_t page_stride,
-                               float scale) {
-    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
-    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
-    (void)page_stride, (void)scale;
-    return 0;
-}
+/* fp32 activations have no dot body (over fp32 or bf16 pools): their items go to the widening
+ * body below. */
+#define NO_DOT_BODY(...) 0
 
 /* One (row, kv head) pair: `group` query heads against one kv head's context. A block's K and V
  * rows are widened to fp32 once and serve every query head of the group; each head's scores are
@@ -387,7 +368,7 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
  * T is the activations' type (q, out, the step's qkv rows), C the pools' (K/V as stored, read by
  * LOADV_C, written through STORE_C), DOT the body tried first (dot_body_bf16 where both are
  * bf16). */
-#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT)                                         \
+#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT)             \
     static inline void NAME##_widen(const T *src, vf *dst, int64_t head_dim) {                     \
         int64_t c = 0;                                                                             \
         for (; c + BLOCK <= head_dim; c += BLOCK) dst[c / BLOCK] = LOADV(src + c);                 \
@@ -398,7 +379,7 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* A K or V row of the pools in fp32 vectors (a head size past the vectors' is zero-padded). */ \
+    /* A K or V row of the pools in fp32 vectors (zeros past a head size the vectors overrun). */ \
     static inline void NAME##_widen_kv(const C *src, vf *dst, int64_t head_dim) {                  \
         int64_t c = 0;                                                                             \
         for (; c + BLOCK <= head_dim; c += BLOCK) dst[c / BLOCK] = LOADV_C(src + c);               \
@@ -627,8 +608,8 @@ static inline int dot_body_f32(const float *q, const float *k_cache, const float
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, load_bf16, float_to_bf16, bf16, uint16_t,
               load_bf16, float_to_bf16, dot_body_bf16)
 DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, load_f32, STORE_F32, f32, float, load_f32,
-              STORE_F32, dot_body_f32)
-/* fp32 math over bf16 pools (`cache.kv_dtype` bfloat16 under fp32 math): half the bytes a
+              STORE_F32, NO_DOT_BODY)
+/* fp32 math over bf16 pools (`cache.kv_cache_dtype` bfloat16 under fp32 math): half the bytes a
  * step reads and the pool holds; each new K/V row is rounded once, as it is written. */
 DEFINE_KERNEL(paged_decode_f32_kv_bf16, float, LOAD_F32, load_f32, STORE_F32, f32, uint16_t,
-              load_bf16, float_to_bf16, dot_body_f32_kv_bf16)
+              load_bf16, float_to_bf16, NO_DOT_BODY)

@@ -20,7 +20,7 @@
  * rows stay as they are and V is transposed instead: attend_rows_amx64; the AMX bodies are in
  * cpu_paged_prefill_amx.h). Otherwise (fp32, or a CPU without it) everything is converted to
  * fp32 while packing and multiplied in fp32; so are bf16 pools under fp32 activations
- * (`cache.kv_dtype` bfloat16 under fp32 math), widened as they are packed.
+ * (`cache.kv_cache_dtype` bfloat16 under fp32 math), widened as they are packed.
  * The torch reference is yaied.worker.attention._prefill_attention.
  */
 #include "cpu_amx.h"

@@ -55,7 +55,7 @@ class CpuPrefillKernel:
         dtype: torch.dtype, group: int, head_dim: int, kv_dtype: torch.dtype | None = None
     ) -> bool:
         """``dtype``: the activations'; ``kv_dtype``: the pools' (default the same): bf16 pools
-        under fp32 activations too (``cache.kv_dtype``)."""
+        under fp32 activations too (``cache.kv_cache_dtype``)."""
         return (
             dtype in (torch.bfloat16, torch.float32)
             and kv_dtype in (None, dtype, torch.bfloat16)

@@ -129,7 +129,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     # k, v: [num_tokens, kv_heads, head_dim]; caches viewed as [kv_heads, num_slots, head_dim]
-    # (rounded to the pools' dtype where it is narrower: cache.kv_dtype)
+    # (rounded to the pools' dtype where it is narrower: cache.kv_cache_dtype)
     kv_heads, _, _, head_dim = k_cache.shape
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
@@ -180,7 +180,7 @@ def gather_pages(
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Fresh K or V rows as a later read of the pool sees them: rounded to the pool's dtype
-    and back where it is narrower (cache.kv_dtype), so that a prompt attends to the same
+    and back where it is narrower (cache.kv_cache_dtype), so that a prompt attends to the same
     values whether its prefix was cached or not."""
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 

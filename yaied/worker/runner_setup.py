@@ -35,10 +35,9 @@ def resolve_kv_dtype(
     (dtype auto on a CPU without bf16 math: W-mixed 4% faster at the avx2 level), else the
     math's dtype: a forced ``--dtype float32`` keeps fp32 pools. Other pairings are refused."""
     if name == "auto":
-        bf16_pools = (dtype, weight_dtype) == (torch.float32, torch.bfloat16)
-        name = "bfloat16" if bf16_pools and device.type == "cpu" and backend != "triton" else ""
-        if not name:
-            return dtype
+        on_cpu_kernels = device.type == "cpu" and backend != "triton"
+        bf16_weights_fp32_math = (dtype, weight_dtype) == (torch.float32, torch.bfloat16)
+        return torch.bfloat16 if on_cpu_kernels and bf16_weights_fp32_math else dtype
     kv_dtype = _KV_DTYPES[name]
     if kv_dtype == dtype:
         return kv_dtype
