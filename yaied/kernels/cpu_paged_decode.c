@@ -109,6 +109,8 @@ DEFINE_EXP2_NONPOSITIVE(exp2_nonpositive_v, vf, vi)
 typedef struct {
     int64_t row, head, begin, end; /* positions [begin, end) of (row, kv head) */
     int64_t part, parts;           /* this item's index among the pair's partitions */
+    int64_t rows;                  /* rows row.. row + rows - 1 share it (a drafted run) */
+    int64_t partial_at;            /* where its partial results start in the partials */
 } DecodeItem;
 
 static inline int64_t partition_size(int64_t context_len) {
@@ -121,28 +123,58 @@ static inline int64_t partition_count(int64_t context_len, int64_t size) {
     return context_len <= size ? 1 : (context_len + size - 1) / size;
 }
 
+/* How many rows from r on are one sequence's speculative run (at most `most`): each the last
+ * one's context plus one position, over the same pages, split into the same partitions. Such rows
+ * share their items, so each block of K/V is read and widened once for all of them; every row
+ * still takes its own positions in the same order, so its bits are those it has alone. */
+static int64_t run_length(const int64_t *context_lens, const int64_t *page_table,
+                          int64_t max_pages, int64_t page_size, int64_t r, int64_t row_end,
+                          int64_t most) {
+    int64_t len = context_lens[r], size = partition_size(len);
+    int64_t parts = partition_count(len, size), m = 1;
+    while (m < most && r + m < row_end) {
+        int64_t next = context_lens[r + m];
+        if (next != len + m || partition_size(next) != size || partition_count(next, size) != parts)
+            break;
+        size_t bytes = (size_t)((next + page_size - 1) / page_size) * sizeof(int64_t);
+        if (memcmp(page_table + r * max_pages, page_table + (r + m) * max_pages, bytes)) break;
+        m++;
+    }
+    return m;
+}
+
 /* The step's items in (row, kv head, partition) order into the calling thread's scratch, and
- * room for the partitions' partial results (group x (max, sum, head_dim outputs) floats per
- * item); returns the item count, or -1 without memory. */
-static int64_t plan_items(const int64_t *context_lens, int64_t row_begin, int64_t row_end,
-                          int64_t kv_heads, int64_t group, int64_t head_dim, DecodeItem **items,
-                          float **partials) {
-    int64_t count = 0;
-    for (int64_t r = row_begin; r < row_end; r++)
-        count += kv_heads * partition_count(context_lens[r], partition_size(context_lens[r]));
+ * room for the partitions' partial results (rows x group x (max, sum, head_dim outputs) floats
+ * per item); returns the item count, or -1 without memory. Rows share items where `share` and
+ * run_length say so, up to MAX_GROUP query heads an item. */
+static int64_t plan_items(const int64_t *context_lens, const int64_t *page_table,
+                          int64_t max_pages, int64_t page_size, int64_t row_begin,
+                          int64_t row_end, int64_t kv_heads, int64_t group, int64_t head_dim,
+                          int share, DecodeItem **items, float **partials) {
+    int64_t most = share ? MAX_GROUP / group : 1, count = 0, floats = 0;
+    for (int64_t r = row_begin; r < row_end;) {
+        int64_t m = run_length(context_lens, page_table, max_pages, page_size, r, row_end, most);
+        int64_t parts = partition_count(context_lens[r], partition_size(context_lens[r]));
+        count += kv_heads * parts;
+        floats += kv_heads * parts * m * group * (2 + head_dim);
+        r += m;
+    }
     *items = thread_scratch(0, (size_t)(count ? count : 1) * sizeof(DecodeItem));
-    size_t partial_floats = (size_t)(count ? count : 1) * group * (2 + head_dim);
-    *partials = thread_scratch(1, partial_floats * sizeof(float));
+    *partials = thread_scratch(1, (size_t)(floats ? floats : 1) * sizeof(float));
     if (!*items || !*partials) return -1;
     DecodeItem *it = *items;
-    for (int64_t r = row_begin; r < row_end; r++) {
-        int64_t len = context_lens[r], size = partition_size(len);
+    int64_t at = 0;
+    for (int64_t r = row_begin; r < row_end;) {
+        int64_t m = run_length(context_lens, page_table, max_pages, page_size, r, row_end, most);
+        int64_t len = context_lens[r + m - 1], size = partition_size(len);
         int64_t parts = partition_count(len, size);
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t p = 0; p < parts; p++) {
                 int64_t end = parts == 1 ? len : (p + 1) * size < len ? (p + 1) * size : len;
-                *it++ = (DecodeItem){r, h, p * size, end, p, parts};
+                *it++ = (DecodeItem){r, h, p * size, end, p, parts, m, at};
+                at += m * group * (2 + head_dim);
             }
+        r += m;
     }
     return count;
 }
@@ -367,8 +399,9 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
  * one vector, its softmax sum BLOCK partial sums, its output head_dim / BLOCK vectors.
  * T is the activations' type (q, out, the step's qkv rows), C the pools' (K/V as stored, read by
  * LOADV_C, written through STORE_C), DOT the body tried first (dot_body_bf16 where both are
- * bf16). */
-#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT)             \
+ * bf16), SHARE whether a drafted run's rows share items (run_length; not where DOT takes the
+ * items, one row each). */
+#define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT, SHARE)      \
     static inline void NAME##_widen(const T *src, vf *dst, int64_t head_dim) {                     \
         int64_t c = 0;                                                                             \
         for (; c + BLOCK <= head_dim; c += BLOCK) dst[c / BLOCK] = LOADV(src + c);                 \
@@ -399,35 +432,46 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
         for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE_C(LOAD(src[d]));                     \
     }                                                                                              \
                                                                                                    \
-    static inline __attribute__((always_inline)) void NAME##_one(                                 \
-        const T *q, const C *k_cache, const C *v_cache, const int64_t *pages, int64_t begin,     \
-        int64_t end, int64_t context_len, T *out, float *partial, int64_t group,                 \
-        int64_t head_dim, int64_t page_size, int64_t page_stride, float scale) {                 \
+    /* `rows` consecutive rows (q and out rows q_stride and out_stride elements apart; 1, or a     \
+     * drafted run), `group` query heads each: query vector v is row v / group's head v % group,   \
+     * and attends to positions [begin, min(end, its row's context length)). */                    \
+    static inline __attribute__((always_inline)) void NAME##_one(                                  \
+        const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const int64_t *pages,    \
+        int64_t begin, int64_t end, const int64_t *row_lens, int64_t rows, T *out,                 \
+        int64_t out_stride, float *partial, int64_t group, int64_t head_dim, int64_t page_size,    \
+        int64_t page_stride, float scale) {                                                        \
         const int64_t chunks = (head_dim + BLOCK - 1) / BLOCK;                                     \
+        const int64_t vectors = rows * group;                                                      \
         const float log2e = 1.44269504088896341f;                                                  \
         vf query[MAX_GROUP][chunks], acc[MAX_GROUP][chunks], key[BLOCK][chunks],                   \
             value[BLOCK][chunks], sums[MAX_GROUP];                                                 \
         float running_max[MAX_GROUP], probs[MAX_GROUP][BLOCK];                                     \
-        for (int64_t g = 0; g < group; g++) {                                                      \
-            NAME##_widen(q + g * head_dim, query[g], head_dim);                                    \
+        int64_t ends[MAX_GROUP], valid[MAX_GROUP];                                                 \
+        for (int64_t g = 0; g < vectors; g++) {                                                    \
+            NAME##_widen(q + (g / group) * q_stride + (g % group) * head_dim, query[g], head_dim); \
             for (int64_t c = 0; c < chunks; c++) {                                                 \
                 query[g][c] *= scale * log2e; /* scores in log2 units: exp2 exponentiates */       \
                 acc[g][c] = (vf){0};                                                               \
             }                                                                                      \
             running_max[g] = -INFINITY;                                                            \
             sums[g] = (vf){0};                                                                     \
+            ends[g] = end < row_lens[g / group] ? end : row_lens[g / group];                       \
         }                                                                                          \
         for (int64_t start = begin; start < end; start += BLOCK) {                                 \
             int64_t n = end - start < BLOCK ? end - start : BLOCK;                                 \
             prefetch_rows(k_cache, v_cache, pages, start + AHEAD, start + AHEAD + BLOCK,           \
-                          context_len, page_size, page_stride, head_dim, sizeof(C));               \
+                          row_lens[rows - 1], page_size, page_stride, head_dim, sizeof(C));        \
             for (int64_t i = 0; i < BLOCK; i++) {                                                  \
                 int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */      \
                 int64_t at = pages[pos / page_size] * page_stride + (pos % page_size) * head_dim;  \
                 NAME##_widen_kv(k_cache + at, key[i], head_dim);                                   \
                 NAME##_widen_kv(v_cache + at, value[i], head_dim);                                 \
             }                                                                                      \
-            for (int64_t g = 0; g < group; g++) {                                                  \
+            for (int64_t g = 0; g < vectors; g++) {                                                \
+                /* positions of this block the vector sees; none past its row's end */             \
+                int64_t nv = ends[g] - start < BLOCK ? ends[g] - start : BLOCK;                    \
+                valid[g] = nv > 0 ? nv : 0;                                                        \
+                if (nv <= 0) continue;                                                             \
                 vf dots[BLOCK];                                                                    \
                 for (int64_t i = 0; i < BLOCK; i++) {                                              \
                     vf d = query[g][0] * key[i][0];                                                \
@@ -435,8 +479,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
                     dots[i] = d;                                                                   \
                 }                                                                                  \
                 vf scores = sum_lanes(dots);                                                       \
-                if (n < BLOCK)                                                                     \
-                    for (int64_t i = n; i < BLOCK; i++) scores[i] = -INFINITY;                     \
+                if (nv < BLOCK)                                                                    \
+                    for (int64_t i = nv; i < BLOCK; i++) scores[i] = -INFINITY;                    \
                 float block_max = max_lanes(scores);                                               \
                 float new_max = block_max > running_max[g] ? block_max : running_max[g];           \
                 if (new_max != running_max[g]) { /* seldom after the first blocks */               \
@@ -448,18 +492,18 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
                     running_max[g] = new_max;                                                      \
                 }                                                                                  \
                 vf p = exp2_nonpositive_v(scores - new_max);                                       \
-                if (n < BLOCK)                                                                     \
-                    for (int64_t i = n; i < BLOCK; i++) p[i] = 0.0f;                               \
+                if (nv < BLOCK)                                                                    \
+                    for (int64_t i = nv; i < BLOCK; i++) p[i] = 0.0f;                              \
                 sums[g] += p;                                                                      \
                 memcpy(probs[g], &p, sizeof p);                                                    \
             }                                                                                      \
-            for (int64_t g = 0; g < group; g++)                                                    \
-                for (int64_t i = 0; i < n; i++) {                                                  \
+            for (int64_t g = 0; g < vectors; g++)                                                  \
+                for (int64_t i = 0; i < valid[g]; i++) {                                           \
                     float p = probs[g][i];                                                         \
                     for (int64_t c = 0; c < chunks; c++) acc[g][c] += p * value[i][c];             \
                 }                                                                                  \
         }                                                                                          \
-        for (int64_t g = 0; g < group; g++) {                                                      \
+        for (int64_t g = 0; g < vectors; g++) {                                                    \
             float denom = 0.0f;                                                                    \
             for (int i = 0; i < BLOCK; i++) denom += sums[g][i];                                   \
             if (partial) { /* a partition: its max, sum and unnormalised output, for the merge */  \
@@ -479,15 +523,15 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
                 vf o = acc[g][c] / denom;                                                          \
                 memcpy(result + BLOCK * c, &o, sizeof o);                                          \
             }                                                                                      \
-            for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = STORE(result[d]);       \
+            T *to = out + (g / group) * out_stride + (g % group) * head_dim;                       \
+            for (int64_t d = 0; d < head_dim; d++) to[d] = STORE(result[d]);                       \
         }                                                                                          \
     }                                                                                              \
-                                                                                                   \
-    /* A (row, kv head) pair's partitions merged in their order into out (see DecodeItem). */     \
-    static void NAME##_merge(const float *partials, int64_t parts, T *out, int64_t group,          \
-                             int64_t head_dim) {                                                   \
-        const float ln2 = 0.69314718055994531f; /* maxima are in log2 units */                    \
-        int64_t stride = group * (2 + head_dim);                                                   \
+    /* A (row, kv head) pair's partitions merged in their order into out (see DecodeItem); its     \
+     * partitions' results `stride` floats apart. */                                               \
+    static void NAME##_merge(const float *partials, int64_t parts, int64_t stride, T *out,         \
+                             int64_t group, int64_t head_dim) {                                    \
+        const float ln2 = 0.69314718055994531f; /* maxima are in log2 units */                     \
         for (int64_t g = 0; g < group; g++) {                                                      \
             const float *first = partials + g * (2 + head_dim);                                    \
             float top = first[0], total = 0.0f, result[MAX_HEAD_DIM] = {0};                        \
@@ -504,8 +548,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* The planned items (plan_items), then the merge of split pairs; q and out rows `q_stride`  \
-     * and `out_stride` elements apart. Called inside a parallel region. */                      \
+    /* The planned items (plan_items), then the merge of split pairs; q and out rows `q_stride`    \
+     * and `out_stride` elements apart. Called inside a parallel region. */                        \
     static void NAME##_rows(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache,      \
                             const int64_t *page_table, const int64_t *context_lens, T *out,        \
                             int64_t out_stride, const DecodeItem *items, int64_t count,            \
@@ -513,38 +557,40 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
                             int64_t page_size, int64_t max_pages, float scale) {                   \
         int64_t page_stride = page_size * head_dim;                                                \
         int64_t head_stride = num_pages * page_stride;                                             \
-        int64_t partial_stride = group * (2 + head_dim);                                           \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t i = 0; i < count; i++) {                                                      \
             const DecodeItem *it = items + i;                                                      \
-            int64_t r = it->row, h = it->head;                                                     \
+            int64_t r = it->row, h = it->head, m = it->rows;                                       \
             const T *qh = q + r * q_stride + h * group * head_dim;                                 \
             T *oh = out + r * out_stride + h * group * head_dim;                                   \
-            const int64_t *pages = page_table + r * max_pages;                                     \
+            const int64_t *pages = page_table + r * max_pages, *lens = context_lens + r;           \
             const C *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
-            float *partial = it->parts > 1 ? partials + i * partial_stride : NULL;                 \
-            if (DOT(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial, group,    \
-                    head_dim, page_size, page_stride, scale))                                      \
+            float *partial = it->parts > 1 ? partials + it->partial_at : NULL;                     \
+            if (m == 1 && DOT(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial, \
+                              group, head_dim, page_size, page_stride, scale))                     \
                 continue;                                                                          \
             /* Constant head sizes let the compiler unroll and vectorise fully. */                 \
             if (head_dim == 64 && page_size == 16)                                                 \
-                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
-                           group, 64, 16, 16 * 64, scale);                                         \
+                NAME##_one(qh, q_stride, kh, vh, pages, it->begin, it->end, lens, m, oh,           \
+                           out_stride, partial, group, 64, 16, 16 * 64, scale);                    \
             else if (head_dim == 128 && page_size == 16)                                           \
-                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
-                           group, 128, 16, 16 * 128, scale);                                       \
+                NAME##_one(qh, q_stride, kh, vh, pages, it->begin, it->end, lens, m, oh,           \
+                           out_stride, partial, group, 128, 16, 16 * 128, scale);                  \
             else                                                                                   \
-                NAME##_one(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial,    \
-                           group, head_dim, page_size, page_stride, scale);                        \
+                NAME##_one(qh, q_stride, kh, vh, pages, it->begin, it->end, lens, m, oh,           \
+                           out_stride, partial, group, head_dim, page_size, page_stride, scale);   \
         } /* the implicit barrier: every partition is done before any merge */                     \
         _Pragma("omp for schedule(static)")                                                        \
-        for (int64_t i = 0; i < count; i++)                                                        \
-            if (items[i].part == 0 && items[i].parts > 1)                                          \
-                NAME##_merge(partials + i * partial_stride, items[i].parts,                        \
-                             out + items[i].row * out_stride + items[i].head * group * head_dim,   \
+        for (int64_t i = 0; i < count; i++) {                                                      \
+            const DecodeItem *it = items + i;                                                      \
+            if (it->part != 0 || it->parts < 2) continue;                                          \
+            int64_t stride = it->rows * group * (2 + head_dim); /* one partition's floats */       \
+            for (int64_t j = 0; j < it->rows; j++)                                                 \
+                NAME##_merge(partials + it->partial_at + j * group * (2 + head_dim), it->parts,    \
+                             stride, out + (it->row + j) * out_stride + it->head * group * head_dim, \
                              group, head_dim);                                                     \
+        }                                                                                          \
     }                                                                                              \
-                                                                                                   \
     /* Returns 0, -1 for sizes past MAX_GROUP or MAX_HEAD_DIM, -2 without scratch memory. */      \
     int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *page_table,            \
              const int64_t *context_lens, T *out, int64_t row_begin, int64_t row_end,              \
@@ -554,8 +600,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
         int64_t row_stride = kv_heads * group * head_dim;                                          \
         DecodeItem *items;                                                                         \
         float *partials;                                                                           \
-        int64_t count = plan_items(context_lens, row_begin, row_end, kv_heads, group, head_dim,    \
-                                   &items, &partials);                                             \
+        int64_t count = plan_items(context_lens, page_table, max_pages, page_size, row_begin,      \
+                                   row_end, kv_heads, group, head_dim, SHARE, &items, &partials);  \
         if (count < 0) return -2;                                                                  \
         _Pragma("omp parallel")                                                                    \
         NAME##_rows(q, row_stride, k_cache, v_cache, page_table, context_lens, out, row_stride,    \
@@ -578,8 +624,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
         int64_t head_stride = num_pages * page_size * head_dim;                                    \
         DecodeItem *items;                                                                         \
         float *partials;                                                                           \
-        int64_t count = plan_items(context_lens, 0, rows, kv_heads, group, head_dim, &items,       \
-                                   &partials);                                                     \
+        int64_t count = plan_items(context_lens, page_table, max_pages, page_size, 0, rows,        \
+                                   kv_heads, group, head_dim, SHARE, &items, &partials);           \
         if (count < 0) return -2;                                                                  \
         _Pragma("omp parallel")                                                                    \
         {                                                                                          \
@@ -606,10 +652,10 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
 #define STORE_F32(x) (x)
 
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, load_bf16, float_to_bf16, bf16, uint16_t,
-              load_bf16, float_to_bf16, dot_body_bf16)
+              load_bf16, float_to_bf16, dot_body_bf16, 0)
 DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, load_f32, STORE_F32, f32, float, load_f32,
-              STORE_F32, NO_DOT_BODY)
+              STORE_F32, NO_DOT_BODY, 1)
 /* fp32 math over bf16 pools (`cache.kv_cache_dtype` bfloat16 under fp32 math): half the bytes a
  * step reads and the pool holds; each new K/V row is rounded once, as it is written. */
 DEFINE_KERNEL(paged_decode_f32_kv_bf16, float, LOAD_F32, load_f32, STORE_F32, f32, uint16_t,
-              load_bf16, float_to_bf16, NO_DOT_BODY)
+              load_bf16, float_to_bf16, NO_DOT_BODY, 1)
