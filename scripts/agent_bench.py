@@ -9,11 +9,14 @@ city, score, tags) or a Python file of 4-6 small functions; the instruction asks
 document back unchanged, with one field changed, or with one function renamed. Chat template of
 the model, greedy, EOS ends the output (at most 384 tokens).
 
-``--speculative-compare`` (any workload) loads the engine twice, speculation off and on
-(``--num-speculative-tokens``, n-gram), runs them interleaved (off, on, on, off, ...), prints one
-JSON line per run and a summary with the ratio of their decode tok/s and whether every output
-was identical. Decode tok/s: the output tokens after each request's first, over the time from the
-last request's first token to the end (so prefill is left out).
+``--speculative-compare`` (any workload) runs the engine with speculation off and on
+(``--num-speculative-tokens``, n-gram) interleaved (off, on, on, off, ...), one engine alive at a
+time (built for its run, closed after: two engines in one process are two OpenMP teams, and once
+a process holds more OpenMP threads than CPUs libgomp throttles every barrier's spin, so both ran
+30-40% slower than alone), prints one JSON line per run and a summary with the ratio of their
+decode tok/s and whether every output was identical. Decode tok/s: the output tokens after each
+request's first, over the time from the last request's first token to the end (so prefill is
+left out).
 """
 
 from __future__ import annotations
@@ -160,39 +163,40 @@ def workload_prompts(args: Any, llm: Any, run: int) -> tuple[list[list[int]], li
 
 def run_compare(args: Any, make_llm: Any) -> None:
     """Speculation off and on, interleaved; one JSON line per run, then the summary."""
-    llms = {False: make_llm(speculative=False), True: make_llm(speculative=True)}
-    try:
-        totals = {False: [0, 0.0], True: [0, 0.0]}  # decode tokens, decode seconds
-        identical = True
-        for run in range(args.runs):
-            outputs = {}
-            order = (False, True) if run % 2 == 0 else (True, False)
-            for on in order:
-                llm = llms[on]
+    from yaied import SamplingParams
+
+    totals = {False: [0, 0.0], True: [0, 0.0]}  # decode tokens, decode seconds
+    identical = True
+    for run in range(args.runs):
+        outputs = {}
+        order = (False, True) if run % 2 == 0 else (True, False)
+        for on in order:
+            llm = make_llm(speculative=on)  # the only engine alive (the docstring says why)
+            try:
+                llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))
                 prompts, params = workload_prompts(args, llm, run)
                 result = timed_generate(llm, prompts, params)
-                record = {"workload": args.workload, "run": run, "speculative": on}
-                record.update(result["record"], num_requests=len(prompts))
-                print(json.dumps(record), flush=True)
-                outputs[on] = result["outputs"]
-                r = result["record"]
-                totals[on][0] += r["output_tokens"] - len(prompts)
-                totals[on][1] += r["elapsed_s"] - r["ttft_max_s"]
-            identical &= outputs[False] == outputs[True]
-        off, on = (totals[k][0] / totals[k][1] for k in (False, True))
-        summary = {
-            "workload": args.workload,
-            "summary": True,
-            "runs": args.runs,
-            "decode_tok_s_off": round(off, 2),
-            "decode_tok_s_on": round(on, 2),
-            "speedup": round(on / off, 3),
-            "outputs_identical": identical,
-        }
-        print(json.dumps(summary), flush=True)
-    finally:
-        for llm in llms.values():
-            llm.close()
+            finally:
+                llm.close()
+            record = {"workload": args.workload, "run": run, "speculative": on}
+            record.update(result["record"], num_requests=len(prompts))
+            print(json.dumps(record), flush=True)
+            outputs[on] = result["outputs"]
+            r = result["record"]
+            totals[on][0] += r["output_tokens"] - len(prompts)
+            totals[on][1] += r["elapsed_s"] - r["ttft_max_s"]
+        identical &= outputs[False] == outputs[True]
+    off, on = (totals[k][0] / totals[k][1] for k in (False, True))
+    summary = {
+        "workload": args.workload,
+        "summary": True,
+        "runs": args.runs,
+        "decode_tok_s_off": round(off, 2),
+        "decode_tok_s_on": round(on, 2),
+        "speedup": round(on / off, 3),
+        "outputs_identical": identical,
+    }
+    print(json.dumps(summary), flush=True)
 
 
 def run_agent(args: Any, make_llm: Any) -> None:
