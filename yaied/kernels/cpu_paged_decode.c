@@ -151,16 +151,14 @@ static int64_t plan_items(const int64_t *context_lens, const int64_t *page_table
                           int64_t max_pages, int64_t page_size, int64_t row_begin,
                           int64_t row_end, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int share, DecodeItem **items, float **partials) {
-    int64_t most = share ? MAX_GROUP / group : 1, count = 0, floats = 0;
-    for (int64_t r = row_begin; r < row_end;) {
-        int64_t m = run_length(context_lens, page_table, max_pages, page_size, r, row_end, most);
-        int64_t parts = partition_count(context_lens[r], partition_size(context_lens[r]));
-        count += kv_heads * parts;
-        floats += kv_heads * parts * m * group * (2 + head_dim);
-        r += m;
-    }
-    *items = thread_scratch(0, (size_t)(count ? count : 1) * sizeof(DecodeItem));
-    *partials = thread_scratch(1, (size_t)(floats ? floats : 1) * sizeof(float));
+    /* Room as for every row alone: a shared item's partials are its rows' together, and a run
+     * has fewer items than its rows would have. */
+    int64_t most = share ? MAX_GROUP / group : 1, bound = 0;
+    for (int64_t r = row_begin; r < row_end; r++)
+        bound += kv_heads * partition_count(context_lens[r], partition_size(context_lens[r]));
+    *items = thread_scratch(0, (size_t)(bound ? bound : 1) * sizeof(DecodeItem));
+    size_t partial_floats = (size_t)(bound ? bound : 1) * group * (2 + head_dim);
+    *partials = thread_scratch(1, partial_floats * sizeof(float));
     if (!*items || !*partials) return -1;
     DecodeItem *it = *items;
     int64_t at = 0;
@@ -176,7 +174,7 @@ static int64_t plan_items(const int64_t *context_lens, const int64_t *page_table
             }
         r += m;
     }
-    return count;
+    return it - *items;
 }
 
 /* The K and V rows of positions [from, to) (those before context_len) prefetched into L2
