@@ -206,21 +206,33 @@ def test_step_is_rotary_then_write_then_attention(
     torch.testing.assert_close(out.view(rows, heads, -1).float(), expected.float(), **close)
 
 
-@pytest.mark.parametrize("pools", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "first_len, rows, group",
-    [(40, 5, 3), (254, 5, 3), (4094, 5, 3), (700, 7, 3), (100, 4, 4), (30, 3, 1)],
+    "math, pools",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16,) * 2],
+)
+@pytest.mark.parametrize(
+    "first_len, rows, group, head_dim",
+    [
+        (40, 5, 3, 64),
+        (254, 5, 3, 64),
+        (4094, 5, 3, 64),
+        (700, 7, 3, 64),
+        (100, 4, 4, 64),
+        (30, 3, 1, 64),
+        (300, 3, 4, 128),
+    ],
 )
 def test_a_drafted_run_shares_its_reads_and_keeps_each_rows_bits(
-    kernel, pools, first_len, rows, group
+    kernel, math, pools, first_len, rows, group, head_dim
 ):
     """Speculative verification rows (one sequence, consecutive positions, the same pages) share
-    the kernel's work items under fp32 math, each K/V block read once for all of them: every
-    row must still be the bits it is alone. The lengths straddle a partition's edge (256) and
-    the longer partitions past 4096; runs longer than MAX_GROUP query heads split; a decode of
-    another sequence sits beside them."""
+    the kernel's work items, each K/V block read once for all of them (under bf16 math with bf16
+    dot products, the dot body's items too): every row must still be the bits it is alone. The
+    lengths straddle a partition's edge (256) and the longer partitions past 4096; runs longer
+    than MAX_GROUP query heads split, and so do the dot body's passes (4 heads of 128 a pass); a
+    decode of another sequence sits beside them."""
     torch.manual_seed(first_len)
-    kv_heads, head_dim, page_size = 2, 64, 16
+    kv_heads, page_size = 2, 16
     lengths = [first_len + j for j in range(rows)] + [77]
     max_pages = -(-max(lengths) // page_size)
     num_pages = 2 * max_pages + 1
@@ -228,11 +240,12 @@ def test_a_drafted_run_shares_its_reads_and_keeps_each_rows_bits(
     table = torch.cat([own[:1].repeat(rows, 1), own[1:]])  # the run's rows share their pages
     shape = (kv_heads, num_pages, page_size, head_dim)
     k_cache, v_cache = torch.randn(shape).to(pools), torch.randn(shape).to(pools)
-    q = torch.randn(rows + 1, kv_heads * group, head_dim)
+    q = torch.randn(rows + 1, kv_heads * group, head_dim).to(math)
     lens = torch.tensor(lengths, dtype=torch.int64)
     together = kernel(q, k_cache, v_cache, table, lens, 0.125)
     for r in range(rows + 1):
         alone = kernel(q[r : r + 1], k_cache, v_cache, table[r : r + 1], lens[r : r + 1], 0.125)
         assert torch.equal(alone[0], together[r]), f"row {r}"
-    reference_rows = reference(q, k_cache.float(), v_cache.float(), table, lens, 0.125)
-    torch.testing.assert_close(together, reference_rows, rtol=1e-5, atol=1e-5)
+    reference_rows = reference(q.float(), k_cache.float(), v_cache.float(), table, lens, 0.125)
+    tolerance = 1e-5 if math == torch.float32 else 1e-2
+    torch.testing.assert_close(together.float(), reference_rows, rtol=tolerance, atol=tolerance)

@@ -233,11 +233,15 @@ static inline __m512 sum_lanes16(const __m512 *t) {
 
 DEFINE_EXP2_NONPOSITIVE(exp2_nonpositive_16, __m512, vi16) /* exp2_nonpositive_v, 16 lanes */
 
-/* The widening body's item (NAME##_one below: the same arguments, outputs and partials) for
- * head_dim HD (a multiple of 32, at most DOT_MAX_HEAD_DIM) and `group` <= DOT_MAX_GROUP. */
+/* Query vectors first .. first + count - 1 (count <= DOT_MAX_GROUP) of the widening body's item
+ * (NAME##_one below: the same arguments, outputs and partials; `rows` rows of `group` heads,
+ * vector v being row v / group's head v % group) for head_dim HD (a multiple of 32, at most
+ * DOT_MAX_HEAD_DIM). Each vector sees the positions before its row's context length only: a
+ * drafted run's shorter rows skip a longer row's last positions as they would alone. */
 static inline __attribute__((always_inline)) void dot_heads_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *pages,
-    int64_t begin, int64_t end, int64_t context_len, uint16_t *out, float *partial,
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *pages, int64_t begin, int64_t end, const int64_t *row_lens, int64_t rows,
+    uint16_t *out, int64_t out_stride, float *partial, int64_t first, int64_t count,
     const int64_t group, const int64_t HD, int64_t page_size, int64_t page_stride, float scale) {
     const int64_t halves = HD / 32, chunks = HD / 16; /* 32 bf16 in a vector; 16 fp32 */
     const float log2e = 1.44269504088896341f;
@@ -246,18 +250,20 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
     __m512bh query[DOT_MAX_GROUP][DOT_MAX_HEAD_DIM / 32];
     __m512 acc[DOT_MAX_GROUP][DOT_MAX_HEAD_DIM / 16], sums[DOT_MAX_GROUP];
     float running_max[DOT_MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
+    int64_t ends[DOT_MAX_GROUP], valid[DOT_MAX_GROUP];
+    for (int64_t g = 0; g < count; g++) {
+        int64_t row = (first + g) / group, head = (first + g) % group;
         for (int64_t h = 0; h < halves; h++)
-            query[g][h] = (__m512bh)_mm512_loadu_si512(q + g * HD + 32 * h);
+            query[g][h] = (__m512bh)_mm512_loadu_si512(q + row * q_stride + head * HD + 32 * h);
+        ends[g] = end < row_lens[row] ? end : row_lens[row];
         for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
         sums[g] = _mm512_setzero_ps();
         running_max[g] = -INFINITY;
     }
     for (int64_t start = begin; start < end; start += DOT_BLOCK) {
         int64_t n = end - start < DOT_BLOCK ? end - start : DOT_BLOCK;
-        __mmask16 live = (__mmask16)(n == DOT_BLOCK ? 0xFFFF : (1u << n) - 1);
         prefetch_rows(k_cache, v_cache, pages, start + AHEAD, start + AHEAD + DOT_BLOCK,
-                      context_len, page_size, page_stride, HD, sizeof(uint16_t));
+                      row_lens[rows - 1], page_size, page_stride, HD, sizeof(uint16_t));
         const uint16_t *krow[DOT_BLOCK], *vrow[DOT_BLOCK];
         for (int64_t i = 0; i < DOT_BLOCK; i++) {
             int64_t pos = start + (i < n ? i : n - 1); /* past the end: a copy, masked */
@@ -266,7 +272,12 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
             vrow[i] = v_cache + at;
         }
         float probs[DOT_MAX_GROUP][DOT_BLOCK];
-        for (int64_t g = 0; g < group; g++) {
+        for (int64_t g = 0; g < count; g++) {
+            /* positions of this block the vector sees; none past its row's end */
+            int64_t nv = ends[g] - start < DOT_BLOCK ? ends[g] - start : DOT_BLOCK;
+            valid[g] = nv > 0 ? nv : 0;
+            if (nv <= 0) continue;
+            __mmask16 live = (__mmask16)(nv == DOT_BLOCK ? 0xFFFF : (1u << nv) - 1);
             __m512 t[DOT_BLOCK];
             for (int64_t i = 0; i < DOT_BLOCK; i++) {
                 t[i] = _mm512_setzero_ps();
@@ -297,14 +308,15 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
                 __m512i v = _mm512_loadu_si512(vrow[i] + 32 * h);
                 __m512 low = (__m512)_mm512_unpacklo_epi16(zero, v); /* values 8L .. 8L + 3 */
                 __m512 high = (__m512)_mm512_unpackhi_epi16(zero, v); /* 8L + 4 .. 8L + 7 */
-                for (int64_t g = 0; g < group; g++) {
+                for (int64_t g = 0; g < count; g++) {
+                    if (i >= valid[g]) continue;
                     __m512 pg = _mm512_set1_ps(probs[g][i]);
                     acc[g][2 * h] = _mm512_fmadd_ps(pg, low, acc[g][2 * h]);
                     acc[g][2 * h + 1] = _mm512_fmadd_ps(pg, high, acc[g][2 * h + 1]);
                 }
             }
     }
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t g = 0; g < count; g++) {
         float denom = _mm512_reduce_add_ps(sums[g]), result[DOT_MAX_HEAD_DIM];
         for (int64_t h = 0; h < halves; h++) { /* back from unpack order */
             float low[16], high[16];
@@ -317,13 +329,15 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
                 }
         }
         if (partial) { /* a partition: its max, sum and unnormalised output, for the merge */
-            float *mine = partial + g * (2 + HD);
+            float *mine = partial + (first + g) * (2 + HD);
             mine[0] = running_max[g];
             mine[1] = denom;
             memcpy(mine + 2, result, HD * sizeof(float));
             continue;
         }
-        for (int64_t d = 0; d < HD; d++) out[g * HD + d] = float_to_bf16(result[d] / denom);
+        int64_t row = (first + g) / group, head = (first + g) % group;
+        uint16_t *to = out + row * out_stride + head * HD;
+        for (int64_t d = 0; d < HD; d++) to[d] = float_to_bf16(result[d] / denom);
     }
 }
 
@@ -333,15 +347,15 @@ static inline __attribute__((always_inline)) void dot_heads_bf16(
  * 128 ran 1.08-1.23x faster. At 64 one pass (passes were 0.94x there). A head's numbers do not
  * depend on the others, so the passes change no bit. */
 static inline __attribute__((always_inline)) void dot_item_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *pages,
-    int64_t begin, int64_t end, int64_t context_len, uint16_t *out, float *partial,
-    const int64_t group, const int64_t HD, int64_t page_size, int64_t page_stride, float scale) {
-    const int64_t per_pass = HD <= 64 ? DOT_MAX_GROUP : 4;
-    for (int64_t g = 0; g < group; g += per_pass)
-        dot_heads_bf16(q + g * HD, k_cache, v_cache, pages, begin, end, context_len, out + g * HD,
-                       partial ? partial + g * (2 + HD) : NULL,
-                       group - g < per_pass ? group - g : per_pass, HD, page_size, page_stride,
-                       scale);
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *pages, int64_t begin, int64_t end, const int64_t *row_lens, int64_t rows,
+    uint16_t *out, int64_t out_stride, float *partial, const int64_t group, const int64_t HD,
+    int64_t page_size, int64_t page_stride, float scale) {
+    const int64_t per_pass = HD <= 64 ? DOT_MAX_GROUP : 4, vectors = rows * group;
+    for (int64_t v = 0; v < vectors; v += per_pass)
+        dot_heads_bf16(q, q_stride, k_cache, v_cache, pages, begin, end, row_lens, rows, out,
+                       out_stride, partial, v, vectors - v < per_pass ? vectors - v : per_pass,
+                       group, HD, page_size, page_stride, scale);
 }
 
 /* Returns whether the dot body took the item: head sizes that are multiples of 32 up to
@@ -351,12 +365,13 @@ static inline __attribute__((always_inline)) void dot_item_bf16(
  * groups copies with the group constant too (the group at run time is 5-7% slower); a copy
  * per combination took the file's build from 3 to 14 s at this level, these seven 4.4 s. */
 #define DOT_ITEM(G, HD, PAGE, STRIDE)                                                             \
-    dot_item_bf16(q, k_cache, v_cache, pages, begin, end, context_len, out, partial, G, HD, PAGE, \
-                  STRIDE, scale)
-static int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int64_t *pages, int64_t begin, int64_t end, int64_t context_len,
-                         uint16_t *out, float *partial, int64_t group, int64_t head_dim,
-                         int64_t page_size, int64_t page_stride, float scale) {
+    dot_item_bf16(q, q_stride, k_cache, v_cache, pages, begin, end, row_lens, rows, out,           \
+                  out_stride, partial, G, HD, PAGE, STRIDE, scale)
+static int dot_body_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int64_t *pages, int64_t begin, int64_t end,
+                         const int64_t *row_lens, int64_t rows, uint16_t *out, int64_t out_stride,
+                         float *partial, int64_t group, int64_t head_dim, int64_t page_size,
+                         int64_t page_stride, float scale) {
     if (head_dim % 32 || head_dim > DOT_MAX_HEAD_DIM || group > DOT_MAX_GROUP) return 0;
     int usual = page_size == 16 && (head_dim == 64 || head_dim == 128);
     if (usual && group == 3 && head_dim == 64)
@@ -376,16 +391,7 @@ static int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
     return 1;
 }
 #else
-static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
-                                const uint16_t *v_cache, const int64_t *pages, int64_t begin,
-                                int64_t end, int64_t context_len, uint16_t *out, float *partial,
-                                int64_t group, int64_t head_dim, int64_t page_size,
-                                int64_t page_stride, float scale) {
-    (void)q, (void)k_cache, (void)v_cache, (void)pages, (void)begin, (void)end;
-    (void)context_len, (void)out, (void)partial, (void)group, (void)head_dim, (void)page_size;
-    (void)page_stride, (void)scale;
-    return 0;
-}
+#define dot_body_bf16 NO_DOT_BODY
 #endif
 
 /* fp32 activations have no dot body (over fp32 or bf16 pools): their items go to the widening
@@ -397,8 +403,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
  * one vector, its softmax sum BLOCK partial sums, its output head_dim / BLOCK vectors.
  * T is the activations' type (q, out, the step's qkv rows), C the pools' (K/V as stored, read by
  * LOADV_C, written through STORE_C), DOT the body tried first (dot_body_bf16 where both are
- * bf16), SHARE whether a drafted run's rows share items (run_length; not where DOT takes the
- * items, one row each). */
+ * bf16; it takes a drafted run's rows as the widening body does), SHARE whether such rows share
+ * items (run_length). */
 #define DEFINE_KERNEL(NAME, T, LOAD, LOADV, STORE, SUFFIX, C, LOADV_C, STORE_C, DOT, SHARE)      \
     static inline void NAME##_widen(const T *src, vf *dst, int64_t head_dim) {                     \
         int64_t c = 0;                                                                             \
@@ -564,8 +570,8 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
             const int64_t *pages = page_table + r * max_pages, *lens = context_lens + r;           \
             const C *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;              \
             float *partial = it->parts > 1 ? partials + it->partial_at : NULL;                     \
-            if (m == 1 && DOT(qh, kh, vh, pages, it->begin, it->end, context_lens[r], oh, partial, \
-                              group, head_dim, page_size, page_stride, scale))                     \
+            if (DOT(qh, q_stride, kh, vh, pages, it->begin, it->end, lens, m, oh, out_stride,      \
+                    partial, group, head_dim, page_size, page_stride, scale))                      \
                 continue;                                                                          \
             /* Constant head sizes let the compiler unroll and vectorise fully. */                 \
             if (head_dim == 64 && page_size == 16)                                                 \
@@ -650,7 +656,7 @@ static inline int dot_body_bf16(const uint16_t *q, const uint16_t *k_cache,
 #define STORE_F32(x) (x)
 
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_float, load_bf16, float_to_bf16, bf16, uint16_t,
-              load_bf16, float_to_bf16, dot_body_bf16, 0)
+              load_bf16, float_to_bf16, dot_body_bf16, 1)
 DEFINE_KERNEL(paged_decode_f32, float, LOAD_F32, load_f32, STORE_F32, f32, float, load_f32,
               STORE_F32, NO_DOT_BODY, 1)
 /* fp32 math over bf16 pools (`cache.kv_cache_dtype` bfloat16 under fp32 math): half the bytes a
