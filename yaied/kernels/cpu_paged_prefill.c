@@ -43,24 +43,32 @@
 
 #define KEY_BLOCK 32
 #define QUERY_BLOCK 32
-#define ROW_PAD 8 /* row counts are padded to a multiple of this (of QK_ROWS and PV_ROWS) */
+#define ROW_PAD 8 /* row counts are padded to a multiple of this */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_ROWS (QUERY_BLOCK * MAX_GROUP)
 
 /* The fp32 path's vectors and tiles: rows x vectors accumulators plus the loaded vectors fit in
- * 16 registers. 8 wide from AVX2 on, AVX-512 included: 16-wide vectors (the same code with
- * VW 16, or a 16-wide type on AVX2) compiled to registers spilled to the stack every step, and
- * ran 3 to 6 times slower (2.5 ms a layer against 7.3 and 15.4 for a 512-token chunk of the
- * default model's heads). 4 wide elsewhere (SSE, NEON). */
-#if defined(__AVX2__)
+ * the registers (16 with AVX2, 32 with AVX-512). 8 wide from AVX2 on, AVX-512 included: 16-wide
+ * vectors (the same code with VW 16, or a 16-wide type on AVX2) compiled to registers spilled to
+ * the stack every step, and ran 3 to 6 times slower (2.5 ms a layer against 7.3 and 15.4 for a
+ * 512-token chunk of the default model's heads). 4 wide elsewhere (SSE, NEON). The O tile of 6
+ * rows (12 accumulators; 8 rows and 16 with AVX-512, and an S tile of 6 rows) against 4 rows
+ * before: a 512-token chunk at 2048 positions, 20.0 -> 14.9 ms a layer at avx2 and 18.8 -> 14.1
+ * at avx512 on a Zen 5 (docs/benchmarks.md). Rows past the last whole tile take tiles of one. */
+#if defined(__AVX512F__)
 #define VW 8
-#define QK_ROWS 2 /* rows of the S register tile */
+#define QK_ROWS 6 /* rows of the S register tile */
+#define PV_ROWS 8 /* rows of the O register tile */
+#elif defined(__AVX2__)
+#define VW 8
+#define QK_ROWS 2
+#define PV_ROWS 6
 #else
 #define VW 4
 #define QK_ROWS 1
+#define PV_ROWS 4
 #endif
-#define PV_ROWS 4 /* rows of the O register tile */
 #define PV_VECS 2 /* its vectors a row (head_dim is a multiple of 16) */
 #define NV (KEY_BLOCK / VW) /* vectors in a row of scores */
 
@@ -77,84 +85,101 @@ static inline void storew(float *p, vfw v) { *(vfw *)p = v; }
 
 /* ---- fp32 path: Kt [head_dim][KEY_BLOCK], V [KEY_BLOCK][head_dim], Q [rows][head_dim] ---- */
 
+/* S = Q Kt * scale for rows m0 .. m0 + R - 1: R x NV accumulators, unrolled in full. */
+static inline __attribute__((always_inline)) void scores_rows(const float *q, const float *kt,
+                                                              float *s, int64_t m0, const int R,
+                                                              int64_t dim, float scale) {
+    vfw acc[QK_ROWS][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) acc[r][c] = (vfw){0};
+    for (int64_t d = 0; d < dim; d++) {
+        vfw k[NV];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) k[c] = loadw(kt + d * KEY_BLOCK + c * VW);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            float x = q[(m0 + r) * dim + d];
+#pragma GCC unroll 16
+            for (int c = 0; c < NV; c++) acc[r][c] += x * k[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) storew(s + (m0 + r) * KEY_BLOCK + c * VW, acc[r][c] * scale);
+}
+
+/* A row's scores are its own accumulators' whatever tile it falls in: the tiles change no bit. */
 static void scores_f32(const float *q, const float *kt, float *s, int64_t rows, int64_t dim,
                        float scale) {
-    for (int64_t m0 = 0; m0 < rows; m0 += QK_ROWS) {
-        vfw acc[QK_ROWS][NV];
+    int64_t m0 = 0;
+    for (; m0 + QK_ROWS <= rows; m0 += QK_ROWS) scores_rows(q, kt, s, m0, QK_ROWS, dim, scale);
+    for (; m0 < rows; m0++) scores_rows(q, kt, s, m0, 1, dim, scale);
+}
+
+/* o = o * alpha + p @ v for rows m0 .. m0 + R - 1, PV_VECS vectors of head_dim a step. */
+static inline __attribute__((always_inline)) void accumulate_rows(const float *p, const float *v,
+                                                                  float *o, const float *alpha,
+                                                                  int64_t m0, const int R,
+                                                                  int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += PV_VECS * VW) {
+        vfw acc[PV_ROWS][PV_VECS];
 #pragma GCC unroll 16
-        for (int r = 0; r < QK_ROWS; r++)
+        for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
-            for (int c = 0; c < NV; c++) acc[r][c] = (vfw){0};
-        for (int64_t d = 0; d < dim; d++) {
-            vfw k[NV];
+            for (int c = 0; c < PV_VECS; c++)
+                acc[r][c] = loadw(o + (m0 + r) * dim + d0 + c * VW) * alpha[m0 + r];
+        for (int64_t j = 0; j < KEY_BLOCK; j++) {
+            vfw value[PV_VECS];
 #pragma GCC unroll 16
-            for (int c = 0; c < NV; c++) k[c] = loadw(kt + d * KEY_BLOCK + c * VW);
+            for (int c = 0; c < PV_VECS; c++) value[c] = loadw(v + j * dim + d0 + c * VW);
 #pragma GCC unroll 16
-            for (int r = 0; r < QK_ROWS; r++) {
-                float x = q[(m0 + r) * dim + d];
+            for (int r = 0; r < R; r++) {
+                float x = p[(m0 + r) * KEY_BLOCK + j];
 #pragma GCC unroll 16
-                for (int c = 0; c < NV; c++) acc[r][c] += x * k[c];
+                for (int c = 0; c < PV_VECS; c++) acc[r][c] += x * value[c];
             }
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < QK_ROWS; r++)
+        for (int r = 0; r < R; r++)
 #pragma GCC unroll 16
-            for (int c = 0; c < NV; c++) storew(s + (m0 + r) * KEY_BLOCK + c * VW, acc[r][c] * scale);
+            for (int c = 0; c < PV_VECS; c++) storew(o + (m0 + r) * dim + d0 + c * VW, acc[r][c]);
     }
 }
 
-/* o = o * alpha + p @ v for PV_ROWS rows at a time, PV_VECS vectors of head_dim a step. */
 static void accumulate_f32(const float *p, const float *v, float *o, const float *alpha,
                            int64_t rows, int64_t dim) {
-    for (int64_t m0 = 0; m0 < rows; m0 += PV_ROWS) {
-        for (int64_t d0 = 0; d0 < dim; d0 += PV_VECS * VW) {
-            vfw acc[PV_ROWS][PV_VECS];
-#pragma GCC unroll 16
-            for (int r = 0; r < PV_ROWS; r++)
-#pragma GCC unroll 16
-                for (int c = 0; c < PV_VECS; c++)
-                    acc[r][c] = loadw(o + (m0 + r) * dim + d0 + c * VW) * alpha[m0 + r];
-            for (int64_t j = 0; j < KEY_BLOCK; j++) {
-                vfw value[PV_VECS];
-#pragma GCC unroll 16
-                for (int c = 0; c < PV_VECS; c++) value[c] = loadw(v + j * dim + d0 + c * VW);
-#pragma GCC unroll 16
-                for (int r = 0; r < PV_ROWS; r++) {
-                    float x = p[(m0 + r) * KEY_BLOCK + j];
-#pragma GCC unroll 16
-                    for (int c = 0; c < PV_VECS; c++) acc[r][c] += x * value[c];
-                }
-            }
-#pragma GCC unroll 16
-            for (int r = 0; r < PV_ROWS; r++)
-#pragma GCC unroll 16
-                for (int c = 0; c < PV_VECS; c++)
-                    storew(o + (m0 + r) * dim + d0 + c * VW, acc[r][c]);
-        }
-    }
+    int64_t m0 = 0;
+    for (; m0 + PV_ROWS <= rows; m0 += PV_ROWS) accumulate_rows(p, v, o, alpha, m0, PV_ROWS, dim);
+    for (; m0 < rows; m0++) accumulate_rows(p, v, o, alpha, m0, 1, dim);
 }
 
 /* ---- bf16 dot path: Kp [head_dim / 2][KEY_BLOCK] and Vp [KEY_BLOCK / 2][head_dim] pairs ---- */
 #if HAVE_BF16_DOT
+#define BF16_QK_ROWS 2 /* the tiles of the bf16 dot path: rows of S, rows of O */
+#define BF16_PV_ROWS 4
+
 /* Raw scores (softmax_block_bf16 scales them). */
 static void scores_bf16(const uint16_t *q, const uint32_t *kp, float *s, int64_t rows,
                         int64_t dim) {
     int64_t pairs = dim / 2;
-    for (int64_t m0 = 0; m0 < rows; m0 += QK_ROWS) {
+    for (int64_t m0 = 0; m0 < rows; m0 += BF16_QK_ROWS) {
         const uint32_t *q32 = (const uint32_t *)(q + m0 * dim);
-        __m512 acc[QK_ROWS][2];
-        for (int r = 0; r < QK_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        __m512 acc[BF16_QK_ROWS][2];
+        for (int r = 0; r < BF16_QK_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; p++) {
             __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * KEY_BLOCK);
             __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + p * KEY_BLOCK + 16);
 #pragma GCC unroll 8
-            for (int r = 0; r < QK_ROWS; r++) {
+            for (int r = 0; r < BF16_QK_ROWS; r++) {
                 __m512bh x = (__m512bh)_mm512_set1_epi32((int)q32[r * pairs + p]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, x);
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, x);
             }
         }
-        for (int r = 0; r < QK_ROWS; r++) {
+        for (int r = 0; r < BF16_QK_ROWS; r++) {
             _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK, acc[r][0]);
             _mm512_storeu_ps(s + (m0 + r) * KEY_BLOCK + 16, acc[r][1]);
         }
@@ -163,11 +188,11 @@ static void scores_bf16(const uint16_t *q, const uint32_t *kp, float *s, int64_t
 
 static void accumulate_bf16(const uint16_t *p, const uint32_t *vp, float *o, const float *alpha,
                             int64_t rows, int64_t dim) {
-    for (int64_t m0 = 0; m0 < rows; m0 += PV_ROWS) {
+    for (int64_t m0 = 0; m0 < rows; m0 += BF16_PV_ROWS) {
         const uint32_t *p32 = (const uint32_t *)(p + m0 * KEY_BLOCK);
         for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            __m512 acc[PV_ROWS][4];
-            for (int r = 0; r < PV_ROWS; r++) {
+            __m512 acc[BF16_PV_ROWS][4];
+            for (int r = 0; r < BF16_PV_ROWS; r++) {
                 __m512 a = _mm512_set1_ps(alpha[m0 + r]);
                 for (int c = 0; c < 4; c++)
                     acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (m0 + r) * dim + d0 + 16 * c), a);
@@ -177,12 +202,12 @@ static void accumulate_bf16(const uint16_t *p, const uint32_t *vp, float *o, con
                 for (int c = 0; c < 4; c++)
                     value[c] = (__m512bh)_mm512_loadu_si512(vp + j * dim + d0 + 16 * c);
 #pragma GCC unroll 4
-                for (int r = 0; r < PV_ROWS; r++) {
+                for (int r = 0; r < BF16_PV_ROWS; r++) {
                     __m512bh x = (__m512bh)_mm512_set1_epi32((int)p32[r * (KEY_BLOCK / 2) + j]);
                     for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], value[c], x);
                 }
             }
-            for (int r = 0; r < PV_ROWS; r++)
+            for (int r = 0; r < BF16_PV_ROWS; r++)
                 for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + (m0 + r) * dim + d0 + 16 * c, acc[r][c]);
         }
     }
@@ -324,26 +349,61 @@ static void pack_block(const Problem *pr, int64_t h, int64_t b) {
     }
 }
 
+/* exp_nonpositive (cpu_common.h) on a vector: the same operations lane by lane (floor as a
+ * truncation, one less where that rounded up). */
+typedef int32_t viw __attribute__((vector_size(VW * 4)));
+static inline vfw exp_nonpositive_w(vfw x) {
+    vfw low = (vfw){0} - 87.0f;
+    x = (vfw)(((viw)x & ~(x < low)) | ((viw)low & (x < low)));
+    vfw t = x * 1.44269504088896341f;
+    viw whole = __builtin_convertvector(t, viw);
+    vfw n = __builtin_convertvector(whole, vfw);
+    viw above = n > t; /* -1 where truncation rounded a negative t up */
+    whole += above;
+    n = __builtin_convertvector(whole, vfw);
+    vfw f = t - n;
+    return EXP2_FRACTION(f) * (vfw)((whole + 127) << 23);
+}
+
 /* Online softmax of one block of fp32 scores, in place: s becomes the probabilities, alpha the
- * factor that rescales each row's output. */
+ * factor that rescales each row's output. A row's KEY_BLOCK scores are NV vectors. */
 static void softmax_block(const Problem *pr, float *s, int64_t rows, int64_t real_rows,
                           int64_t first_pos, int64_t key_start, float *row_max, float *row_sum,
                           float *alpha) {
+    viw lane;
+    for (int i = 0; i < VW; i++) lane[i] = i;
     for (int64_t m = 0; m < rows; m++) {
         int64_t pos = first_pos + (m < real_rows ? m : real_rows - 1) / pr->group;
         int64_t valid = pos - key_start + 1;
         valid = valid < 0 ? 0 : valid > KEY_BLOCK ? KEY_BLOCK : valid;
         float *row = s + m * KEY_BLOCK;
-        float block_max = -INFINITY;
-        for (int64_t j = 0; j < valid; j++) block_max = row[j] > block_max ? row[j] : block_max;
-        float new_max = block_max > row_max[m] ? block_max : row_max[m];
-        alpha[m] = row_max[m] == -INFINITY ? 0.0f : exp_nonpositive(row_max[m] - new_max);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < KEY_BLOCK; j++) {
-            row[j] = j < valid ? exp_nonpositive(row[j] - new_max) : 0.0f;
-            sum += row[j];
+        vfw x[NV], top = (vfw){0} - INFINITY;
+        viw keep[NV];
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) {
+            keep[c] = lane + c * VW < (int32_t)valid;
+            x[c] = loadw(row + c * VW);
+            vfw live = (vfw)(((viw)x[c] & keep[c]) | ((viw)top & ~keep[c]));
+            viw up = live > top;
+            top = (vfw)(((viw)live & up) | ((viw)top & ~up));
         }
-        row_sum[m] = row_sum[m] * alpha[m] + sum;
+        float block_max = top[0];
+        for (int i = 1; i < VW; i++) block_max = top[i] > block_max ? top[i] : block_max;
+        float new_max = block_max > row_max[m] ? block_max : row_max[m];
+        /* the maximum seldom moves after the first blocks: exp(0) is 1 exactly, skip it */
+        alpha[m] = row_max[m] == -INFINITY ? 0.0f
+                   : new_max == row_max[m] ? 1.0f
+                                           : exp_nonpositive(row_max[m] - new_max);
+        vfw sum = (vfw){0};
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) {
+            vfw e = (vfw)((viw)exp_nonpositive_w(x[c] - new_max) & keep[c]);
+            storew(row + c * VW, e);
+            sum += e;
+        }
+        float total = 0.0f;
+        for (int i = 0; i < VW; i++) total += sum[i];
+        row_sum[m] = row_sum[m] * alpha[m] + total;
         row_max[m] = new_max;
     }
 }
