@@ -13,6 +13,7 @@ from torch import nn
 from tests.cpu_levels import kernel_at
 from yaied.kernels.cpu_gemv import AMX_MAX_ROWS, MAX_ROWS, SLICED_MAX_ROWS, BoundLinear, CpuGemv
 from yaied.kernels.cpu_isa import selected_level
+from yaied.kernels.cpu_matmul import CpuMatmul
 from yaied.worker import cpu_linear
 from yaied.worker.cpu_linear import (
     Bf16StoredLinear,
@@ -34,6 +35,11 @@ needs_packing = pytest.mark.skipif(
 @pytest.fixture
 def gemv(isa_level):
     return kernel_at(CpuGemv, isa_level)
+
+
+@pytest.fixture
+def matmul(isa_level):
+    return kernel_at(CpuMatmul, isa_level)
 
 
 @needs_packing
@@ -135,6 +141,64 @@ def test_bf16_stored_linear_is_fp32_math_over_bf16_weights(gemv, keep_fp32, batc
             assert torch.equal(layer(x), layer.few_rows(x))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 9, 33, 130])
+def test_bf16_stored_linear_runs_rows_on_the_panels(gemv, matmul, bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    rounded = linear.weight.detach().to(torch.bfloat16).float()
+    expected = F.linear(x, rounded, linear.bias)
+    with torch.inference_mode():
+        layer = Bf16StoredLinear(linear, gemv, keep_fp32=True, matmul=matmul)
+        # the panels are the fp32 copy: no other
+        assert layer.panels is not None and layer.packed_f32 is None and layer.weight_f32 is None
+        got = layer(x)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got, layer.panels(x))
+        assert torch.equal(layer(x.view(1, rows, 96)), got.view(1, rows, 160))
+        layer.drop_matmul_weights()
+        assert layer.panels is None
+
+
+def test_store_linears_bf16_gives_every_layer_and_a_tied_head_panels(gemv, matmul, monkeypatch):
+    """From avx2 up, where the fp32 copies fit: the panel matmul's layout for every layer,
+    a tied head's too (beside the embedding's fp32 values), which keeps the few-row kernel up
+    to MAX_ROWS rows; the generic body is slower than oneDNN, so there nothing changes."""
+    torch.manual_seed(2)
+    embed = nn.Embedding(40, 64)
+    model = nn.Module()
+    model.embed = embed
+    model.proj = nn.Linear(64, 64)
+    model.lm_head = nn.Linear(64, 40, bias=False)
+    model.lm_head.weight = embed.weight
+    x = torch.randn(MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        expected = model.lm_head(model.proj(x))
+        assert store_linears_bf16(model, gemv, matmul=matmul) == 2
+        proj, head = model.proj, model.lm_head
+        if not matmul.fast:
+            assert proj.panels is None and head.panels is None
+            return
+        assert proj.panels is not None and proj.packed_f32 is None
+        assert head.panels is not None and head.weight_f32.data_ptr() == embed.weight.data_ptr()
+        assert head.few_rows_in_forward and head.sliced_max_rows == MAX_ROWS
+        hidden = proj(x)
+        assert torch.equal(head(hidden[:MAX_ROWS]), head.few_rows(hidden[:MAX_ROWS]))
+        got = head(hidden)
+        assert torch.equal(got, head.panels(hidden))
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # where the tied head's copy does not fit beside the rest, only the head goes without
+    monkeypatch.setattr(
+        cpu_linear, "fp32_copy_fits", lambda model, tied_heads=False: not tied_heads
+    )
+    model.proj, model.lm_head = nn.Linear(64, 64), nn.Linear(64, 40, bias=False)
+    model.lm_head.weight = embed.weight
+    with torch.inference_mode():
+        store_linears_bf16(model, gemv, matmul=matmul)
+    assert model.proj.panels is not None and model.lm_head.panels is None
+
+
 def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gemv):
     torch.manual_seed(0)
     embed = nn.Embedding(10, 64)
@@ -208,7 +272,10 @@ def test_the_copies_are_kept_only_where_they_fit(monkeypatch):
     assert not gemv_fits(model)
     memory = [int(fp32_copy / cpu_linear.FP32_COPY_MEMORY_SHARE)]
     assert fp32_copy_fits(model)
-    memory = [memory[0] - 16]
+    assert not fp32_copy_fits(model, tied_heads=True)  # the panel matmul copies the head too
+    memory = [int((fp32_copy + 10 * 64 * 4) / cpu_linear.FP32_COPY_MEMORY_SHARE)]
+    assert fp32_copy_fits(model, tied_heads=True)
+    memory = [int(fp32_copy / cpu_linear.FP32_COPY_MEMORY_SHARE) - 16]
     assert not fp32_copy_fits(model)
 
 

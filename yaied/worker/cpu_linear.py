@@ -10,9 +10,11 @@ fp32 math over bf16 weights (``Bf16StoredLinear``, every other CPU, dtype ``auto
 matmuls run at a tenth of fp32's speed, but a decode step is a pass over the weights, and bf16
 weights are half the bytes. So the weight lives in memory as bf16 for the few-row kernel, and
 matmuls of many rows (prefill, large batches) run in fp32 on an fp32 copy where it fits in memory,
-else on the weight widened for the call. The fp32 copy is packed once for oneDNN where it can be:
-a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight on every call (14% of W-mixed's
-time at avx2 on a Zen 4; docs/benchmarks.md).
+else on the weight widened for the call. The fp32 copy is laid out once for the panel matmul
+(yaied/kernels/cpu_matmul.c) from avx2 up, which runs the default model's layers at 9-64 rows
+1.1-1.2x faster than oneDNN's packed matmul and as fast at hundreds; else packed for oneDNN
+where it can be: a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight on every call
+(14% of W-mixed's time at avx2 on a Zen 4; docs/benchmarks.md).
 
 At one to eight rows (a decode step of a few streams) either kind runs through the few-row kernel
 (yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the bf16
@@ -31,6 +33,7 @@ from torch import nn
 
 from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv, unpack_weight
 from yaied.kernels.cpu_isa import level_rank
+from yaied.kernels.cpu_matmul import CpuMatmul
 
 # The plain weights' second copy (bf16 math) may take at most this share of physical memory,
 # and so may the fp32 copies (fp32 math over bf16 weights).
@@ -83,11 +86,12 @@ class PackedLinear(nn.Module):
 class Bf16StoredLinear(nn.Module):
     """Drop-in for an fp32 nn.Linear whose weight is kept in bf16: forward takes and returns
     fp32. The bf16 weight is ``few_rows``' (the kernel bound to it, fp32 activations, in the
-    kernel's layout), or ``weight`` without the kernel; ``weight_f32`` holds its values in fp32
-    for many rows, or ``packed_f32`` the same in oneDNN's layout (with ``batch_hint``), or
-    neither to widen it per call: every path reads the same (bf16) values. ``tied``: the fp32
-    weight is an embedding's too, rounded to those values in place and shared (a tied LM head
-    costs no fp32 copy)."""
+    kernel's layout), or ``weight`` without the kernel; its values in fp32 for many rows are
+    ``panels`` (the panel matmul bound to them, with ``matmul``), or ``packed_f32`` (oneDNN's
+    layout, with ``batch_hint``), or ``weight_f32``, or none of them to widen it per call:
+    every path reads the same (bf16) values. ``tied``: the fp32 weight is an embedding's too,
+    rounded to those values in place and shared; with ``matmul`` the head has panels of it too
+    (32 rows of the default model's head in 7.5 ms, not 10.6 in the few-row kernel's slices)."""
 
     def __init__(
         self,
@@ -96,20 +100,26 @@ class Bf16StoredLinear(nn.Module):
         keep_fp32: bool,
         tied: bool = False,
         batch_hint: int | None = None,
+        matmul: CpuMatmul | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         rounded = weight.to(torch.bfloat16).contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.weight_f32 = None
         self.packed_f32 = None  # the fp32 copy in oneDNN's layout, instead of weight_f32
+        self.panels = None  # the fp32 copy as the panel matmul's, instead of either
         if tied:
             self.weight_f32 = weight.copy_(rounded)
+            if matmul is not None:
+                self.panels = matmul.bind(self.weight_f32, self.bias)
+        elif keep_fp32 and matmul is not None:
+            self.panels = matmul.bind(rounded, self.bias)
         elif keep_fp32 and batch_hint is not None:
             self.packed_f32 = torch.ops.mkldnn._reorder_linear_weight(rounded.float(), batch_hint)
         elif keep_fp32:
             self.weight_f32 = rounded.float()
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.few_rows = None if gemv is None else gemv.bind(rounded, self.bias, torch.float32)
         self.weight = rounded if gemv is None else None  # else the kernel's copy is the one
         # The LM head may take the kernel in forward too (see store_linears_bf16), in slices up
@@ -117,7 +127,7 @@ class Bf16StoredLinear(nn.Module):
         self.few_rows_in_forward = False
         self.sliced_max_rows = (
             gemv.sliced_max_rows(torch.float32)
-            if gemv is not None and self.packed_f32 is None
+            if gemv is not None and self.packed_f32 is None and self.panels is None
             else MAX_ROWS
         )
 
@@ -126,6 +136,9 @@ class Bf16StoredLinear(nn.Module):
             return self.few_rows.in_slices(x)
         if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row: the LM head's input
             return x.new_empty((0, self.out_features))
+        if self.panels is not None:
+            out = self.panels(x.reshape(-1, self.in_features))
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed_f32 is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
         weight = self.weight_f32 if self.weight_f32 is not None else self.bf16_weight().float()
@@ -134,7 +147,7 @@ class Bf16StoredLinear(nn.Module):
     def drop_matmul_weights(self) -> None:
         """Forward takes the few-row kernel for every input (engine.batch_invariant): the fp32
         copies go (a tied one stays the embedding's)."""
-        self.packed_f32 = self.weight_f32 = None
+        self.packed_f32 = self.weight_f32 = self.panels = None
 
     def bf16_weight(self) -> torch.Tensor:
         """The bf16 weight [out_features, in_features] (from the kernel's layout: a copy)."""
@@ -193,9 +206,13 @@ def gemv_fits(model: nn.Module) -> bool:
     return _fits(extra, GEMV_MEMORY_SHARE)
 
 
-def fp32_copy_fits(model: nn.Module) -> bool:
-    """Whether fp32 copies of the linear weights stay within FP32_COPY_MEMORY_SHARE of memory."""
-    extra = sum(w.numel() * 4 for w in _linear_weights(model).values())
+def fp32_copy_fits(model: nn.Module, tied_heads: bool = False) -> bool:
+    """Whether fp32 copies of the linear weights stay within FP32_COPY_MEMORY_SHARE of memory;
+    with ``tied_heads``, a head tied to an embedding counts too (the panel matmul copies it)."""
+    if tied_heads:
+        extra = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    else:
+        extra = sum(w.numel() * 4 for w in _linear_weights(model).values())
     return _fits(extra, FP32_COPY_MEMORY_SHARE)
 
 
@@ -223,29 +240,46 @@ def pack_linears(
     return len(linears)
 
 
-def store_linears_bf16(model: nn.Module, gemv: CpuGemv | None, batch_hint: int = 256) -> int:
+def store_linears_bf16(
+    model: nn.Module,
+    gemv: CpuGemv | None,
+    batch_hint: int = 256,
+    matmul: CpuMatmul | None = None,
+) -> int:
     """Replace every nn.Linear of an fp32 CPU model by a Bf16StoredLinear (fp32 copies kept
-    where they fit, packed for oneDNN where it takes them, ``gemv`` bound for few rows); returns
-    how many. The LM head (``lm_head``) also takes the kernel in forward: its rows are the
-    sampled ones, one per sequence, so a sequence's logits come from the same code alone or
-    after a cached prefix."""
+    where they fit: as panels for ``matmul`` where it is given and fast at this level, a tied
+    head's too where that fits as well, else packed for oneDNN where it takes them; ``gemv``
+    bound for few rows); returns how many. The LM head (``lm_head``) also takes the kernel in
+    forward up to its ``sliced_max_rows``: its rows are the sampled ones, one per sequence, so
+    a sequence's logits come from the same code alone or after a cached prefix."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         return 0
     keep_fp32 = fp32_copy_fits(model)
     if not keep_fp32:
         log.info("fp32 copies of the linear weights do not fit: widening them per matmul")
-    hint = batch_hint if keep_fp32 and _packs_f32(linears[0][1], batch_hint) else None
+    if matmul is not None and not (keep_fp32 and matmul.fast):
+        matmul = None
+    if matmul is not None:
+        try:
+            _check_equal(Bf16StoredLinear(linears[0][1], None, True, matmul=matmul), linears[0][1])
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            log.warning("the panel matmul disagrees with F.linear (%s): not using it", exc)
+            matmul = None
+    packs = matmul is None and keep_fp32 and _packs_f32(linears[0][1], batch_hint)
+    hint = batch_hint if packs else None
     if gemv is not None:
         try:
             _check_equal(Bf16StoredLinear(linears[0][1], gemv, keep_fp32=False), linears[0][1])
         except (RuntimeError, AssertionError, ValueError) as exc:
             log.warning("the few-row kernel disagrees with F.linear (%s): not using it", exc)
             gemv = None
+    heads_fit = matmul is not None and fp32_copy_fits(model, tied_heads=True)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, linear in linears:
         tied = id(linear.weight) in embeddings
-        stored = Bf16StoredLinear(linear, gemv, keep_fp32, tied, None if tied else hint)
+        panels = matmul if heads_fit or not tied else None
+        stored = Bf16StoredLinear(linear, gemv, keep_fp32, tied, None if tied else hint, panels)
         stored.few_rows_in_forward = name.rpartition(".")[2] == "lm_head" and gemv is not None
         _replace(model, name, stored)
     return len(linears)

@@ -23,6 +23,7 @@ from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
 from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
+from yaied.kernels.cpu_matmul import CpuMatmul
 from yaied.kernels.cpu_quant import CpuQuant
 from yaied.worker.batch_invariant import check_device as check_batch_invariant
 from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
@@ -194,8 +195,12 @@ class Worker:
             if quant is not None:
                 self._kernels.append(quant)
         if dtype == torch.float32 and self.loaded.weight_dtype == torch.bfloat16:
-            self._kernels.append(CpuGemv.load(self.isa))
-            store_linears_bf16(model, self._kernels[-1], batch_hint)
+            # The panel matmul's fp32 copies (a tied head's too) would undo what quantized
+            # projections save in memory: those keep their own path for many rows.
+            quantized = self.loaded.quantization != "none"
+            gemv, matmul = CpuGemv.load(self.isa), None if quantized else CpuMatmul.load(self.isa)
+            self._kernels += [gemv, matmul if matmul is not None and matmul.fast else None]
+            store_linears_bf16(model, gemv, batch_hint, matmul)
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
             # The kernel reads its own copy of the weights, in its streaming layout.
