@@ -278,3 +278,52 @@ def test_fp32_math_over_bf16_weights_matches_transformers(
         assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, NEW_TOKENS))
     for prompt, ours in zip(prompts[:2], alone, strict=True):
         assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, NEW_TOKENS))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
+def test_under_fp32_math_the_decode_loop_takes_any_rows_on_the_panels(
+    kv_cache_dtype, isa_level, tiny_model_dirs
+):
+    """fp32 math from avx2 up: every projection has the panel matmul's copy, so a decode step
+    of more rows than the few-row kernel takes runs in the decode loop over the panels, and
+    gives the tokens and logprobs the layer path gives over the same kernels, to the bit."""
+    from yaied.kernels.cpu_gemv import MAX_ROWS
+    from yaied.kernels.cpu_isa import has_bf16_math, level_rank
+
+    if has_bf16_math(isa_level) or level_rank(isa_level) < level_rank("avx2"):
+        pytest.skip("the panels serve fp32 math from avx2 up, below AVX512-BF16")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = random_prompts(20, 5, 40, 256, seed=9)
+    runs, rows = {}, []
+    for path in ("loop", "layers"):  # a fresh engine each: no prefix cache shared between them
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("YAIED_CPU_ISA", isa_level)
+            folder = str(tiny_model_dirs["llama"])
+            with LLM(
+                folder, kv_cache_gib=0.02, kv_cache_dtype=kv_cache_dtype, show_progress=False
+            ) as llm:
+                loop = llm.engine.worker.runner.model.decode_loop
+                assert loop is not None and loop.max_rows() > MAX_ROWS
+                loop.loop = _CountingLoop(loop.loop, rows)
+                if path == "layers":  # the layer path past the few-row kernel's rows
+                    loop.max_rows = lambda: MAX_ROWS
+                runs[path] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+        if path == "loop":
+            assert max(rows) > MAX_ROWS
+            rows.clear()
+    assert all(count <= MAX_ROWS for count in rows)
+    assert runs["loop"] == runs["layers"]
+
+
+class _CountingLoop:
+    """A decode loop's C entry that notes the rows of each call."""
+
+    def __init__(self, kernel, rows: list[int]) -> None:
+        self.kernel, self.rows = kernel, rows
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args):
+        self.rows.append(args[4].shape[0])  # x
+        return self.kernel(*args)

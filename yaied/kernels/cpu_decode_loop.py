@@ -2,7 +2,8 @@
 rows in one C call, over the few-row linear kernel and the decode step kernel, which the caller
 hands over (``BoundLinear.address``, ``CpuDecodeKernel.step_address``). Its torch reference is
 the same layers run one call at a time (yaied/worker/models/llama.py). Linear weights are bf16
-(or, for cpu_quant.c's entry, a quantized weight's int64 descriptor);
+(or, for cpu_quant.c's entry, a quantized weight's int64 descriptor; for cpu_matmul.c's, fp32
+panels);
 the activations, norms, biases and KV pools are bf16 or fp32 (fp32 math over bf16 weights)."""
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class CpuDecodeLoop:
                     want = layer.k_cache.dtype  # both pools alike, of a type the loop takes
                 if name in _WEIGHTS and tensor.dtype == torch.int64 and tensor.shape == (2,):
                     want = torch.int64  # a quantized weight's descriptor (cpu_quant.py)
+                if name in _WEIGHTS and tensor.dtype == torch.float32 and tensor.dim() == 3:
+                    want = torch.float32  # the panel matmul's panels (cpu_matmul.py)
                 if tensor.dtype != want or not tensor.is_contiguous():
                     raise ValueError(f"the decode loop takes contiguous {want} for {name}")
                 setattr(entry, name, tensor.data_ptr())

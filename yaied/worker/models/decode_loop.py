@@ -1,19 +1,20 @@
-"""A Llama-family model's decode step of a few rows as one C call (kernels/cpu_decode_loop.c).
+"""A Llama-family model's decode step as one C call (kernels/cpu_decode_loop.c).
 
 Where it applies (on CPU, bf16 math or fp32 math over bf16 weights, the few-row linear kernel
 on every projection, the fused elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward``
 hands a decode-only step of up to ``max_rows()`` rows (MAX_ROWS, or AMX_MAX_ROWS where bf16
-layers run on AMX tiles), each decoding an output token, to
-``LlamaDecodeLoop`` instead of running the layers from Python: about 1.2 ms of Python calls a
-step at batch 1. Its linear layers are the few-row kernel, which accumulates in another order
-than oneDNN (the last bf16 bit differs in about one output in ten thousand): a prompt token
-always takes the layer path, so that a prompt computes the same whether its prefix was cached
-or not.
+layers run on AMX tiles; any number where every projection has the panel matmul's copy, which
+then takes the steps past MAX_ROWS), each decoding an output token, to ``LlamaDecodeLoop``
+instead of running the layers from Python: about 1.2 ms of Python calls a step at batch 1.
+Its linear layers are the few-row kernel, which accumulates in another order than oneDNN (the
+last bf16 bit differs in about one output in ten thousand): a prompt token always takes the
+layer path, so that a prompt computes the same whether its prefix was cached or not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 from torch import nn
@@ -43,7 +44,13 @@ class LlamaDecodeLoop:
         self.dtype = model.embed_tokens.weight.dtype  # the activations'
         self.linear = attn.qkv_proj.few_rows.address
         self._bound = attn.qkv_proj.few_rows  # every projection has its kernel entry (fits)
-        self._layers: tuple[int, ctypes.Array] | None = None  # (pools' address, the pointers)
+        # Past the few-row kernel's rows: the panel matmul's entry, where every projection has
+        # panels (fp32 math from avx2 up: yaied/worker/cpu_linear.py), else the layer path
+        linears = [m for layer in model.layers for m in _projections(layer)]
+        panels = all(getattr(m, "panels", None) is not None for m in linears)
+        self._panels = linears[0].panels.address if panels else None
+        # the pointer tables, few-row and panels: (pools' address, the pointers) each
+        self._layers: dict[bool, tuple[int, ctypes.Array]] = {}
 
     @classmethod
     def fits(cls, model: nn.Module, loop: CpuDecodeLoop) -> bool:
@@ -54,9 +61,8 @@ class LlamaDecodeLoop:
             return False
         addresses = set()
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or any(
+            linears = _projections(layer)
+            if layer.self_attn.q_norm is not None or any(
                 getattr(getattr(m, "few_rows", None), "dtype", None) != dtype for m in linears
             ):
                 return False
@@ -65,8 +71,9 @@ class LlamaDecodeLoop:
         return len(addresses) == 1
 
     def max_rows(self) -> int:
-        """The most rows a step may have to run here (the kernel entry's, now)."""
-        return self._bound.max_rows
+        """The most rows a step may have to run here: the few-row kernel's (now), or any
+        number with the panels."""
+        return sys.maxsize if self._panels is not None else self._bound.max_rows
 
     def __call__(
         self,
@@ -87,10 +94,11 @@ class LlamaDecodeLoop:
         k_cache = kv_caches[0][0]
         if not self.loop.supports(self.dtype, k_cache.dtype):
             return None
+        panels = rows > self._bound.max_rows  # else the few-row kernel, as alone
         return self.loop(
-            self.linear,
+            self._panels if panels else self.linear,
             fused.kernel.step_address(self.dtype, k_cache.dtype),
-            self._layer_pointers(kv_caches),
+            self._layer_pointers(kv_caches, panels),
             self.shape,
             x,
             cos,
@@ -103,10 +111,14 @@ class LlamaDecodeLoop:
             k_cache.dtype,
         )
 
-    def _layer_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-        """Built once, again only if the KV pools were allocated anew."""
+    def _layer_pointers(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], panels: bool
+    ) -> ctypes.Array:
+        """Built once for either kind of weight, again only if the KV pools were allocated
+        anew."""
+        weight = _panels if panels else _weight
         key = kv_caches[0][0].data_ptr()
-        if self._layers is None or self._layers[0] != key:
+        if panels not in self._layers or self._layers[panels][0] != key:
             tensors = []
             for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
@@ -114,20 +126,31 @@ class LlamaDecodeLoop:
                     LayerTensors(
                         layer.input_layernorm.weight.detach(),
                         layer.post_attention_layernorm.weight.detach(),
-                        _weight(attn.qkv_proj),
+                        weight(attn.qkv_proj),
                         attn.qkv_proj.bias,
-                        _weight(attn.o_proj),
+                        weight(attn.o_proj),
                         attn.o_proj.bias,
-                        _weight(mlp.gate_up_proj),
+                        weight(mlp.gate_up_proj),
                         mlp.gate_up_proj.bias,
-                        _weight(mlp.down_proj),
+                        weight(mlp.down_proj),
                         mlp.down_proj.bias,
                         k_cache,
                         v_cache,
                     )
                 )
-            self._layers = (key, self.loop.layers(tensors, self.dtype))
-        return self._layers[1]
+            self._layers[panels] = (key, self.loop.layers(tensors, self.dtype))
+        return self._layers[panels][1]
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A decoder layer's four projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _panels(linear: nn.Module) -> torch.Tensor:
+    """The panel matmul's copy of the layer's weight (cpu_matmul.py)."""
+    return linear.panels.panels
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
