@@ -131,16 +131,7 @@ def test_on_amx_tiles_the_decode_loop_takes_up_to_32_rows(tiny_model_dirs, caplo
         loop = llm.engine.worker.runner.model.decode_loop
         assert loop is not None and loop.max_rows() == AMX_MAX_ROWS
         kernel, rows = loop.loop, []
-
-        class Counting:  # the loop's C entry, counting the rows of each call
-            def __getattr__(self, name):
-                return getattr(kernel, name)
-
-            def __call__(self, *args):
-                rows.append(args[4].shape[0])  # x
-                return kernel(*args)
-
-        loop.loop = Counting()
+        loop.loop = _CountingLoop(kernel, rows)
         in_loop = [o.token_ids for o in llm.generate(prompts, params)]
         assert max(rows) > 8  # steps of more than 8 rows ran in the loop
         assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no step failed
