@@ -1,7 +1,8 @@
 """The panel matmul (cpu_matmul.c) gives F.linear's result over the same fp32 weight at every ISA
 level: any row count (across its tiles and row blocks), widths that are not a multiple of a
-panel, any K, with and without bias; each row's result is the same bits alone and in any batch;
-bad input is refused before the C side sees it."""
+panel, any K, with and without bias; each row's result is the same bits alone and in any batch,
+and the same bits whether its panel goes over k in blocks or in one pass; bad input is refused
+before the C side sees it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,27 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(matmul):
     for rows in (1, 2, 5, 7, 13, 40):  # different tiles: 6, 5+4, 7 x 6 ...
         assert torch.equal(bound(x[:rows]), batch[:rows])
     assert all(torch.equal(bound(x[r : r + 1])[0], batch[r]) for r in (0, 17, 39))
+
+
+# Past the kernel's block of k (128 KiB of a panel: 1024 lines at AVX-512, 2048 below)
+WIDE_K = 3 * 2048 + 5
+
+
+def test_a_wide_k_is_summed_in_blocks_to_the_same_bits(matmul):
+    """A whole panel goes over a wide K in blocks; a partial one (the columns past the last
+    whole panel) in one pass: the same columns give the same bits either way."""
+    torch.manual_seed(1)
+    width = matmul.width
+    weight, bias = torch.randn(width + 3, WIDE_K).bfloat16(), torch.randn(width + 3)
+    x = torch.randn(13, WIDE_K)
+    once = matmul(x, weight, bias)[:, width:]  # the partial panel: one pass
+    # The same three columns first in a whole panel: blocks of k
+    in_blocks = matmul(x, torch.cat([weight[width:], weight[3:width]]), bias[-width:].roll(3))
+    assert torch.equal(in_blocks[:, :3], once)
+    torch.testing.assert_close(once, _reference(x, weight[width:].float(), bias[width:]),
+                               rtol=1e-4, atol=1e-3)  # fmt: skip
+    bound = matmul.bind(weight, bias)
+    assert all(torch.equal(bound(x[r : r + 1])[0], bound(x)[r]) for r in (0, 6, 12))
 
 
 def test_the_panel_layout(matmul):

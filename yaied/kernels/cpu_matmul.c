@@ -17,7 +17,8 @@
  * (without it the default model's LM head, 113 MB of panels, ran at 195 instead of 245).
  *
  * Every output is its own sum over k = 0, 1, ..., K - 1 in order, then + bias, whatever the
- * tile and the number of rows: a row's result is the same bits alone and in any batch.
+ * tile, the number of rows and the blocks of k (a block's sums go on from the last block's,
+ * stored exactly in fp32): a row's result is the same bits alone and in any batch.
  *
  * Layouts (contiguous): x [rows, K], bias [N] or NULL, out [rows, N], fp32.
  *
@@ -82,6 +83,12 @@ static inline void vec_store(float *p, vec v) { memcpy(p, v.v, sizeof v.v); }
  * goes over it (a pass reads each panel once). */
 #define ROW_BLOCK 512
 
+/* Lines of a panel per block of k: 128 KiB of them (1024 at AVX-512, 2048 below), which stay
+ * in the L2 cache while a block of rows goes over them. A whole panel of a wide K does not (a
+ * 1B-shaped down projection's, K = 8192, is 1 MiB at AVX-512): at 32 rows it ran at 307-313
+ * GFLOPS unblocked, 354-414 in blocks (avx512, 2 threads of a Zen 5; docs/benchmarks.md). */
+#define K_BLOCK (128 * 1024 / (WIDTH * (int64_t)sizeof(float)))
+
 int matmul_panel_width(void) { return WIDTH; }
 
 /* One input row of a tile: its broadcast x[k] into the panel's two vectors. The sums are named
@@ -92,22 +99,39 @@ int matmul_panel_width(void) { return WIDTH; }
         lo##r = vec_fma(s, w0, lo##r);                                                             \
         hi##r = vec_fma(s, w1, hi##r);                                                             \
     }
+#define TILE_LOAD(r)                                                                               \
+    if (ROWS > r) {                                                                                \
+        lo##r = vec_load(dst + r * stride);                                                        \
+        hi##r = vec_load(dst + r * stride + LANES);                                                \
+    }
 #define TILE_STORE(r)                                                                              \
     if (ROWS > r) {                                                                                \
-        vec_store(dst + r * stride, vec_add(lo##r, b0));                                           \
-        vec_store(dst + r * stride + LANES, vec_add(hi##r, b1));                                   \
+        vec_store(dst + r * stride, last ? vec_add(lo##r, b0) : lo##r);                            \
+        vec_store(dst + r * stride + LANES, last ? vec_add(hi##r, b1) : hi##r);                    \
     }
 
-/* ROWS (1..TILE_ROWS, a literal at every call) rows of x against one panel, + bias (bias0: the
- * panel's WIDTH values, zeros where there is none), into dst [ROWS, stride]. With `ahead`, asks
- * for a panel's lines (the next one's) as it goes. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t K,
-                                                      const float *panel, const float *bias0,
-                                                      const float *ahead, float *dst,
-                                                      int64_t stride, const int ROWS) {
+/* ROWS (1..TILE_ROWS, a literal at every call) rows of x (row stride x_stride) against kn
+ * lines of a panel, into dst [ROWS, stride]: the sums start at zero for a panel's first block of
+ * k (`first`), else from what dst holds (the earlier blocks' sums, exact in fp32), and get the
+ * bias (bias0: the panel's WIDTH values, zeros where there is none) after its last (`last`).
+ * With `ahead`, asks for the lines there (the next block's) as it goes. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride,
+                                                      int64_t kn, const float *panel,
+                                                      const float *bias0, const float *ahead,
+                                                      float *dst, int64_t stride, const int ROWS,
+                                                      int first, int last) {
     vec lo0 = vec_zero(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
     vec lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
-    for (int64_t k = 0; k < K; k++) {
+    if (!first) {
+        TILE_LOAD(0)
+        TILE_LOAD(1)
+        TILE_LOAD(2)
+        TILE_LOAD(3)
+        TILE_LOAD(4)
+        TILE_LOAD(5)
+    }
+    const int64_t K = x_stride;
+    for (int64_t k = 0; k < kn; k++) {
         const float *line = panel + k * WIDTH;
         if (ahead)
             for (int i = 0; i < WIDTH; i += 16) __builtin_prefetch(ahead + k * WIDTH + i, 0, 3);
@@ -119,7 +143,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t K
         TILE_ROW(4)
         TILE_ROW(5)
     }
-    vec b0 = vec_load(bias0), b1 = vec_load(bias0 + LANES);
+    vec b0 = vec_zero(), b1 = b0;
+    if (last) b0 = vec_load(bias0), b1 = vec_load(bias0 + LANES);
     TILE_STORE(0)
     TILE_STORE(1)
     TILE_STORE(2)
@@ -128,15 +153,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t K
     TILE_STORE(5)
 }
 
-/* One function per row count, each with its literal: the prefetching copy for a panel's first
+/* One function per row count, each with its literal: the prefetching copy for a block's first
  * tile, the plain one for the rest. */
 #define DEFINE_TILE(ROWS)                                                                          \
-    static void tile_##ROWS(const float *x, int64_t K, const float *panel, const float *bias0,     \
-                            const float *ahead, float *dst, int64_t stride) {                     \
+    static void tile_##ROWS(const float *x, int64_t x_stride, int64_t kn, const float *panel,      \
+                            const float *bias0, const float *ahead, float *dst, int64_t stride,   \
+                            int first, int last) {                                                 \
         if (ahead)                                                                                 \
-            tile(x, K, panel, bias0, ahead, dst, stride, ROWS);                                    \
+            tile(x, x_stride, kn, panel, bias0, ahead, dst, stride, ROWS, first, last);            \
         else                                                                                       \
-            tile(x, K, panel, bias0, NULL, dst, stride, ROWS);                                     \
+            tile(x, x_stride, kn, panel, bias0, NULL, dst, stride, ROWS, first, last);             \
     }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
@@ -145,12 +171,13 @@ DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, const float *, const float *,
-                        float *, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, int64_t, const float *, const float *,
+                        const float *, float *, int64_t, int, int);
 static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
-/* Rows [m0, m1) against panel p: whole panels straight into out, the last partial one (N not a
- * multiple of WIDTH) through a tile-sized buffer. */
+/* Rows [m0, m1) against panel p: whole panels straight into out, a block of k at a time (the
+ * block's lines stay in the L2 cache while every tile of rows goes over them), the last partial
+ * one (N not a multiple of WIDTH) through a tile-sized buffer, all of k at once. */
 static void panel_rows(const float *x, const float *panels, const float *bias, float *out,
                        int64_t m0, int64_t m1, int64_t p, int64_t panel_count, int64_t N,
                        int64_t K) {
@@ -164,18 +191,28 @@ static void panel_rows(const float *x, const float *panels, const float *bias, f
      * 6 x 6 at 250). */
     int64_t tiles = (m1 - m0 + TILE_ROWS - 1) / TILE_ROWS;
     int64_t base = (m1 - m0) / tiles, longer = (m1 - m0) % tiles; /* tiles of base + 1 first */
-    for (int64_t t = 0, m = m0; t < tiles; t++) {
-        int64_t rows = base + (t < longer);
-        const float *ahead = t == 0 ? next : NULL;
-        if (width == WIDTH) {
-            TILES[rows](x + m * K, K, panel, bias0, ahead, out + m * N + n0, N);
-        } else {
-            float part[TILE_ROWS * WIDTH];
-            TILES[rows](x + m * K, K, panel, bias0, ahead, part, WIDTH);
-            for (int64_t r = 0; r < rows; r++)
-                memcpy(out + (m + r) * N + n0, part + r * WIDTH, (size_t)width * sizeof(float));
+    int64_t blocks = width == WIDTH ? (K + K_BLOCK - 1) / K_BLOCK : 1;
+    for (int64_t b = 0; b < blocks; b++) {
+        /* Blocks of nearly equal length; a block's first tile asks for the next block's lines
+         * (after the last block: the next panel's first, the same length) */
+        int64_t k0 = K * b / blocks, k1 = K * (b + 1) / blocks;
+        const float *ahead = b + 1 < blocks ? panel + k1 * WIDTH : next;
+        int first = b == 0, last = b + 1 == blocks;
+        for (int64_t t = 0, m = m0; t < tiles; t++) {
+            int64_t rows = base + (t < longer);
+            const float *tile_ahead = t == 0 ? ahead : NULL;
+            if (width == WIDTH) {
+                TILES[rows](x + m * K + k0, K, k1 - k0, panel + k0 * WIDTH, bias0, tile_ahead,
+                            out + m * N + n0, N, first, last);
+            } else {
+                float part[TILE_ROWS * WIDTH];
+                TILES[rows](x + m * K, K, K, panel, bias0, tile_ahead, part, WIDTH, 1, 1);
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(out + (m + r) * N + n0, part + r * WIDTH,
+                           (size_t)width * sizeof(float));
+            }
+            m += rows;
         }
-        m += rows;
     }
 }
 
