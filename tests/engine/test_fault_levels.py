@@ -126,8 +126,11 @@ def test_a_row_the_worker_cannot_run_fails_alone(engine):
 @contextlib.contextmanager
 def nan_weights(model: torch.nn.Module):
     """The first attention projection full of NaN for the duration: every K/V it writes, and
-    every hidden state after it, is NaN."""
-    weight = next(p for n, p in model.named_parameters() if "qkv_proj" in n or "k_proj" in n)
+    every hidden state after it, is NaN. Its weight is the panel matmul's copy where fp32
+    weights run on it (worker/cpu_linear.py's PanelLinear), else the parameter."""
+    projection = model.layers[0].self_attn.qkv_proj
+    panels = getattr(projection, "panels", None)
+    weight = projection.weight if panels is None else panels.panels
     saved = weight.detach().clone()
     with torch.no_grad():
         weight.fill_(float("nan"))

@@ -18,11 +18,13 @@ from yaied.worker import cpu_linear
 from yaied.worker.cpu_linear import (
     Bf16StoredLinear,
     PackedLinear,
+    PanelLinear,
     can_pack,
     fp32_copy_fits,
     gemv_fits,
     pack_linears,
     store_linears_bf16,
+    store_linears_panels,
 )
 
 CPU = torch.device("cpu")
@@ -197,6 +199,57 @@ def test_store_linears_bf16_gives_every_layer_and_a_tied_head_panels(gemv, matmu
     with torch.inference_mode():
         store_linears_bf16(model, gemv, matmul=matmul)
     assert model.proj.panels is not None and model.lm_head.panels is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_weights_run_every_row_count_on_the_panels(matmul, bias):
+    """--dtype float32 over fp32 weights: the panels replace the weight (not rounded to bf16)
+    and take 1 row as they take 130, each row the same bits alone and in the batch."""
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(130, 96)
+    with torch.inference_mode():
+        expected = F.linear(x.double(), linear.weight.double(),
+                            None if linear.bias is None else linear.bias.double())  # fmt: skip
+        layer = PanelLinear(linear, matmul)
+        got = layer(x)
+        torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(layer(x[r : r + 1]), got[r : r + 1]) for r in (0, 7, 129))
+        assert torch.equal(layer(x.view(2, 65, 96)), got.view(2, 65, 160))
+        assert layer(x[:0]).shape == (0, 160)
+
+
+def test_store_linears_panels_replaces_the_weights_and_a_tied_head_where_it_fits(
+    matmul, monkeypatch
+):
+    torch.manual_seed(4)
+    embed = nn.Embedding(40, 64)
+
+    def model_with_tied_head() -> nn.Module:
+        model = nn.Module()
+        model.embed, model.proj = embed, nn.Linear(64, 64)
+        model.lm_head = nn.Linear(64, 40, bias=False)
+        model.lm_head.weight = embed.weight
+        return model
+
+    model = model_with_tied_head()
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        expected = model.lm_head(model.proj(x))
+        replaced = store_linears_panels(model, matmul)
+        if not matmul.fast:  # the generic body: F.linear stays
+            assert replaced == 0 and isinstance(model.proj, nn.Linear)
+            return
+        assert replaced == 2
+        assert isinstance(model.proj, PanelLinear) and isinstance(model.lm_head, PanelLinear)
+        torch.testing.assert_close(model.lm_head(model.proj(x)), expected, rtol=1e-5, atol=1e-5)
+        assert embed.weight.shape == (40, 64)  # the embedding keeps its own
+    # where the head's copy does not fit, the head stays on F.linear over the embedding's
+    monkeypatch.setattr(cpu_linear, "_fits", lambda extra, share: extra == 0)
+    model = model_with_tied_head()
+    with torch.inference_mode():
+        assert store_linears_panels(model, matmul) == 1
+    assert isinstance(model.proj, PanelLinear) and isinstance(model.lm_head, nn.Linear)
 
 
 def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gemv):

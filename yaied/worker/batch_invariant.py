@@ -13,7 +13,8 @@ With the option (CPU only) every token takes the prefill path, a decode as a one
 (TorchBatchPacker.every_token_prefill):
 
 - every linear layer runs the few-row kernel, MAX_ROWS rows a call, whose rows are the same
-  bits in any slice (cpu_gemv.c, cpu_quant.c): the LM head included;
+  bits in any slice (cpu_gemv.c, cpu_quant.c): the LM head included; fp32 weights (a forced
+  float32) the panel matmul, whose rows are too (cpu_matmul.c, from avx2 up);
 - attention is the prefill kernel's, which gives a position the same bits however its
   sequence was cut into chunks (a step's one-token chunks in one call: its ``chunks`` entry);
   the fused norm, rotary and SiLU kernels and the sampler (a seeded draw keys on the seed and
@@ -45,7 +46,9 @@ def check_device(config: EngineConfig, device: torch.device) -> None:
 
 
 def use_few_rows_everywhere(model: nn.Module) -> None:
-    """Every linear layer takes its few-row kernel for any number of rows, in slices."""
+    """Every linear layer takes its few-row kernel for any number of rows, in slices. fp32
+    weights have no few-row kernel; their panel matmul (PanelLinear, from avx2 up) gives a row
+    the same bits in any batch already, so it stays."""
     missing = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):  # neither packed nor quantized: no kernel bound
@@ -61,9 +64,9 @@ def use_few_rows_everywhere(model: nn.Module) -> None:
             module.drop_matmul_weights()
     if missing:
         raise ValueError(
-            "engine.batch_invariant needs the CPU few-row kernel on every linear layer; "
-            f"{missing[0]} has none (no C compiler, fp32 weights, or its weight copy does not "
-            "fit in memory)"
+            "engine.batch_invariant needs the CPU few-row kernel (or, for fp32 weights, the "
+            f"panel matmul) on every linear layer; {missing[0]} has none (no C compiler, fp32 "
+            "weights below avx2, or its weight copy does not fit in memory)"
         )
 
 

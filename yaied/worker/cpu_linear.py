@@ -16,9 +16,15 @@ else on the weight widened for the call. The fp32 copy is laid out once for the 
 where it can be: a plain fp32 ``F.linear`` goes to MKL, which re-packs the weight on every call
 (14% of W-mixed's time at avx2 on a Zen 4; docs/benchmarks.md).
 
-At one to eight rows (a decode step of a few streams) either kind runs through the few-row kernel
-(yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the bf16
-weight in its own streaming layout. For Bf16StoredLinear that is the only bf16 copy; for
+fp32 weights (``PanelLinear``, a forced ``--dtype float32``, for exact comparisons): the panel
+matmul's copy replaces the weight and runs every row count, from avx2 up. torch's fp32
+``F.linear`` (MKL) ran the default model's layers at about 200 GFLOPS on a Zen 5 at every level,
+the panels at 240-260 (avx2) and 430-510 (avx512); and a row's result is the same bits in any
+batch, so a prompt computes the same with its prefix cached or not.
+
+At one to eight rows (a decode step of a few streams) either bf16 kind runs through the few-row
+kernel (yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the
+bf16 weight in its own streaming layout. For Bf16StoredLinear that is the only bf16 copy; for
 PackedLinear it is a second copy, kept only where it fits (``gemv_fits``).
 """
 
@@ -283,6 +289,46 @@ def store_linears_bf16(
         stored.few_rows_in_forward = name.rpartition(".")[2] == "lm_head" and gemv is not None
         _replace(model, name, stored)
     return len(linears)
+
+
+class PanelLinear(nn.Module):
+    """Drop-in for an fp32 nn.Linear over fp32 weights: the weight lives as the panel matmul's
+    copy (``panels``), which runs every row count. ``tied``: the weight is an embedding's too,
+    which keeps it, so the panels are a second copy."""
+
+    def __init__(self, linear: nn.Linear, matmul: CpuMatmul) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.panels = matmul.bind(linear.weight.detach(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.panels(x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def store_linears_panels(model: nn.Module, matmul: CpuMatmul) -> int:
+    """Replace every nn.Linear of an fp32 CPU model over fp32 weights by a PanelLinear (the
+    same memory: the panels replace the weight; a head tied to the embedding only where its
+    copy fits, else it stays on F.linear); returns how many. Leaves the model alone where the
+    kernel is not fast at this level or disagrees with F.linear on the first layer."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears or not matmul.fast:
+        return 0
+    try:
+        _check_equal(PanelLinear(linears[0][1], matmul), linears[0][1])
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        log.warning("the panel matmul disagrees with F.linear (%s): not using it", exc)
+        return 0
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = [m for _, m in linears if id(m.weight) in embeddings]
+    heads_fit = _fits(sum(m.weight.numel() * 4 for m in tied), FP32_COPY_MEMORY_SHARE)
+    replaced = 0
+    for name, linear in linears:
+        if heads_fit or id(linear.weight) not in embeddings:
+            _replace(model, name, PanelLinear(linear, matmul))
+            replaced += 1
+    return replaced
 
 
 def _packs_f32(linear: nn.Linear, batch_hint: int) -> bool:

@@ -28,7 +28,13 @@ from yaied.kernels.cpu_quant import CpuQuant
 from yaied.worker.batch_invariant import check_device as check_batch_invariant
 from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
 from yaied.worker.batch_invariant import use_few_rows_everywhere
-from yaied.worker.cpu_linear import can_pack, gemv_fits, pack_linears, store_linears_bf16
+from yaied.worker.cpu_linear import (
+    can_pack,
+    gemv_fits,
+    pack_linears,
+    store_linears_bf16,
+    store_linears_panels,
+)
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     kv_cache_bytes,
@@ -187,7 +193,8 @@ class Worker:
     def _prepare_cpu_model(self, batch_hint: int) -> None:
         """Linear layers and fused kernels by the CPU's math: bf16 packed for oneDNN where the
         CPU has bf16 dot products; fp32 over bf16-stored weights under dtype auto elsewhere
-        (worker/cpu_linear.py); a decode loop over the few-row kernel either way."""
+        (worker/cpu_linear.py), a decode loop over the few-row kernel either way; fp32 weights
+        (a forced float32) on the panel matmul."""
         model, dtype = self.loaded.model, self.loaded.dtype
         if self.loaded.quantization != "none":  # the projections; the LM head goes on below
             quant = CpuQuant.load(self.isa)
@@ -201,6 +208,12 @@ class Worker:
             gemv, matmul = CpuGemv.load(self.isa), None if quantized else CpuMatmul.load(self.isa)
             self._kernels += [gemv, matmul if matmul is not None and matmul.fast else None]
             store_linears_bf16(model, gemv, batch_hint, matmul)
+        elif dtype == torch.float32 and self.loaded.quantization == "none":
+            # fp32 weights (a forced --dtype float32): the panel matmul for every row count,
+            # where it is fast at this level; else F.linear
+            matmul = CpuMatmul.load(self.isa)
+            if matmul is not None and store_linears_panels(model, matmul):
+                self._kernels.append(matmul)
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
             # The kernel reads its own copy of the weights, in its streaming layout.
