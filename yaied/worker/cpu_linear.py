@@ -20,7 +20,7 @@ fp32 weights (``PanelLinear``, a forced ``--dtype float32``, for exact compariso
 matmul's copy replaces the weight and runs every row count, from avx2 up. torch's fp32
 ``F.linear`` (MKL) ran the default model's layers at about 200 GFLOPS on a Zen 5 at every level,
 the panels at 240-260 (avx2) and 430-510 (avx512); and a row's result is the same bits in any
-batch, so a prompt computes the same with its prefix cached or not.
+batch, so engine.batch_invariant holds over them (worker/batch_invariant.py).
 
 At one to eight rows (a decode step of a few streams) either bf16 kind runs through the few-row
 kernel (yaied/kernels/cpu_gemv.c) inside the decode loop; ``few_rows`` is the kernel bound to the
@@ -293,8 +293,8 @@ def store_linears_bf16(
 
 class PanelLinear(nn.Module):
     """Drop-in for an fp32 nn.Linear over fp32 weights: the weight lives as the panel matmul's
-    copy (``panels``), which runs every row count. ``tied``: the weight is an embedding's too,
-    which keeps it, so the panels are a second copy."""
+    copy (``panels``), which runs every row count. A head tied to an embedding: the embedding
+    keeps the weight, so its panels are a second copy."""
 
     def __init__(self, linear: nn.Linear, matmul: CpuMatmul) -> None:
         super().__init__()

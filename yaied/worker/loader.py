@@ -158,12 +158,12 @@ def _load_native(
         quantize_model(model, quantization, gguf_path)
     model = model.to(dtype)
     if quantization != "none":
-        _return_freed_memory()  # the fp32 weights the blocks replaced
+        return_freed_memory()  # the fp32 weights the blocks replaced
     model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
     return model.eval()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
     tensors under glibc's mmap threshold stay in the heap after they are freed."""
     import contextlib

@@ -41,7 +41,7 @@ from yaied.worker.gpu_setup import (
     resolve_attention_backend,
     warmup_seqs,
 )
-from yaied.worker.loader import load_model
+from yaied.worker.loader import load_model, return_freed_memory
 from yaied.worker.model_runner import LaunchedStep, ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
@@ -214,6 +214,7 @@ class Worker:
             matmul = CpuMatmul.load(self.isa)
             if matmul is not None and store_linears_panels(model, matmul):
                 self._kernels.append(matmul)
+                return_freed_memory()  # the weights the panels replaced, packing's scratch
         elif dtype == torch.bfloat16:
             pack = can_pack(dtype, self.device, self.isa)
             # The kernel reads its own copy of the weights, in its streaming layout.
