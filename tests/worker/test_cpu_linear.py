@@ -44,6 +44,18 @@ def matmul(isa_level):
     return kernel_at(CpuMatmul, isa_level)
 
 
+def tied_head_model(embed: nn.Embedding, proj: bool = True) -> nn.Module:
+    """``embed``, a 64 -> 64 projection (with ``proj``) and an LM head tied to the embedding:
+    its weight is the embedding's."""
+    model = nn.Module()
+    model.embed = embed
+    if proj:
+        model.proj = nn.Linear(64, 64)
+    model.lm_head = nn.Linear(64, embed.num_embeddings, bias=False)
+    model.lm_head.weight = embed.weight
+    return model
+
+
 @needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 7, 64, 513])
@@ -169,11 +181,7 @@ def test_store_linears_bf16_gives_every_layer_and_a_tied_head_panels(gemv, matmu
     to MAX_ROWS rows; the generic body is slower than oneDNN, so there nothing changes."""
     torch.manual_seed(2)
     embed = nn.Embedding(40, 64)
-    model = nn.Module()
-    model.embed = embed
-    model.proj = nn.Linear(64, 64)
-    model.lm_head = nn.Linear(64, 40, bias=False)
-    model.lm_head.weight = embed.weight
+    model = tied_head_model(embed)
     x = torch.randn(MAX_ROWS + 1, 64)
     with torch.inference_mode():
         expected = model.lm_head(model.proj(x))
@@ -194,8 +202,7 @@ def test_store_linears_bf16_gives_every_layer_and_a_tied_head_panels(gemv, matmu
     monkeypatch.setattr(
         cpu_linear, "fp32_copy_fits", lambda model, tied_heads=False: not tied_heads
     )
-    model.proj, model.lm_head = nn.Linear(64, 64), nn.Linear(64, 40, bias=False)
-    model.lm_head.weight = embed.weight
+    model = tied_head_model(embed)
     with torch.inference_mode():
         store_linears_bf16(model, gemv, matmul=matmul)
     assert model.proj.panels is not None and model.lm_head.panels is None
@@ -224,15 +231,7 @@ def test_store_linears_panels_replaces_the_weights_and_a_tied_head_where_it_fits
 ):
     torch.manual_seed(4)
     embed = nn.Embedding(40, 64)
-
-    def model_with_tied_head() -> nn.Module:
-        model = nn.Module()
-        model.embed, model.proj = embed, nn.Linear(64, 64)
-        model.lm_head = nn.Linear(64, 40, bias=False)
-        model.lm_head.weight = embed.weight
-        return model
-
-    model = model_with_tied_head()
+    model = tied_head_model(embed)
     x = torch.randn(5, 64)
     with torch.inference_mode():
         expected = model.lm_head(model.proj(x))
@@ -246,7 +245,7 @@ def test_store_linears_panels_replaces_the_weights_and_a_tied_head_where_it_fits
         assert embed.weight.shape == (40, 64)  # the embedding keeps its own
     # where the head's copy does not fit, the head stays on F.linear over the embedding's
     monkeypatch.setattr(cpu_linear, "_fits", lambda extra, share: extra == 0)
-    model = model_with_tied_head()
+    model = tied_head_model(embed)
     with torch.inference_mode():
         assert store_linears_panels(model, matmul) == 1
     assert isinstance(model.proj, PanelLinear) and isinstance(model.lm_head, nn.Linear)
@@ -255,11 +254,7 @@ def test_store_linears_panels_replaces_the_weights_and_a_tied_head_where_it_fits
 def test_store_linears_bf16_wraps_every_linear_and_the_head_takes_the_kernel(gemv):
     torch.manual_seed(0)
     embed = nn.Embedding(10, 64)
-    model = nn.Module()
-    model.embed = embed
-    model.proj = nn.Linear(64, 64)
-    model.lm_head = nn.Linear(64, 10, bias=False)
-    model.lm_head.weight = embed.weight  # tied: its fp32 weight is the embedding's
+    model = tied_head_model(embed)  # tied: the head's fp32 weight is the embedding's
     x = torch.randn(3, 64)
     with torch.inference_mode():
         expected = model.lm_head(model.proj(x))
@@ -281,10 +276,7 @@ def test_a_head_without_a_packed_copy_takes_the_kernel_in_slices(gemv, monkeypat
     # layout keeps the matmul past MAX_ROWS.
     torch.manual_seed(1)
     embed = nn.Embedding(40, 64)
-    model = nn.Module()
-    model.embed = embed
-    model.lm_head = nn.Linear(64, 40, bias=False)
-    model.lm_head.weight = embed.weight
+    model = tied_head_model(embed, proj=False)
     with torch.inference_mode():
         store_linears_bf16(model, gemv)
         head = model.lm_head

@@ -146,7 +146,7 @@ def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch)
     few-row linear kernel (qwen2: with q/k/v bias); the same greedy tokens come out of the
     general path (rotary, K/V write and attention apart; oneDNN linears). Against transformers
     bf16 no such check holds: the two round at different places and part after a few tokens."""
-    from yaied.worker import worker
+    from yaied.worker import cpu_model
     from yaied.worker.models import llama
 
     folder = tiny_model_dirs[kind]
@@ -158,7 +158,7 @@ def test_bf16_decode_kernels_change_no_token(kind, tiny_model_dirs, monkeypatch)
             return [llm.generate([p], params)[0].token_ids for p in prompts]
 
     with_kernels = one_at_a_time()
-    monkeypatch.setattr(worker, "gemv_fits", lambda model: False)
+    monkeypatch.setattr(cpu_model, "gemv_fits", lambda model: False)
     monkeypatch.setattr(llama, "decode_step_attention", lambda *args: None)
     assert one_at_a_time() == with_kernels
 

@@ -19,34 +19,22 @@ import torch
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.step import Batch, StepOutput
-from yaied.kernels.cpu_decode_loop import CpuDecodeLoop
-from yaied.kernels.cpu_fused import CpuFusedOps
-from yaied.kernels.cpu_gemv import CpuGemv
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
-from yaied.kernels.cpu_matmul import CpuMatmul
-from yaied.kernels.cpu_quant import CpuQuant
 from yaied.worker.batch_invariant import check_device as check_batch_invariant
 from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
-from yaied.worker.batch_invariant import use_few_rows_everywhere
-from yaied.worker.cpu_linear import (
-    can_pack,
-    gemv_fits,
-    pack_linears,
-    store_linears_bf16,
-    store_linears_panels,
-)
+from yaied.worker.cpu_model import prepare_cpu_model
 from yaied.worker.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     kv_cache_bytes,
     resolve_attention_backend,
     warmup_seqs,
 )
-from yaied.worker.loader import load_model, return_freed_memory
+from yaied.worker.loader import load_model
 from yaied.worker.model_runner import LaunchedStep, ModelRunner
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.models.transformers_backend import TransformersModel
 from yaied.worker.parallel.leader import LeaderRunner, RankLauncher, TensorParallel
-from yaied.worker.quantized import bind_quantized, quantized_types
+from yaied.worker.quantized import quantized_types
 from yaied.worker.runner_setup import (
     KVCaches,
     allocate_kv,
@@ -137,7 +125,9 @@ class Worker:
             native=not isinstance(self.loaded.model, TransformersModel),
         )
         if self.isa is not None:
-            self._prepare_cpu_model(config.scheduler.max_num_batched_tokens)
+            self._kernels = prepare_cpu_model(
+                self.loaded, config, self.isa, config.scheduler.max_num_batched_tokens
+            )
         elif self.backend == "triton" and self.parallel is None:
             self._prepare_gpu_model()
         shape = self.loaded.model.shape
@@ -189,49 +179,6 @@ class Worker:
                 prefill.path(self.runner.dtype, shape.head_dim) if prefill else "torch",
                 "; batch-invariant" if config.engine.batch_invariant else "",
             )
-
-    def _prepare_cpu_model(self, batch_hint: int) -> None:
-        """Linear layers and fused kernels by the CPU's math: bf16 packed for oneDNN where the
-        CPU has bf16 dot products; fp32 over bf16-stored weights under dtype auto elsewhere
-        (worker/cpu_linear.py), a decode loop over the few-row kernel either way; fp32 weights
-        (a forced float32) on the panel matmul."""
-        model, dtype = self.loaded.model, self.loaded.dtype
-        if self.loaded.quantization != "none":  # the projections; the LM head goes on below
-            quant = CpuQuant.load(self.isa)
-            bind_quantized(model, quant, dtype)
-            if quant is not None:
-                self._kernels.append(quant)
-        if dtype == torch.float32 and self.loaded.weight_dtype == torch.bfloat16:
-            # The panel matmul's fp32 copies (a tied head's too) would undo what quantized
-            # projections save in memory: those keep their own path for many rows.
-            quantized = self.loaded.quantization != "none"
-            gemv, matmul = CpuGemv.load(self.isa), None if quantized else CpuMatmul.load(self.isa)
-            self._kernels += [gemv, matmul if matmul is not None and matmul.fast else None]
-            store_linears_bf16(model, gemv, batch_hint, matmul)
-        elif dtype == torch.float32 and self.loaded.quantization == "none":
-            # fp32 weights (a forced --dtype float32): the panel matmul for every row count,
-            # where it is fast at this level; else F.linear
-            matmul = CpuMatmul.load(self.isa)
-            if matmul is not None and store_linears_panels(model, matmul):
-                self._kernels.append(matmul)
-                return_freed_memory()  # the weights the panels replaced, packing's scratch
-        elif dtype == torch.bfloat16:
-            pack = can_pack(dtype, self.device, self.isa)
-            # The kernel reads its own copy of the weights, in its streaming layout.
-            self._kernels.append(CpuGemv.load(self.isa) if gemv_fits(model) else None)
-            pack_linears(model, batch_hint, self._kernels[-1], pack)
-        if isinstance(model, LlamaForCausalLM):
-            fused = CpuFusedOps.load(self.isa)
-            if model.use_fused_ops(fused):
-                self._kernels.append(fused)
-            # engine.batch_invariant runs decodes on the prefill path: no decode loop, nor its
-            # build at start-up
-            if not self.config.engine.batch_invariant:
-                loop = CpuDecodeLoop.load(self.isa)
-                if model.use_decode_loop(loop):
-                    self._kernels.append(loop)
-        if self.config.engine.batch_invariant:
-            use_few_rows_everywhere(model)
 
     def _prepare_gpu_model(self) -> None:
         """The fused Triton kernels for a native model's elementwise work (before the KV pool
