@@ -318,3 +318,36 @@ class _CountingLoop:
     def __call__(self, *args):
         self.rows.append(args[4].shape[0])  # x
         return self.kernel(*args)
+
+
+def test_fp32_weights_decode_in_the_loop_on_the_panels(isa_level, tiny_model_dirs):
+    """fp32 weights (a forced float32) from avx2 up live only as the panel matmul's copy, so
+    every decode step, one stream or many, runs in the decode loop over the panels and gives
+    the tokens and logprobs the layer path gives over the same kernels, to the bit. At the
+    generic level the weights stay on F.linear and decodes take the layer path."""
+    from yaied.kernels.cpu_gemv import MAX_ROWS
+    from yaied.kernels.cpu_isa import level_rank
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = random_prompts(12, 5, 40, 256, seed=13)
+    runs, rows = {}, []
+    for path in ("loop", "layers"):  # a fresh engine each: no prefix cache shared between them
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("YAIED_CPU_ISA", isa_level)
+            folder = str(tiny_model_dirs["llama"])
+            with LLM(folder, dtype="float32", kv_cache_gib=0.02, show_progress=False) as llm:
+                model = llm.engine.worker.runner.model
+                if level_rank(isa_level) < level_rank("avx2"):
+                    assert model.decode_loop is None
+                    pytest.skip("fp32 weights take the panels from avx2 up")
+                loop = model.decode_loop
+                assert loop is not None and loop.max_rows() > MAX_ROWS
+                loop.loop = _CountingLoop(loop.loop, rows)
+                if path == "layers":
+                    model.decode_loop = None
+                outs = [llm.generate(prompts[:1], params)[0]]
+                outs += llm.generate(prompts[1:], params)
+                runs[path] = [(o.token_ids, o.logprobs) for o in outs]
+        if path == "loop":
+            assert min(rows) == 1 and max(rows) > MAX_ROWS
+    assert runs["loop"] == runs["layers"]

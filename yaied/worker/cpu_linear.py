@@ -302,6 +302,11 @@ class PanelLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.panels = matmul.bind(linear.weight.detach(), bias)
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The fp32 bias the panels add (nn.Linear's attribute; the decode loop reads it)."""
+        return self.panels.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.panels(x.reshape(-1, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)

@@ -1,14 +1,16 @@
 """A Llama-family model's decode step as one C call (kernels/cpu_decode_loop.c).
 
-Where it applies (on CPU, bf16 math or fp32 math over bf16 weights, the few-row linear kernel
-on every projection, the fused elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward``
-hands a decode-only step of up to ``max_rows()`` rows (MAX_ROWS, or AMX_MAX_ROWS where bf16
-layers run on AMX tiles; any number where every projection has the panel matmul's copy, which
-then takes the steps past MAX_ROWS), each decoding an output token, to ``LlamaDecodeLoop``
-instead of running the layers from Python: about 1.2 ms of Python calls a step at batch 1.
-Its linear layers are the few-row kernel, which accumulates in another order than oneDNN (the
-last bf16 bit differs in about one output in ten thousand): a prompt token always takes the
-layer path, so that a prompt computes the same whether its prefix was cached or not.
+Where it applies (on CPU, bf16 math or fp32 math over bf16 weights with the few-row linear
+kernel on every projection, or fp32 weights with only the panel matmul's copy on every
+projection; the fused elementwise kernels, no q/k norm), ``LlamaForCausalLM.forward`` hands a
+decode-only step of up to ``max_rows()`` rows (MAX_ROWS, or AMX_MAX_ROWS where bf16 layers run
+on AMX tiles; any number where every projection has the panel matmul's copy, which then takes
+the steps past MAX_ROWS, or every step for fp32 weights), each decoding an output token, to
+``LlamaDecodeLoop`` instead of running the layers from Python: about 1.2 ms of Python calls a
+step at batch 1. Its linear layers are the few-row kernel, which accumulates in another order
+than oneDNN (the last bf16 bit differs in about one output in ten thousand): a prompt token
+always takes the layer path, so that a prompt computes the same whether its prefix was cached
+or not.
 """
 
 from __future__ import annotations
@@ -42,37 +44,45 @@ class LlamaDecodeLoop:
             attn.scale,
         )
         self.dtype = model.embed_tokens.weight.dtype  # the activations'
-        self.linear = attn.qkv_proj.few_rows.address
-        self._bound = attn.qkv_proj.few_rows  # every projection has its kernel entry (fits)
+        # The few-row kernel's entry where every projection has one (fits); fp32 weights have
+        # only panels (PanelLinear, yaied/worker/cpu_linear.py), which then run every step.
+        self._bound = getattr(attn.qkv_proj, "few_rows", None)
         # Past the few-row kernel's rows: the panel matmul's entry, where every projection has
         # panels (fp32 math from avx2 up: yaied/worker/cpu_linear.py), else the layer path
         linears = [m for layer in model.layers for m in _projections(layer)]
         panels = all(getattr(m, "panels", None) is not None for m in linears)
         self._panels = linears[0].panels.address if panels else None
+        self.linear = self._panels if self._bound is None else self._bound.address
         # the pointer tables, few-row and panels: (pools' address, the pointers) each
         self._layers: dict[bool, tuple[int, ctypes.Array]] = {}
 
     @classmethod
     def fits(cls, model: nn.Module, loop: CpuDecodeLoop) -> bool:
-        """Whether every layer can run in the loop: the few-row kernel bound on all four
-        projections for the model's activations, and no q/k norm."""
+        """Whether every layer can run in the loop: no q/k norm, and on all four projections
+        either the few-row kernel bound for the model's activations or (fp32 weights) only
+        the panel matmul's copy."""
         dtype = model.embed_tokens.weight.dtype
         if not loop.supports(dtype):
             return False
         addresses = set()
         for layer in model.layers:
-            linears = _projections(layer)
-            if layer.self_attn.q_norm is not None or any(
-                getattr(getattr(m, "few_rows", None), "dtype", None) != dtype for m in linears
-            ):
+            if layer.self_attn.q_norm is not None:
                 return False
-            addresses.update(m.few_rows.address for m in linears)
-        # One kernel entry for every projection: all bf16, or all quantized (whatever types)
+            for m in _projections(layer):
+                few_rows = getattr(m, "few_rows", None)
+                if few_rows is not None and few_rows.dtype == dtype:
+                    addresses.add(few_rows.address)
+                elif few_rows is None and getattr(m, "panels", None) is not None:
+                    addresses.add(("panels", m.panels.address))
+                else:
+                    return False
+        # One kernel entry for every projection: all bf16, all quantized (whatever types), or
+        # all panels
         return len(addresses) == 1
 
     def max_rows(self) -> int:
-        """The most rows a step may have to run here: the few-row kernel's (now), or any
-        number with the panels."""
+        """The most rows a step may have to run here: the few-row kernel's, or any number
+        with the panels."""
         return sys.maxsize if self._panels is not None else self._bound.max_rows
 
     def __call__(
@@ -94,7 +104,9 @@ class LlamaDecodeLoop:
         k_cache = kv_caches[0][0]
         if not self.loop.supports(self.dtype, k_cache.dtype):
             return None
-        panels = rows > self._bound.max_rows  # else the few-row kernel, as alone
+        # the panels past the few-row kernel's rows (always for fp32 weights), else that
+        # kernel, as alone
+        panels = self._bound is None or rows > self._bound.max_rows
         return self.loop(
             self._panels if panels else self.linear,
             fused.kernel.step_address(self.dtype, k_cache.dtype),
