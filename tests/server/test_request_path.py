@@ -125,6 +125,16 @@ def test_a_refused_second_choice_cancels_the_first(live, monkeypatch):
     assert manager.num_requests_in_flight == 0  # the first choice did not run on unread
 
 
+@pytest.mark.parametrize("max_tokens", [5, 100])
+def test_a_prompt_past_the_context_names_the_max_tokens_the_client_sent(live, max_tokens):
+    body = {"prompt": "hello " * 1100, "max_tokens": max_tokens}  # past the 1024-token context
+    r = httpx.post(live.v1 + "/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert f"plus max_tokens ({max_tokens})" in error["message"], error["message"]
+
+
 async def test_the_calls_of_a_stream_that_never_started_are_cancelled():
     """Calls start before the response: if the client is gone before the headers go out, the
     stream is never read, and the response must still cancel them."""

@@ -189,7 +189,9 @@ def _tokenized_prompts(
         )
         return [(ids, text)]
     out = []
-    probe = SamplingParams(max_tokens=1)  # the real max_tokens is checked once params exist
+    # The real max_tokens is checked once params exist; the probe's names the client's in the
+    # message of a prompt that cannot fit (max_tokens 0 runs one token).
+    probe = SamplingParams(max_tokens=max(parsed.max_tokens or 1, 1))
     names = TokenText.of(tokenizer)
     for prompt in parsed.prompts:
         ids = manager.inputs.prompt_token_ids(prompt, probe)
