@@ -97,6 +97,28 @@ def test_a_streamed_call_cut_short_keeps_what_was_sent(calls, sizes, keep):
     assert isinstance(events[-1], ToolCallEnd)
 
 
+@settings(max_examples=100, deadline=None)
+@given(before=prose, calls=calls, sizes=cuts, keep=st.integers(0, 400))
+def test_a_streamed_call_cut_before_its_arguments_leaves_no_markup(before, calls, sizes, keep):
+    """Under a grammar (stream_arguments) only max_tokens cuts a call short. Cut after its
+    marker and before its arguments open (inside its name, say), the last call is dropped, noted
+    as an error: none of its markup is content, and the calls before it stand."""
+    render = get_format("hermes").render_calls
+    earlier = (before + "\n" if before else "") + (render(calls[:-1]) + "\n" if calls[1:] else "")
+    last = render(calls[-1:])
+    assert earlier + last == (before + "\n" if before else "") + render(calls)
+    marker = len("<tool_call>")
+    head = last.find('"arguments": ') + len('"arguments": ')  # before its "{"
+    text = earlier + last[: marker + keep % (head - marker + 1)]
+    parser = ToolCallParser("hermes", stream_arguments=True)
+    events = [e for piece in cut(text, sizes) for e in parser.feed(piece)] + parser.finish()
+    message = parser.result()
+    assert message.content == (before or None) and message.errors
+    expected = [(n, json.loads(json.dumps(a))) for n, a in calls[:-1]]
+    assert [(c.name, json.loads(c.arguments_json)) for c in message.tool_calls] == expected
+    assert len([e for e in events if isinstance(e, ToolCallEnd)]) == len(expected)
+
+
 _JUNK_PIECES = [*_PROSE_PIECES, "<tool_call>", "</tool_call>", '{"name": ', '"a\\x"', '"f"',
                 ", ", '"arguments": ', '"parameters": ', "{", "}", '"', "\\", "[", "]", "1",
                 "\n"]  # fmt: skip

@@ -23,7 +23,8 @@ Decisions a caller must know:
 - A malformed call (not JSON, not an object with a string "name" and object arguments, a name
   outside `tool_names`, or cut off by the end of the stream) is reported as content, markup
   included, exactly as the model wrote it, and noted in `ParsedMessage.errors`; nothing the model
-  wrote is lost. Under a grammar that forces the call format this cannot happen.
+  wrote is lost. Under a grammar that forces the call format only max_tokens can cut a call: one
+  cut before its arguments stream is dropped (noted), so its markup never reaches content.
 - Whitespace that only separates text from markup is dropped: before a call, after a call when
   nothing else follows, and at the start of content that follows a call. A message without calls
   comes out byte for byte.
@@ -178,7 +179,7 @@ class ToolCallParser:
             if final and self._raw.strip() == (self._fmt.separator or ""):
                 self._raw = ""  # llama3: a separator with no call after it is dropped
             elif final:
-                self._malformed("the stream ended before the call's JSON object", 0)
+                self._cut_off("the stream ended before the call's JSON object")
             return False
         self._raw += self._buf[: len(self._buf) - len(body)]
         self._buf = body
@@ -198,7 +199,7 @@ class ToolCallParser:
         end = self._scanner.scan(self._buf)
         if end == MORE:
             if final:
-                self._malformed("the stream ended inside the call's JSON object", len(self._buf))
+                self._cut_off("the stream ended inside the call's JSON object")
             return False
         if end == INVALID:
             self._malformed("the call is not valid JSON", self._scanner.failed_at)
@@ -351,6 +352,17 @@ class ToolCallParser:
             self._malformed(f"the call names an unknown function {name!r}", len(text))
             return None
         return name, json.dumps(arguments, ensure_ascii=False)
+
+    def _cut_off(self, reason: str) -> None:
+        """The stream ended inside a call not yet streamed. Without a grammar that is a broken
+        call, content as written; under one (`stream_arguments`: every call's markup forced)
+        only max_tokens cuts a call there, and its markup is no content: dropped, noted."""
+        if not self._stream_arguments or self._bare:
+            self._malformed(reason, len(self._buf))
+            return
+        self._errors.append(reason)
+        self._raw = self._buf = ""
+        self._state = _State.TEXT
 
     def _malformed(self, reason: str, at: int) -> None:
         """The call in progress is broken: its markup and text up to `at` become content, and
