@@ -187,6 +187,22 @@ def test_hermes_malformed_calls_are_content(text, content, calls):
     check_every_split("hermes", text, content, calls, errors=True)
 
 
+@pytest.mark.parametrize(
+    "text, content, calls, errors",
+    [
+        pytest.param("<tool_c", None, [], True, id="the-marker-cut-opens-the-message"),
+        pytest.param(
+            hermes("a", {}) + "\n<tool", None, [("a", {})], True, id="the-marker-cut-after-a-call"
+        ),
+        pytest.param("Sure <tool_c", "Sure <tool_c", [], False, id="after-prose-it-may-be-prose"),
+    ],
+)
+def test_a_forced_call_cut_inside_its_marker_is_no_content(text, content, calls, errors):
+    """Under the tool grammar (stream_arguments) text where a call may open holds only calls, so
+    a stream that ends inside the marker there was cut by max_tokens: the markup is dropped."""
+    check_every_split("hermes", text, content, calls, errors=errors, stream_arguments=True)
+
+
 def test_hermes_sloppy_endings_keep_the_call():
     # An extra brace before </tool_call> is dropped; a missing </tool_call> is tolerated.
     text = hermes("a", {}).replace("}\n</tool_call>", "}}\n</tool_call>") + "ok"

@@ -164,7 +164,13 @@ class ToolCallParser:
             self._buf = buf[i + len(trigger) :]
             self._state = _State.OPEN
             return True
-        keep = 0 if final else partial_suffix(buf, fmt.triggers)
+        keep = partial_suffix(buf, fmt.triggers)
+        if final and keep and self._stream_arguments and self._only_calls(buf[: len(buf) - keep]):
+            # Under the tool grammar only a call opens here: max_tokens cut its marker.
+            self._errors.append("the stream ended inside a call's marker")
+            buf = self._buf = buf[: len(buf) - keep]
+        if final:
+            keep = 0
         self._text(buf[: len(buf) - keep])
         if buf[: len(buf) - keep].strip():
             self._at_start = False
@@ -352,6 +358,10 @@ class ToolCallParser:
             self._malformed(f"the call names an unknown function {name!r}", len(text))
             return None
         return name, json.dumps(arguments, ensure_ascii=False)
+
+    def _only_calls(self, text: str) -> bool:
+        """Whether the message is nothing but calls (or nothing) once `text` is added."""
+        return not self._content and not text.strip()
 
     def _cut_off(self, reason: str) -> None:
         """The stream ended inside a call not yet streamed. Without a grammar that is a broken
