@@ -93,6 +93,23 @@ def test_stop_sequences_and_count_tokens(client):
     assert count.input_tokens > 10
 
 
+def test_message_start_splits_the_input_as_the_final_usage_does(client):
+    """Clients read a stream's input tokens from message_start: there, as in message_delta,
+    input_tokens leaves out the prompt tokens read from the cache."""
+    ask = dict(model=MODEL, max_tokens=4, system="Be brief. " * 20, messages=ASK)
+    total = client.messages.count_tokens(**{k: v for k, v in ask.items() if k != "max_tokens"})
+    client.messages.create(**ask, extra_body=GREEDY)  # the prompt now cached
+    with client.messages.stream(**ask, extra_body=GREEDY) as stream:
+        start = next(e for e in stream if e.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    assert start.cache_read_input_tokens and start.cache_read_input_tokens > 0
+    assert start.input_tokens + start.cache_read_input_tokens == total.input_tokens
+    assert (start.input_tokens, start.cache_read_input_tokens) == (
+        final.input_tokens,
+        final.cache_read_input_tokens,
+    )
+
+
 def test_errors_are_in_anthropics_shape(live, client):
     url = live.url + "/v1/messages"
     for body, status in [

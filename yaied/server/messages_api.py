@@ -13,6 +13,7 @@ Anthropic's ``input_tokens`` excludes the prompt tokens read from the cache, whi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import uuid
@@ -110,6 +111,10 @@ def _stop(req: MessagesRequest, run: AgentRun, blocks: list[Block]) -> tuple[str
     return _STOP_REASONS.get(kind, "end_turn"), None
 
 
+def _start_usage(run: AgentRun) -> dict[str, int]:
+    return {**_usage(run), "output_tokens": 0}
+
+
 def _usage(run: AgentRun) -> dict[str, int]:
     prompt, output, cached = run.usage
     return {"input_tokens": prompt - cached, "output_tokens": output,
@@ -178,21 +183,34 @@ def _event(kind: str, **fields: Any) -> bytes:
 async def _events(
     req: MessagesRequest, run: AgentRun, message: dict[str, Any]
 ) -> AsyncIterator[bytes]:
-    prompt_tokens = len(run.choice.job.prompt_ids)
-    usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    yield _event("message_start", message={**message, "usage": usage})
     blocks = Blocks()
-    try:
-        async for deltas in run.deltas():
-            for event in blocks.feed(deltas):
+    stream = run.deltas()
+    async with contextlib.aclosing(stream):
+        try:
+            # message_start waits for the engine's first event, which tells how much of the
+            # prompt the cache held: its usage splits the input as message_delta's does
+            # (clients read a stream's input tokens from message_start).
+            first = await anext(stream, None)
+        except APIError as exc:
+            yield _event("message_start", message={**message, "usage": _start_usage(run)})
+            yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+            return
+        yield _event("message_start", message={**message, "usage": _start_usage(run)})
+        try:
+            for deltas in [first] if first is not None else []:
+                for event in blocks.feed(deltas):
+                    if _shown(event, req):
+                        yield _block_event(event)
+            async for deltas in stream:
+                for event in blocks.feed(deltas):
+                    if _shown(event, req):
+                        yield _block_event(event)
+            for event in blocks.close():
                 if _shown(event, req):
                     yield _block_event(event)
-        for event in blocks.close():
-            if _shown(event, req):
-                yield _block_event(event)
-    except APIError as exc:
-        yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
-        return
+        except APIError as exc:
+            yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+            return
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
     delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
     extra = {k: message[k] for k in ("context_management",) if k in message}

@@ -111,9 +111,10 @@ class ChoiceState:
                 self.completion_logprobs.add(lp.token_id, lp)
         self.chat_logprobs.extend(lps)
         self.text.append(prefix + text)
+        # known from the first token on (a stream's message_start reports it); final at the end
+        self.num_cached_tokens = event.num_cached_tokens
         if event.finished:
             self.num_prompt_tokens = event.num_prompt_tokens
-            self.num_cached_tokens = event.num_cached_tokens
             self.finish_reason = event.finish_reason.value
             self.stop_reason = event.stop_reason
             if self.job.drop_generated and event.finish_reason is not FinishReason.ERROR:
