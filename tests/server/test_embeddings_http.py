@@ -68,3 +68,18 @@ def test_bad_requests_get_400(live):
         response = httpx.post(url, json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, response.text
+
+
+def test_an_input_may_fill_the_context_and_no_more(live):
+    """An embedding decodes nothing: an input may hold the whole context (1024 tokens on the
+    live server), and one token more is a 400 that speaks of the input, not of max_tokens."""
+    url = live.v1 + "/embeddings"
+    full = httpx.post(url, json={"input": [28] * 1024})
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["prompt_tokens"] == 1024
+    over = httpx.post(url, json={"input": [28] * 1025})
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert error["param"] == "input", error
+    assert error["message"].startswith("input (1025 tokens) exceeds"), error
+    assert error["code"] == "context_length_exceeded", error

@@ -95,7 +95,8 @@ class InputProcessor:
 
     def prompt_token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """A prompt (text or token ids) as checked token ids that fit the context with
-        ``params.max_tokens``."""
+        ``params.max_tokens`` (an embedding, ``params.pooling``, decodes nothing: its input may
+        fill the context)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
@@ -114,15 +115,17 @@ class InputProcessor:
             )
         if not ids:
             raise ValueError("the prompt is empty")
-        self.check_fits(len(ids), params.max_tokens)
+        self.check_fits(len(ids), 0 if params.pooling else params.max_tokens)
         return ids
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """``max_tokens`` 0: the prompt alone (an embedding's input)."""
         limit = self.info.max_model_len
         if num_prompt_tokens + max_tokens > limit:
+            what = f" plus max_tokens ({max_tokens})" if max_tokens else ""
             raise ContextLengthError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"model's context length of {limit} tokens"
+                f"prompt ({num_prompt_tokens} tokens){what} exceeds the model's context length "
+                f"of {limit} tokens"
             )
 
     def has_chat_template(self, chat_template: str = "") -> bool:

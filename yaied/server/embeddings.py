@@ -78,11 +78,12 @@ def _jobs(
         for index, item in enumerate(inputs):
             ids = manager.inputs.prompt_token_ids(item, params)
             limits.check_prompt(len(ids), "input")
-            manager.inputs.check_fits(len(ids), 1)
             request_id = key if len(inputs) == 1 else f"{key}-{index}"
             jobs.append(Job(index, index, request_id, ids, "", params))
     except ValueError as exc:
-        raise from_value_error(exc, {"prompt": "input"}) from None
+        error = from_value_error(exc, {"prompt": "input"})
+        error.message = error.message.replace("prompt (", "input (", 1)  # the API's word
+        raise error from None
     return jobs
 
 
