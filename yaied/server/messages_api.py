@@ -111,8 +111,9 @@ def _stop(req: MessagesRequest, run: AgentRun, blocks: list[Block]) -> tuple[str
     return _STOP_REASONS.get(kind, "end_turn"), None
 
 
-def _start_usage(run: AgentRun) -> dict[str, int]:
-    return {**_usage(run), "output_tokens": 0}
+def _message_start(run: AgentRun, message: dict[str, Any]) -> bytes:
+    usage = {**_usage(run), "output_tokens": 0}
+    return _event("message_start", message={**message, "usage": usage})
 
 
 def _usage(run: AgentRun) -> dict[str, int]:
@@ -183,34 +184,30 @@ def _event(kind: str, **fields: Any) -> bytes:
 async def _events(
     req: MessagesRequest, run: AgentRun, message: dict[str, Any]
 ) -> AsyncIterator[bytes]:
-    blocks = Blocks()
-    stream = run.deltas()
-    async with contextlib.aclosing(stream):
-        try:
-            # message_start waits for the engine's first event, which tells how much of the
-            # prompt the cache held: its usage splits the input as message_delta's does
-            # (clients read a stream's input tokens from message_start).
-            first = await anext(stream, None)
-        except APIError as exc:
-            yield _event("message_start", message={**message, "usage": _start_usage(run)})
-            yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
-            return
-        yield _event("message_start", message={**message, "usage": _start_usage(run)})
-        try:
-            for deltas in [first] if first is not None else []:
-                for event in blocks.feed(deltas):
-                    if _shown(event, req):
-                        yield _block_event(event)
+    # message_start waits for the engine's first event (or the end, or an error), which tells
+    # how much of the prompt the cache held: its usage splits the input as message_delta's
+    # does (clients read a stream's input tokens from message_start).
+    blocks, started = Blocks(), False
+    try:
+        async with contextlib.aclosing(run.deltas()) as stream:
             async for deltas in stream:
+                if not started:
+                    started = True
+                    yield _message_start(run, message)
                 for event in blocks.feed(deltas):
                     if _shown(event, req):
                         yield _block_event(event)
-            for event in blocks.close():
-                if _shown(event, req):
-                    yield _block_event(event)
-        except APIError as exc:
-            yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
-            return
+        if not started:
+            started = True
+            yield _message_start(run, message)
+        for event in blocks.close():
+            if _shown(event, req):
+                yield _block_event(event)
+    except APIError as exc:
+        if not started:
+            yield _message_start(run, message)
+        yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+        return
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
     delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
     extra = {k: message[k] for k in ("context_management",) if k in message}
