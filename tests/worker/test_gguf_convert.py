@@ -260,3 +260,19 @@ def test_tensor_names() -> None:
         hf_tensor_name("blk.0.attn_k_norm.weight", "llama")
     with pytest.raises(ValueError):
         hf_tensor_name("blk.0.ffn_gate_exps.weight", "llama")
+
+
+@pytest.mark.parametrize("keep", [0, 10, 30, "tensor_info"])
+def test_file_cut_before_the_data_is_one_clear_error(tmp_path: Path, keep: int | str) -> None:
+    # Cut in the header, the metadata or the tensor list, gguf-py fails with numpy's or an
+    # IndexError's message: the error names the file and says what is wrong with it.
+    _write_tiny_gguf(tmp_path / "tiny.gguf", "llama", _random_hf_weights("llama", 8, True), 8)
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    if keep == "tensor_info":  # inside the last tensor's entry of the tensor list
+        reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+        keep = reader.tensors[-1].field.offset + 12
+        del reader
+    (tmp_path / "cut.gguf").write_bytes(data[:keep])
+    with pytest.raises(ValueError, match=r"cut\.gguf is not a readable GGUF file \(truncated"):
+        convert_gguf_to_hf_folder(tmp_path / "cut.gguf", tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()

@@ -73,6 +73,10 @@ _SAMPLING_KEYS: dict[str, str] = {
 }
 
 
+class _BlockTableError(ValueError):
+    """A tensor's block table found truncated or corrupt (the message names the tensor)."""
+
+
 class _CheckedReader(gguf.GGUFReader):
     """gguf-py's reader, with each tensor's block table checked against the file before it is
     mapped: a truncated or corrupt table stops the load with a message naming the tensor
@@ -86,21 +90,21 @@ class _CheckedReader(gguf.GGUFReader):
             try:
                 kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
             except ValueError:
-                raise ValueError(
+                raise _BlockTableError(
                     f"GGUF tensor {name!r} has type {int(raw_dtype[0])}, which gguf-py does not "
                     "know: corrupt file, or a type newer than this yaied"
                 ) from None
             block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
             elements = int(np.prod(dims, dtype=np.int64))
             if elements % block_size or (len(dims) and int(dims[0]) % block_size):
-                raise ValueError(
+                raise _BlockTableError(
                     f"GGUF tensor {name!r}: {list(map(int, dims))} is not a whole number of "
                     f"{kind.name} blocks of {block_size}: corrupt block table"
                 )
             start = start_offs + int(offset[0])
             end = start + elements // block_size * type_size
             if end > size:
-                raise ValueError(
+                raise _BlockTableError(
                     f"GGUF tensor {name!r}: its {kind.name} block table ends at byte {end}, past "
                     f"the end of the file ({size} bytes): truncated or corrupt"
                 )
@@ -108,8 +112,17 @@ class _CheckedReader(gguf.GGUFReader):
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    """A reader over ``path`` whose tensors' tables lie inside the file (_CheckedReader)."""
-    return _CheckedReader(path)
+    """A reader over ``path`` whose tensors' tables lie inside the file (_CheckedReader). A
+    header, metadata or tensor list cut short or garbled is a ValueError naming the file (gguf-py
+    fails there with numpy's or an IndexError's message)."""
+    try:
+        return _CheckedReader(path)
+    except _BlockTableError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
+        ) from None
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
