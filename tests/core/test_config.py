@@ -167,6 +167,9 @@ def test_unrelated_env_variables_are_ignored():
         ("scheduler.max_num_batched_tokens", 0, "scheduler.max_num_batched_tokens"),
         ("device.device", "tpu", "device.device"),
         ("device.threads", -2, "device.threads"),
+        ("device.threads", 100_000, "device.threads"),  # OpenMP's team would crash the process
+        ("cache.kv_cache_gib", float("inf"), "cache.kv_cache_gib"),  # was int(nan) at load
+        ("cache.kv_cache_gib", float("nan"), "cache.kv_cache_gib"),
     ],
 )
 def test_invalid_values_name_the_setting(key, value, setting):
@@ -222,3 +225,18 @@ def test_unknown_section_is_rejected_but_component_sections_pass(tmp_path):
         load_config(path)
     path.write_text('[server]\nhost = "0.0.0.0"\n')
     assert load_config(path) == load_config()
+
+
+@pytest.mark.parametrize("text", ['model = "x"\n', 'server = "x"\n', "router = 5\n", "foo = 1\n"])
+def test_a_section_that_is_not_a_table_is_one_clear_error(tmp_path, text):
+    # load_config used to fail on str.items() (AttributeError, a traceback from the CLI).
+    path = write_toml(tmp_path, text)
+    with pytest.raises(ValueError, match=r"yaied\.toml: .* is not a table; settings go under"):
+        load_config(path, env={})
+
+
+def test_a_file_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "yaied.toml"
+    path.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(ValueError, match=r"yaied\.toml is not UTF-8 text"):
+        load_config(path, env={})

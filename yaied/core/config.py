@@ -18,6 +18,7 @@ from typing import Any, TypeVar, get_type_hints
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "auto", "gguf", "q8_0", "q4_0")
+MAX_THREADS = 4096  # device.threads: above any machine's cores, below a process's thread limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +57,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _at_least("cache.page_size", self.page_size, 1)
         _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "bfloat16", "float32"))
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"cache.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.kv_cache_gib < float("inf"):
+            raise ValueError(
+                f"cache.kv_cache_gib must be a finite number > 0, got {self.kv_cache_gib}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("cache.gpu_memory_utilization must be in (0, 1]")
 
@@ -100,6 +103,8 @@ class DeviceConfig:
                 f"device.device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
             )
         _at_least("device.threads", self.threads, 0)
+        if self.threads > MAX_THREADS:  # more threads than pthreads may start: OpenMP crashes
+            raise ValueError(f"device.threads must be at most {MAX_THREADS}, got {self.threads}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +238,17 @@ def read_toml(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     with open(path, "rb") as f:
-        return tomllib.load(f)
+        try:
+            data = tomllib.load(f)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text: {exc}") from None
+    for section, table in data.items():
+        if section != "engines" and not isinstance(table, dict):
+            raise ValueError(
+                f"{path}: {section} = {table!r} is not a table; settings go under their "
+                f"section, as [model] model = ..."
+            )
+    return data
 
 
 def load_section(
