@@ -103,6 +103,12 @@ def test_router_config_from_toml_env_and_overrides(tmp_path):
         ('[[engines]]\nkind = "remote"\n', "a remote engine needs url"),
         ('[[engines]]\nkind = "gpu"\n', "engines.kind must be local, remote or ray"),
         ("[[engines]]\nport = 1\n", "unknown setting engines.port"),
+        # urllib's errors (and a duplicate name) came only at load, after the daemon listened,
+        # with a traceback in the log; now the config is refused before
+        ('[[engines]]\nkind = "remote"\nurl = "http://[::1"\n', "needs url.*Invalid IPv6"),
+        ('[[engines]]\nkind = "remote"\nurl = "http://h:99999"\n', "needs url.*out of range"),
+        ('[[engines]]\nkind = "remote"\nurl = "http://"\n', "needs url.*no host"),
+        ('[[engines]]\nname = "a"\n[[engines]]\nname = "a"\n', "share a name: a"),
     ],
 )
 def test_router_config_errors(tmp_path, toml, message):

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from yaied.core.config import load_section, read_toml
 from yaied.router.policy import POLICIES, RoutingThresholds
@@ -118,8 +119,8 @@ class EngineEntry:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engines.kind must be local, remote or ray, got {self.kind!r}")
         self._check_ray()
-        if self.kind == "remote" and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"a remote engine needs url = http(s)://host:port, got {self.url!r}")
+        if self.kind == "remote":
+            _check_url(self.url)
         if self.name and not _NAME.fullmatch(self.name):
             raise ValueError(f"engines.name is 1 to 64 of [A-Za-z0-9._:-], got {self.name!r}")
         if self.threads < 0:
@@ -202,7 +203,9 @@ def load_router_config(
     entries = data.get("engines", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("engines must be an array of tables: [[engines]]")
-    return router, expand_engines(parse_engine_entry(e) for e in entries)
+    engines = expand_engines(parse_engine_entry(e) for e in entries)
+    _check_unique_names(engines)  # before the daemon listens, and before a reload applies them
+    return router, engines
 
 
 def expand_engines(entries: Iterable[EngineEntry]) -> tuple[EngineEntry, ...]:
@@ -218,6 +221,28 @@ def expand_engines(entries: Iterable[EngineEntry]) -> tuple[EngineEntry, ...]:
             name = f"{entry.name}-{i + 1}" if entry.name else ""
             out.append(dataclasses.replace(entry, num_engines=1, name=name))
     return tuple(out)
+
+
+def _check_url(url: str) -> None:
+    """A remote engine's URL: http(s) with a host and a valid port, else a ValueError (urllib's
+    own errors, say "Invalid IPv6 URL", came at start-up after the daemon listened)."""
+    problem = "" if url.startswith(("http://", "https://")) else "not http(s)"
+    if not problem:
+        try:
+            parts = urlsplit(url)
+            problem = "" if parts.hostname else "no host"
+            parts.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+        except ValueError as exc:
+            problem = str(exc)
+    if problem:
+        raise ValueError(f"a remote engine needs url = http(s)://host:port, got {url!r}: {problem}")
+
+
+def _check_unique_names(entries: tuple[EngineEntry, ...]) -> None:
+    given = [e.name for e in entries if e.name]
+    if len(set(given)) != len(given):
+        twice = sorted({name for name in given if given.count(name) > 1})
+        raise ValueError(f"two [[engines]] entries share a name: {', '.join(twice)}")
 
 
 def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
