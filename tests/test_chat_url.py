@@ -76,6 +76,14 @@ def test_a_refused_connection_is_one_line_and_exit_1(capsys, monkeypatch):
     assert err.startswith(f"yaied: error: cannot connect to {url}") and err.count("\n") == 1
 
 
+def test_a_malformed_url_is_one_line_and_exit_1(capsys, monkeypatch):
+    # httpx refuses "http://[::1" when the client is made, before any request: that escaped
+    # as an httpx.InvalidURL traceback.
+    code, out, err = run_chat(capsys, monkeypatch, ["Hi"], "--url", "http://[::1")
+    assert code == 1 and out == ""
+    assert err.startswith("yaied: error: http://[::1 is not a valid URL") and err.count("\n") == 1
+
+
 class FakeClient:
     """ChatClient's surface, scripted: each turn yields its chunks, then raises what it lists."""
 

@@ -34,7 +34,10 @@ class ChatClient:
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.root = api_root(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.root, headers=headers, timeout=TIMEOUT)
+        try:
+            self.http = httpx.Client(base_url=self.root, headers=headers, timeout=TIMEOUT)
+        except httpx.InvalidURL as exc:  # say "http://[::1": no server to reach there
+            raise ServerUnreachable(f"{url} is not a valid URL: {exc}") from None
 
     def close(self) -> None:
         self.http.close()

@@ -302,7 +302,10 @@ def _chat_remote(
     """`chat --url`: the same loop against a daemon. Ctrl-C during an answer ends that answer."""
     from yaied.chat_client import ChatClient, ServerError, ServerUnreachable
 
-    client = ChatClient(args.url, args.api_key)
+    try:
+        client = ChatClient(args.url, args.api_key)
+    except ServerUnreachable as exc:  # a URL httpx cannot parse
+        raise GenerationError(str(exc)) from None
     try:
         model = config_overrides(args).get("model.model") or client.first_model()
 
