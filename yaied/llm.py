@@ -62,6 +62,8 @@ class LLM:
         **sampling: object,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a token-id list); outputs come in prompt order."""
+        if self._loop.is_closed():  # else asyncio's "Event loop is closed", a coroutine leaked
+            raise RuntimeError("this LLM is closed (close() was called); make a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
