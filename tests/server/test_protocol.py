@@ -348,6 +348,9 @@ def test_server_config_layers(tmp_path):
         load_server_config(env={}, overrides={"port": "x"})
     with pytest.raises(ValueError, match="unknown"):
         load_server_config(env={}, overrides={"prot": 1})
+    # an empty host (a YAIED_SERVER_HOST= typo) would listen on every interface
+    with pytest.raises(ValueError, match="server.host must not be empty"):
+        load_server_config(env={"YAIED_SERVER_HOST": ""})
 
 
 def test_shipped_toml_server_section_equals_the_defaults():

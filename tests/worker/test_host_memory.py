@@ -53,3 +53,9 @@ def test_a_large_tensor_sits_on_huge_pages_where_the_system_has_them():
     assert tensor.data_ptr() % host_memory.HUGE_PAGE == 0
     # All of it where the kernel found free huge pages; at least some on any system with THP.
     assert _huge_kib_of(tensor) >= 2048
+
+
+def test_available_memory_is_known_on_linux():
+    """MemAvailable (or a cgroup's room, where less): what a KV pool is checked against."""
+    available = host_memory.available_bytes()
+    assert available is not None and 0 < available < 2**50

@@ -58,6 +58,15 @@ def test_pool_too_small_for_one_context_is_refused(tiny_model_dirs):
         LLM(str(tiny_model_dirs["llama"]), kv_cache_gib=1e-5, show_progress=False)
 
 
+def test_a_pool_past_the_memory_left_is_refused_before_it_is_zeroed(tiny_model_dirs, monkeypatch):
+    """Zeroing a pool larger than the machine's memory would end in the OOM killer."""
+    from yaied.worker import host_memory
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**20)  # 1 MiB left
+    with pytest.raises(ValueError, match="kv_cache_gib = 0.02: the KV pool would take more"):
+        LLM(str(tiny_model_dirs["llama"]), kv_cache_gib=0.02)
+
+
 def test_unknown_setting_and_bad_value_are_clear_errors(tiny_model_dirs):
     with pytest.raises(ValueError, match="unknown setting 'max_seqs'"):
         LLM(str(tiny_model_dirs["llama"]), max_seqs=4)

@@ -65,6 +65,8 @@ class ServerConfig:
         if not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("server.api_keys must be non-empty strings")
         KeyTable.parse(self.api_keys)  # a bad entry fails at start-up, naming it
+        if not self.host.strip():  # uvicorn would listen on every interface
+            raise ValueError("server.host must not be empty (0.0.0.0 listens on every interface)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         names = ("max_body_bytes", "retry_after_seconds", "max_n", "max_jobs_per_request")

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
@@ -42,3 +43,20 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor keeps the mapping alive (frombuffer holds the buffer until the storage goes).
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).view(shape).zero_()
+
+
+def available_bytes() -> int | None:
+    """What this process may still take: the kernel's MemAvailable, or less where a cgroup v2
+    (a container, a systemd MemoryMax) caps the process's group; None where neither is known."""
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        group = Path("/proc/self/cgroup").read_text().splitlines()[0].split(":", 2)[2]
+        folder = Path("/sys/fs/cgroup" + group)
+        limit = (folder / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((folder / "memory.current").read_text()))
+    return min(found) if found else None

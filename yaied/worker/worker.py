@@ -20,6 +20,7 @@ from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.step import Batch, StepOutput
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
+from yaied.worker import host_memory
 from yaied.worker.batch_invariant import check_device as check_batch_invariant
 from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
 from yaied.worker.cpu_model import prepare_cpu_model
@@ -224,7 +225,16 @@ class Worker:
     def _num_pages(self, page_bytes: int) -> int:
         if self.device.type == "cuda":
             return max(self._profile_kv_bytes() // page_bytes, 1)
-        return max(int(self.config.cache.kv_cache_gib * 2**30 // page_bytes), 1)
+        gib = self.config.cache.kv_cache_gib
+        num_pages = max(int(gib * 2**30 // page_bytes), 1)
+        # Zeroing a pool past what the machine has would end in the OOM killer, not a message.
+        available = host_memory.available_bytes()
+        if available is not None and num_pages * page_bytes > available:
+            raise ValueError(
+                f"cache.kv_cache_gib = {gib:g}: the KV pool would take more than the "
+                f"{available / 2**30:.1f} GiB of memory left after loading the model; lower it"
+            )
+        return num_pages
 
     def _profile_kv_bytes(self) -> int:
         """Run the largest step once over a temporary pool; size the KV pool from the peak."""
