@@ -64,6 +64,11 @@ class LLM:
         """Generate for each prompt (a string or a token-id list); outputs come in prompt order."""
         if self._loop.is_closed():  # else asyncio's "Event loop is closed", a coroutine leaked
             raise RuntimeError("this LLM is closed (close() was called); make a new one")
+        if not isinstance(prompts, str | Sequence):
+            raise TypeError(
+                "prompts must be a string, a token-id list, or a list of those, got "
+                f"{type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
