@@ -234,6 +234,14 @@ def test_iter_safetensors_weights_reads_every_file(tmp_path: Path) -> None:
         next(iter_safetensors_weights(tmp_path / "c", show_progress=False))
 
 
+def test_a_cut_safetensors_file_is_one_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:100])  # the header says more than the file holds
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors"):
+        list(iter_safetensors_weights(tmp_path, show_progress=False))
+
+
 def test_iter_default_weights(default_model_folder: Path) -> None:
     names = [
         name for name, _ in iter_safetensors_weights(default_model_folder, show_progress=False)

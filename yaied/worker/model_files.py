@@ -235,7 +235,7 @@ def iter_safetensors_weights(
     folder: Path, *, show_progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in every `*.safetensors` file of the folder, on the CPU."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -243,7 +243,11 @@ def iter_safetensors_weights(
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
     with tqdm(desc=f"Loading {Path(folder).name}", unit="tensor", disable=not show_progress) as bar:
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except SafetensorError as exc:  # a cut or garbled header: one line, not a traceback
+                raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+            with handle:
                 names = list(handle.keys())
                 bar.total = (bar.total or 0) + len(names)
                 bar.refresh()
