@@ -133,7 +133,7 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         (["serve", "--page-size", "0"], r"cache\.page_size must be an integer >= 1"),
         (["serve", "--dtype", "int8"], r"model\.dtype must be one of"),
         (["chat", "--scheduler-policy", "x"], r"scheduler\.policy must be one of"),
-        (["serve", "--kv-cache-gib", "0"], r"cache\.kv_cache_gib must be > 0"),
+        (["serve", "--kv-cache-gib", "0"], r"cache\.kv_cache_gib must be a finite number > 0"),
         (["serve", "--port", "0"], r"--port: port must be an integer in 1\.\.65535"),
         (["serve", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
