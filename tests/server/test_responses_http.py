@@ -349,3 +349,28 @@ def test_bad_requests_get_4xx(live):
         assert response.status_code == status, (query, response.text)
         assert response.json()["error"]["param"] == param
     assert httpx.get(f"{url}/resp_nope/input_items").status_code == 404
+
+
+def test_a_cancelled_foreground_response_ends_failed_not_completed(client, live):
+    # POST /v1/requests/{id}/cancel (or the drain's abort on a stop) cuts a foreground call
+    # short: its stream ends with response.failed, never response.completed, the store keeps
+    # it as failed, and its conversation gets none of the cut turn.
+    conversation = client.conversations.create()
+    body = {
+        "model": MODEL, "input": "Count from 1 to 500, one number a line.", "stream": True,
+        "max_output_tokens": 900, "temperature": 0, "conversation": conversation.id,
+    }  # fmt: skip
+    headers = {"X-Request-Id": "fg-cancel-me"}
+    events = []
+    with httpx.stream("POST", live.v1 + "/responses", json=body, headers=headers, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.output_text.delta" and len(events) == 6:
+                    cancel = httpx.post(live.url + "/v1/requests/fg-cancel-me/cancel")
+                    assert cancel.json()["cancelled"] == 1
+    last = events[-1]
+    assert last["type"] == "response.failed", last["type"]
+    assert last["response"]["status"] == "failed" and last["response"]["error"]
+    assert client.responses.retrieve(last["response"]["id"]).status == "failed"
+    assert not list(client.conversations.items.list(conversation.id))

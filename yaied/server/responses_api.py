@@ -237,9 +237,22 @@ async def create_response(request: Request) -> Response:
         await collect(request, run.started, lambda: _drain(turn, run))
     except ClientGone:
         return Response(status_code=499)
-    body = turn.body(turn.status(run), run)
+    body = _ended(turn, run)
     _keep(server.response_store, namespace, turn, body)
     return json_response(body, headers=headers)
+
+
+# A foreground call aborted (POST /v1/requests/{id}/cancel, or the drain's abort on a stop) did
+# not complete: it ends failed, so its stream ends with response.failed, the store keeps what it
+# wrote as failed and its conversation gets none of it (only completed or incomplete turns).
+_ABORTED = {"code": "cancelled", "message": "the call was aborted before it finished"}
+
+
+def _ended(turn: Turn, run: AgentRun) -> dict[str, Any]:
+    """The finished response object of a foreground call."""
+    if run.choice.finish_reason == "abort":
+        return {**turn.body("failed", run), "error": dict(_ABORTED)}
+    return turn.body(turn.status(run), run)
 
 
 def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -353,7 +366,6 @@ async def _events(
         failed = {**turn.body("failed", run), "error": error}
         yield write("response.failed", response=failed)
         return
-    status = turn.status(run)
-    body = turn.body(status, run)
+    body = _ended(turn, run)
     _keep(store, namespace, turn, body)
-    yield write(f"response.{status}", response=body)
+    yield write(f"response.{body['status']}", response=body)
