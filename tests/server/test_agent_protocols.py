@@ -64,6 +64,11 @@ def test_responses_items_become_chat_messages():
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
         ({"input": "x", "max_tool_calls": 0}, "max_tool_calls"),
         ({"input": "x", "max_tool_calls": "3"}, "max_tool_calls"),
+        # a conversation object without its id would run the turn with no history, unsaved
+        ({"input": "x", "conversation": {}}, "conversation"),
+        ({"input": "x", "conversation": {"conversation_id": "conv_1"}}, "conversation"),
+        ({"input": "x", "conversation": {"id": 5}}, "conversation"),
+        ({"input": "x", "conversation": {"id": None}}, "conversation"),
     ],
 )
 def test_responses_refusals_name_the_field(body, param):

@@ -153,9 +153,12 @@ def _include(body: dict[str, Any]) -> bool:
 
 def _conversation(body: dict[str, Any]) -> str | None:
     value = body.get("conversation")
-    if isinstance(value, dict):
+    # an object must hold its id: {} or {"conversation_id": ...} read as no conversation would
+    # run the turn without its history and save it nowhere
+    is_object = isinstance(value, dict)
+    if is_object:
         value = value.get("id")
-    if value is not None and not isinstance(value, str):
+    if (value is not None or is_object) and not isinstance(value, str):
         raise APIError(400, "conversation is an id, or {id}", param="conversation")
     return value
 
