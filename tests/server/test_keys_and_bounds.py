@@ -118,6 +118,19 @@ def test_the_queue_counts_calls_and_takes_a_request_when_empty():
     state.cpu_pool.shutdown()
 
 
+def test_a_draining_server_refuses_with_retry_after():
+    # SIGTERM: new requests and /health get 503; a client or balancer is told when to retry
+    # (elsewhere, or here once a supervisor has restarted the daemon), as for a dead engine.
+    state = ServerState(ServerConfig(retry_after_seconds=3), "m")
+    state.manager = SimpleNamespace(dead=None)
+    state.draining = True
+    with pytest.raises(APIError) as info:
+        state.ready_manager()
+    assert info.value.status == 503 and info.value.code == "draining"
+    assert info.value.headers == {"Retry-After": "3"}
+    state.cpu_pool.shutdown()
+
+
 def test_a_warning_when_listening_beyond_loopback_without_keys(caplog):
     from yaied.daemon import warn_if_exposed
 

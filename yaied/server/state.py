@@ -136,7 +136,13 @@ class ServerState:
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
         if self.draining:
-            raise APIError(503, "the server is shutting down", code="draining")
+            # a stop, not a fault: the client retries elsewhere, or here after a restart
+            raise APIError(
+                503,
+                "the server is shutting down",
+                code="draining",
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
         return self.manager
 
     async def drain(self, timeout: float, abort_wait: float = 10.0) -> None:
