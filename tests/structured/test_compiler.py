@@ -63,6 +63,26 @@ def test_regex_choice_grammar(compiler: GrammarCompiler, tokenizer: Any, encode:
     assert not runs_to_stop(arithmetic, encode("(1"), eos)
 
 
+def test_all_of_object_schemas_merge(
+    compiler: GrammarCompiler, tokenizer: Any, encode: Callable
+) -> None:
+    """An allOf of several object schemas (inline or $ref) is enforced as their merge; xgrammar
+    alone compiles it to any JSON value, so a bare string or a missing property got through."""
+    eos = tokenizer.eos_token_id
+    schema = {
+        "$defs": {"Named": {"type": "object", "properties": {"name": {"type": "string"}}}},
+        "allOf": [
+            {"$ref": "#/$defs/Named"},
+            {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]},
+        ],
+    }
+    compiled = compiler.compile(make_spec("json_schema", schema, "p"))
+    assert runs_to_stop(compiled, encode('{"name": "Ada", "age": 36}'), eos)
+    assert runs_to_stop(compiled, encode('{"age": 36}'), eos)
+    for invalid in ['"Ada"', '{"name": "Ada"}', '{"age": "x"}', "[1]"]:
+        assert not runs_to_stop(compiled, encode(invalid), eos), invalid
+
+
 def test_schema_strict_mode_falls_back(
     compiler: GrammarCompiler, tokenizer: Any, encode: Callable
 ) -> None:

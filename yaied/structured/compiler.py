@@ -282,8 +282,9 @@ class GrammarCompiler:
 
     def _xgr_compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":
+            source = merge_object_all_of(spec.source)
             try:
-                return self._xgr.compile_json_schema(spec.source, **self._json_options)
+                return self._xgr.compile_json_schema(source, **self._json_options)
             except RuntimeError as strict_error:
                 # strict_mode (xgrammar's default: no properties the schema does not name) makes
                 # some valid schemas unsatisfiable, e.g. minProperties above the named ones.
@@ -292,7 +293,7 @@ class GrammarCompiler:
                     raise
                 try:
                     return self._xgr.compile_json_schema(
-                        spec.source, strict_mode=False, **self._json_options
+                        source, strict_mode=False, **self._json_options
                     )
                 except RuntimeError:
                     raise strict_error from None
@@ -305,6 +306,88 @@ class GrammarCompiler:
         if spec.kind == "structural_tag":
             return self._xgr.compile_structural_tag(spec.source)
         return self._xgr.compile_grammar(spec.source)
+
+
+# The keywords an object schema may hold for its `allOf` to be merged into one object schema.
+_MERGEABLE_KEYS = frozenset(
+    {"type", "properties", "required", "additionalProperties", "title", "description"}
+)
+# What the schema holding the `allOf` keeps as it is beside the merge (the root's definitions).
+_KEPT_KEYS = frozenset({"$defs", "definitions", "$schema", "$id"})
+
+
+def merge_object_all_of(source: str) -> str:
+    """`source` with every `allOf` of two or more object schemas (each inline or a `$ref` into
+    `$defs`/`definitions`) merged into one object schema: properties and `required` joined,
+    `additionalProperties: false` kept. xgrammar turns such an `allOf` into "any JSON value"
+    (it takes only a one-member `allOf`), so without this the schema would not be enforced at
+    all. An `allOf` whose members are not all plain object schemas is left as it is."""
+    if '"allOf"' not in source:
+        return source
+    schema = json.loads(source)
+    if not isinstance(schema, dict):
+        return source
+    return json.dumps(_merge_walk(schema, schema), separators=(",", ":"), ensure_ascii=False)
+
+
+def _merge_walk(value: Any, root: dict[str, Any]) -> Any:
+    if isinstance(value, list):
+        return [_merge_walk(item, root) for item in value]
+    if not isinstance(value, dict):
+        return value
+    members = value.get("allOf")
+    if isinstance(members, list) and len(members) > 1:
+        merged = _merge_objects(value, members, root)
+        if merged is not None:
+            value = merged
+    return {key: _merge_walk(item, root) for key, item in value.items()}
+
+
+def _merge_objects(
+    schema: dict[str, Any], members: list[Any], root: dict[str, Any]
+) -> dict[str, Any] | None:
+    kept = {key: item for key, item in schema.items() if key in _KEPT_KEYS}
+    own = {key: item for key, item in schema.items() if key != "allOf" and key not in _KEPT_KEYS}
+    parts = [own, *(_resolve_ref(member, root) for member in members)]
+    for part in parts:
+        if not isinstance(part, dict) or not set(part) <= _MERGEABLE_KEYS:
+            return None
+        if part.get("type", "object") != "object":
+            return None
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    merged: dict[str, Any] = {**kept, "type": "object"}
+    for part in parts:
+        for name, sub in (part.get("properties") or {}).items():
+            if name in properties and properties[name] != sub:
+                sub = {"allOf": [properties[name], sub]}
+            properties[name] = sub
+        required += [name for name in part.get("required") or [] if name not in required]
+        for key in ("title", "description"):
+            if key in part:
+                merged.setdefault(key, part[key])
+        if "additionalProperties" in part and merged.get("additionalProperties") is not False:
+            merged["additionalProperties"] = part["additionalProperties"]
+    merged["properties"] = properties
+    if required:
+        merged["required"] = required
+    return merged
+
+
+def _resolve_ref(member: Any, root: dict[str, Any]) -> Any:
+    """A `{"$ref": "#/$defs/Name"}` member (with at most a title or description beside it)
+    replaced by what it names; anything else as it is."""
+    if not isinstance(member, dict) or not isinstance(member.get("$ref"), str):
+        return member
+    if not set(member) <= {"$ref", "title", "description"}:
+        return member
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if member["$ref"].startswith(prefix):
+            defs = root.get(prefix[2:-1])
+            name = member["$ref"][len(prefix) :]
+            if isinstance(defs, dict) and isinstance(defs.get(name), dict):
+                return defs[name]
+    return member
 
 
 def _reason(spec: GrammarSpec, error: Exception) -> str:
