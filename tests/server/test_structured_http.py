@@ -142,6 +142,32 @@ def test_a_spec_that_does_not_compile_is_a_400_naming_it(live, path, extra, para
     assert len(manager.lifecycle) == before  # nothing was queued
 
 
+def test_resume_token_ids_the_grammar_refuses_are_a_400(live):
+    """A moved call's tokens are replayed through its grammar: ones it refuses are bad input, a
+    400 naming resume_token_ids before anything is queued, not a 500 or an error event."""
+    manager = manager_of(live)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    base = {"prompt": "JSON:", "max_tokens": 24, "temperature": 0, "guided_json": schema}
+    full = httpx.post(live.v1 + "/completions", json=base, timeout=60).json()["choices"][0]
+    sent = manager.tokenizer.encode(full["text"][:4], add_special_tokens=False)
+    body = {**base, "resume_token_ids": sent}
+    resumed = httpx.post(live.v1 + "/completions", json=body, timeout=60)
+    choice = resumed.json()["choices"][0]
+    assert resumed.status_code == 200 and choice["finish_reason"] == "stop"
+    before = len(manager.lifecycle)
+    refused = manager.tokenizer.encode("hello", add_special_tokens=False)
+    for stream in (False, True):
+        body = {**base, "resume_token_ids": refused, "stream": stream}
+        response = httpx.post(live.v1 + "/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "resume_token_ids" and "not allowed" in error["message"]
+    assert len(manager.lifecycle) == before  # nothing was queued
+    body = {**base, "resume_token_ids": [10**9]}
+    error = httpx.post(live.v1 + "/completions", json=body, timeout=60).json()["error"]
+    assert error["param"] == "resume_token_ids"
+
+
 @pytest.fixture
 def slow_compiles(monkeypatch):
     """Every compile takes at least a second more (in its compile thread)."""

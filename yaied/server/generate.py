@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from yaied.core.request import FinishReason
+from yaied.engine.grammar import Grammars
 from yaied.router.manager import EngineManager
 from yaied.server import responses as R
 from yaied.server.admission import prepare_jobs, request_size
@@ -152,7 +153,10 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
     its field. False when the client left first: then no call starts, and the compile is
     dropped unless it runs already or another request waits for it (then it lands in the cache)."""
     spec, grammars = parsed.structured, manager.inputs.grammars
-    if spec is None or grammars.cached(spec) is not None:
+    if spec is None:
+        return True
+    if grammars.cached(spec) is not None:
+        _check_resumed(grammars, parsed)
         return True
     compiling = asyncio.ensure_future(grammars.compile(spec))
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -171,7 +175,22 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
         raise from_value_error(exc) from None
     if exc is not None:
         raise exc
+    _check_resumed(grammars, parsed)
     return True
+
+
+def _check_resumed(grammars: Grammars, parsed: ParsedRequest) -> None:
+    """A resumed call's tokens (resume_token_ids) must be ones its grammar allows: the engine
+    replays them through the grammar, and a refused one would fail the call there, a 500 or an
+    error event, for what is bad input."""
+    if not parsed.resume_token_ids or parsed.structured is None:
+        return
+    compiled = grammars.cached(parsed.structured, count=False)
+    if compiled is None:
+        return  # evicted already: the engine compiles it again and checks the replay
+    matcher = grammars.matcher_of(compiled)
+    if not matcher.accept_tokens(parsed.resume_token_ids):
+        raise APIError(400, f"resume_token_ids: {matcher.error}", param="resume_token_ids")
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from yaied.core.errors import ContextLengthError
+from yaied.core.errors import ContextLengthError, InputError
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call
@@ -164,9 +164,12 @@ def _resumed(manager: EngineManager, ids: list[int], params: SamplingParams) -> 
     """A router's resume_token_ids, checked: token ids, fewer than max_tokens."""
     vocab = manager.info.vocab_size
     if not all(0 <= token < vocab for token in ids):
-        raise ValueError(f"resume_token_ids must be token ids in [0, {vocab})")
+        raise InputError(f"resume_token_ids must be token ids in [0, {vocab})", "resume_token_ids")
     if len(ids) >= params.max_tokens:
-        raise ValueError(f"resume_token_ids must be fewer than max_tokens ({params.max_tokens})")
+        raise InputError(
+            f"resume_token_ids must be fewer than max_tokens ({params.max_tokens})",
+            "resume_token_ids",
+        )
     return list(ids)
 
 
