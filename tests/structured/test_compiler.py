@@ -81,6 +81,17 @@ def test_all_of_object_schemas_merge(
     assert runs_to_stop(compiled, encode('{"age": 36}'), eos)
     for invalid in ['"Ada"', '{"name": "Ada"}', '{"age": "x"}', "[1]"]:
         assert not runs_to_stop(compiled, encode(invalid), eos), invalid
+    # one member beside the schema's own properties: both hold
+    schema = {
+        "$defs": schema["$defs"],
+        "type": "object",
+        "allOf": [{"$ref": "#/$defs/Named"}],
+        "properties": {"age": {"type": "integer"}},
+        "required": ["age"],
+    }
+    compiled = compiler.compile(make_spec("json_schema", schema, "p"))
+    assert runs_to_stop(compiled, encode('{"name": "Ada", "age": 36}'), eos)
+    assert not runs_to_stop(compiled, encode('{"name": "Ada"}'), eos)
 
 
 def test_schema_strict_mode_falls_back(

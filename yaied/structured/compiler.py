@@ -317,11 +317,12 @@ _KEPT_KEYS = frozenset({"$defs", "definitions", "$schema", "$id"})
 
 
 def merge_object_all_of(source: str) -> str:
-    """`source` with every `allOf` of two or more object schemas (each inline or a `$ref` into
-    `$defs`/`definitions`) merged into one object schema: properties and `required` joined,
-    `additionalProperties: false` kept. xgrammar turns such an `allOf` into "any JSON value"
-    (it takes only a one-member `allOf`), so without this the schema would not be enforced at
-    all. An `allOf` whose members are not all plain object schemas is left as it is."""
+    """`source` with every `allOf` of object schemas (each inline or a `$ref` into
+    `$defs`/`definitions`) merged, with the properties beside it, into one object schema:
+    properties and `required` joined, `additionalProperties: false` kept. xgrammar turns an
+    `allOf` of two or more into "any JSON value", and of one beside `properties` into that one
+    alone, so without this the schema would not be enforced, or only in part. An `allOf` whose
+    members are not all plain object schemas is left as it is."""
     if '"allOf"' not in source:
         return source
     schema = json.loads(source)
@@ -336,7 +337,8 @@ def _merge_walk(value: Any, root: dict[str, Any]) -> Any:
     if not isinstance(value, dict):
         return value
     members = value.get("allOf")
-    if isinstance(members, list) and len(members) > 1:
+    # One member beside properties of the schema's own: xgrammar keeps the member alone.
+    if isinstance(members, list) and (len(members) > 1 or (members and "properties" in value)):
         merged = _merge_objects(value, members, root)
         if merged is not None:
             value = merged
@@ -348,7 +350,7 @@ def _merge_objects(
 ) -> dict[str, Any] | None:
     kept = {key: item for key, item in schema.items() if key in _KEPT_KEYS}
     own = {key: item for key, item in schema.items() if key != "allOf" and key not in _KEPT_KEYS}
-    parts = [own, *(_resolve_ref(member, root) for member in members)]
+    parts = [*(_resolve_ref(member, root) for member in members), own]
     for part in parts:
         if not isinstance(part, dict) or not set(part) <= _MERGEABLE_KEYS:
             return None
