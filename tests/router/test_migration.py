@@ -150,6 +150,29 @@ async def test_with_no_engine_to_move_to_a_call_ends_with_an_error_at_once():
     await manager.stop()
 
 
+async def test_a_call_cancelled_as_its_engine_dies_ends_with_abort_and_never_moves():
+    """The cancel reached the router but not the engine, which died first: the client asked
+    for the cancel (and was told it took), so its stream ends with abort, not an error."""
+    first, second = ResumingEngine("0", tick=0.02), ResumingEngine("1")
+    first.die_after = 5
+
+    async def unanswered(request_id: str) -> None:  # the dead engine never reads the abort
+        pass
+
+    first.abort = unanswered
+    manager = await with_engines([first, second])
+    handle = await manager.submit_request(prompt=[1], sampling_params=params(50))
+    await asyncio.sleep(0.03)
+    assert await manager.cancel_request(handle.request_id)
+    events = await asyncio.wait_for(events_of(handle), 5)
+    assert [e.finished for e in events].count(True) == 1
+    assert events[-1].finish_reason is FinishReason.ABORT and events[-1].error is None
+    assert handle.request_id not in second.resumed  # a cancelled call never moves
+    assert manager.migrations == {"moved": 0, "failed": 0}
+    assert manager.num_requests_in_flight == 0
+    await manager.stop()
+
+
 async def test_a_call_with_output_never_moves_to_an_engine_that_cannot_resume():
     resuming, plain = ResumingEngine("0"), FakeEngine("1")
     resuming.die_after = 2

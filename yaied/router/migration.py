@@ -46,8 +46,10 @@ class CallMigration:
         movable = not call.cancelled and call.num_moves < MAX_MOVES
         next_engine = self._route(call, {engine_id}) if movable else None
         if next_engine is None:
-            if not call.cancelled:
-                self.migrations["failed"] += 1
+            if call.cancelled:  # its client's cancel, which the lost engine never confirmed
+                self._deliver(call, call.final_event(FinishReason.ABORT))
+                return None
+            self.migrations["failed"] += 1
             self._deliver(call, call.final_event(FinishReason.ERROR, reason))
             return None
         num_sent = len(call.output_ids)
