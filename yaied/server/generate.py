@@ -24,7 +24,6 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from yaied.core.request import FinishReason
-from yaied.engine.grammar import Grammars
 from yaied.router.manager import EngineManager
 from yaied.server import responses as R
 from yaied.server.admission import prepare_jobs, request_size
@@ -156,7 +155,7 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
     if spec is None:
         return True
     if grammars.cached(spec) is not None:
-        _check_resumed(grammars, parsed)
+        _check_resumed(manager, parsed)
         return True
     compiling = asyncio.ensure_future(grammars.compile(spec))
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -175,16 +174,17 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
         raise from_value_error(exc) from None
     if exc is not None:
         raise exc
-    _check_resumed(grammars, parsed)
+    _check_resumed(manager, parsed)
     return True
 
 
-def _check_resumed(grammars: Grammars, parsed: ParsedRequest) -> None:
+def _check_resumed(manager: EngineManager, parsed: ParsedRequest) -> None:
     """A resumed call's tokens (resume_token_ids) must be ones its grammar allows: the engine
     replays them through the grammar, and a refused one would fail the call there, a 500 or an
     error event, for what is bad input."""
     if not parsed.resume_token_ids or parsed.structured is None:
         return
+    grammars = manager.inputs.grammars
     compiled = grammars.cached(parsed.structured, count=False)
     if compiled is None:
         return  # evicted already: the engine compiles it again and checks the replay

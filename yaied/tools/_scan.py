@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,8 +126,11 @@ def json_string(literal: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def decode_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, dict[str, Any]] | str:
-    """(name, arguments) of a closed call object, or why it is not a call.
+def decode_call(
+    text: str, argument_keys: tuple[str, ...], tool_names: Collection[str] | None = None
+) -> tuple[str, dict[str, Any]] | str:
+    """(name, arguments) of a closed call object, or why it is not a call (a name outside
+    ``tool_names``, where given, included).
 
     Lenient where models are sloppy and the result is still unambiguous: raw control characters
     in strings, arguments written as a JSON string, a missing arguments key for a function
@@ -139,6 +142,8 @@ def decode_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, dict[st
     name = obj.get("name") if isinstance(obj, dict) else None
     if not isinstance(name, str) or not name:
         return "the call has no function name"
+    if tool_names is not None and name not in tool_names:
+        return f"the call names an unknown function {name!r}"
     for key in argument_keys:
         if key not in obj:
             continue

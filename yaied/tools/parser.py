@@ -15,16 +15,15 @@ forces every call's markup (`stream_arguments`: the chat path sets it whenever t
 a call whose object opens with its name and then its arguments object goes out as it comes:
 `ToolCallStart` once the name is read, the arguments' raw text in `ToolCallArguments` fragments
 as they arrive, `ToolCallEnd` when the object closes. Its arguments are then the model's text
-as written (valid JSON, not re-dumped); a call cut off by the end of the stream ends with the
-arguments it had (noted in `errors`).
+as written (valid JSON, not re-dumped). There only max_tokens can cut a call: one cut in its
+arguments ends with those it had, one cut before them is dropped; both are noted in `errors`.
 
 Decisions a caller must know:
 
 - A malformed call (not JSON, not an object with a string "name" and object arguments, a name
-  outside `tool_names`, or cut off by the end of the stream) is reported as content, markup
-  included, exactly as the model wrote it, and noted in `ParsedMessage.errors`; nothing the model
-  wrote is lost. Under a grammar that forces the call format only max_tokens can cut a call: one
-  cut before its arguments stream is dropped (noted), so its markup never reaches content.
+  outside `tool_names`, or cut off by the end of the stream without such a grammar) is reported
+  as content, markup included, exactly as the model wrote it, and noted in
+  `ParsedMessage.errors`; nothing the model wrote is lost.
 - Whitespace that only separates text from markup is dropped: before a call, after a call when
   nothing else follows, and at the start of content that follows a call. A message without calls
   comes out byte for byte.
@@ -37,6 +36,7 @@ Decisions a caller must know:
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Callable, Collection
 
@@ -131,8 +131,6 @@ class ToolCallParser:
         content = "".join(self._content)
         return ParsedMessage(content or None, list(self._calls), list(self._errors))
 
-    # --- the state machine ---------------------------------------------------------------------
-
     def _run(self, final: bool) -> None:
         # Each step consumes from the buffer or changes state; it returns False when it needs
         # more text than there is.
@@ -165,14 +163,16 @@ class ToolCallParser:
             self._state = _State.OPEN
             return True
         keep = partial_suffix(buf, fmt.triggers)
-        if final and keep and self._stream_arguments and self._only_calls(buf[: len(buf) - keep]):
-            # Under the tool grammar only a call opens here: max_tokens cut its marker.
+        text = buf[: len(buf) - keep]
+        if final and keep and self._stream_arguments and not self._content and not text.strip():
+            # Under the tool grammar only a call opens where the message is calls or nothing
+            # so far: max_tokens cut its marker, which is no content.
             self._errors.append("the stream ended inside a call's marker")
-            buf = self._buf = buf[: len(buf) - keep]
+            buf = text
         if final:
-            keep = 0
-        self._text(buf[: len(buf) - keep])
-        if buf[: len(buf) - keep].strip():
+            text, keep = buf, 0
+        self._text(text)
+        if text.strip():
             self._at_start = False
         self._buf = buf[len(buf) - keep :]
         return False
@@ -185,7 +185,7 @@ class ToolCallParser:
             if final and self._raw.strip() == (self._fmt.separator or ""):
                 self._raw = ""  # llama3: a separator with no call after it is dropped
             elif final:
-                self._cut_off("the stream ended before the call's JSON object")
+                self._malformed("the stream ended before the call's JSON object", 0, cut=True)
             return False
         self._raw += self._buf[: len(self._buf) - len(body)]
         self._buf = body
@@ -205,15 +205,18 @@ class ToolCallParser:
         end = self._scanner.scan(self._buf)
         if end == MORE:
             if final:
-                self._cut_off("the stream ended inside the call's JSON object")
+                self._malformed(
+                    "the stream ended inside the call's JSON object", len(self._buf), cut=True
+                )
             return False
         if end == INVALID:
             self._malformed("the call is not valid JSON", self._scanner.failed_at)
             return True
-        call = self._to_call(self._buf[:end])
-        if call is None:
-            return True  # _to_call reported it
-        name, arguments = call
+        decoded = decode_call(self._buf[:end], self._fmt.accepted_argument_keys, self._tool_names)
+        if isinstance(decoded, str):
+            self._malformed(decoded, end)
+            return True
+        name, arguments = decoded[0], json.dumps(decoded[1], ensure_ascii=False)
         index = len(self._calls)
         self._calls.append(ToolCall(self._new_id(), name, arguments))
         self._events += [
@@ -320,12 +323,6 @@ class ToolCallParser:
         self._state = _State.TEXT
         return True
 
-    def _step_skip(self, final: bool) -> bool:
-        return self._until_call_end(final, keep_text=False)
-
-    def _step_malformed(self, final: bool) -> bool:
-        return self._until_call_end(final, keep_text=True)
-
     def _until_call_end(self, final: bool, keep_text: bool) -> bool:
         """hermes: consume up to and including </tool_call>, as content or dropped."""
         end = self._fmt.call_end or ""
@@ -340,43 +337,24 @@ class ToolCallParser:
             self._state = _State.TEXT
         return i >= 0
 
+    _step_skip = functools.partialmethod(_until_call_end, keep_text=False)  # _State.SKIP
+    _step_malformed = functools.partialmethod(_until_call_end, keep_text=True)  # MALFORMED
+
     def _step_plain(self, final: bool) -> bool:
         self._text(self._buf)
         self._buf = ""
         return False
 
-    # --- helpers -------------------------------------------------------------------------------
-
-    def _to_call(self, text: str) -> tuple[str, str] | None:
-        """(name, arguments JSON) of a closed object, or None after reporting it malformed."""
-        decoded = decode_call(text, self._fmt.accepted_argument_keys)
-        if isinstance(decoded, str):
-            self._malformed(decoded, len(text))
-            return None
-        name, arguments = decoded
-        if self._tool_names is not None and name not in self._tool_names:
-            self._malformed(f"the call names an unknown function {name!r}", len(text))
-            return None
-        return name, json.dumps(arguments, ensure_ascii=False)
-
-    def _only_calls(self, text: str) -> bool:
-        """Whether the message is nothing but calls (or nothing) once `text` is added."""
-        return not self._content and not text.strip()
-
-    def _cut_off(self, reason: str) -> None:
-        """The stream ended inside a call not yet streamed. Without a grammar that is a broken
-        call, content as written; under one (`stream_arguments`: every call's markup forced)
-        only max_tokens cuts a call there, and its markup is no content: dropped, noted."""
-        if not self._stream_arguments or self._bare:
-            self._malformed(reason, len(self._buf))
-            return
-        self._errors.append(reason)
-        self._raw = self._buf = ""
-        self._state = _State.TEXT
-
-    def _malformed(self, reason: str, at: int) -> None:
+    def _malformed(self, reason: str, at: int, cut: bool = False) -> None:
         """The call in progress is broken: its markup and text up to `at` become content, and
-        the rest is read as content up to the closing tag (hermes) or the end (llama3)."""
+        the rest is read as content up to the closing tag (hermes) or the end (llama3). With
+        `cut` (the stream ended inside a call not yet streamed) under a grammar that forces
+        every call's markup (`stream_arguments`), only max_tokens cut it: dropped, noted."""
+        if cut and self._stream_arguments and not self._bare:
+            self._errors.append(reason)
+            self._raw = self._buf = ""
+            self._state = _State.TEXT
+            return
         if not self._bare:  # a JSON answer that is not a call is content, not an error
             self._errors.append(reason)
         self._text(self._raw + self._buf[:at])
