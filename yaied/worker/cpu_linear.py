@@ -231,7 +231,7 @@ def pack_linears(
     the LM head (``lm_head``) takes the kernel in forward for up to MAX_ROWS rows, as under
     store_linears_bf16: at one row it read the default model's head in 1.4-1.9 ms where oneDNN's
     packed linear took 2.2-3.4 (a Zen 4), a tenth of a decode step."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = _plain_linears(model)
     if not linears:
         return 0
     try:
@@ -258,7 +258,7 @@ def store_linears_bf16(
     bound for few rows); returns how many. The LM head (``lm_head``) also takes the kernel in
     forward up to its ``sliced_max_rows``: its rows are the sampled ones, one per sequence, so
     a sequence's logits come from the same code alone or after a cached prefix."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = _plain_linears(model)
     if not linears:
         return 0
     keep_fp32 = fp32_copy_fits(model)
@@ -317,7 +317,7 @@ def store_linears_panels(model: nn.Module, matmul: CpuMatmul) -> int:
     same memory: the panels replace the weight; a head tied to the embedding only where its
     copy fits, else it stays on F.linear); returns how many. Leaves the model alone where the
     kernel is not fast at this level or disagrees with F.linear on the first layer."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = _plain_linears(model)
     if not linears or not matmul.fast:
         return 0
     try:
@@ -347,6 +347,16 @@ def _packs_f32(linear: nn.Linear, batch_hint: int) -> bool:
         log.info("oneDNN does not take packed fp32 weights here (%s): F.linear", exc)
         return False
     return True
+
+
+def _plain_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The model's linear layers that compute nn.Linear's forward: a subclass with a forward of
+    its own (PhiMoE's router returns logits, weights and experts) must keep it."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+    ]
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
