@@ -116,6 +116,16 @@ HF_TINY_CONFIGS: dict[str, dict] = {
         attention_multiplier=0.1,
         logits_scaling=4.0,
     ),
+    # a router that subclasses nn.Linear with a forward of its own (returns three tensors)
+    "phimoe": dict(
+        **_SHAPE,
+        **_HEADS,
+        model_type="phimoe",
+        architectures=["PhimoeForCausalLM"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
     # partial rotary, parallel attention and MLP residual
     "gpt_neox": dict(
         **_SHAPE,
@@ -286,6 +296,48 @@ def test_layers_that_bypass_the_attention_interface_are_refused():
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="model tiny: LlamaForCausalLM: 0 of 2 layers attend"):
         TransformersModel(model, "tiny")
+
+
+_REFUSED_BY_THE_PROBE = {
+    # the decoder layer drops its kwargs before the attention call
+    "nemotron": (dict(model_type="nemotron"), "do not pass their keyword arguments on"),
+    # differential attention: two calls per layer, each with half of V
+    "diffllama": (dict(model_type="diffllama"), "layer 0 attends twice per step"),
+    # multi-head latent attention: V's head size differs from K's
+    "deepseek_v3": (
+        dict(
+            model_type="deepseek_v3",
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+        ),
+        "values have head size 16, keys 24",
+    ),
+    # attention sinks: an extra logit per head in the softmax
+    "gpt_oss": (
+        dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+        r"sink logits \(s_aux\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(_REFUSED_BY_THE_PROBE))
+def test_attention_the_pages_cannot_serve_is_refused(tmp_path, kind):
+    """Served as if plain, these gave wrong tokens or crashed; the load-time probe refuses them
+    with one line that names the model and what its attention needs."""
+    values, reason = _REFUSED_BY_THE_PROBE[kind]
+    values = _SHAPE | _HEADS | dict(pad_token_id=0) | values
+    with pytest.raises(ValueError, match=f"config.json: .*ForCausalLM: .*{reason}") as info:
+        _dummy(tmp_path, values, model_impl="transformers")
+    assert "\n" not in str(info.value)
 
 
 def test_batch_dependent_rope_is_refused_past_its_original_length(tmp_path):

@@ -46,6 +46,21 @@ class PagedContext:
     positions: torch.Tensor  # [num_tokens] int64
     max_position: int  # the step's largest position: windows shorter than it need masking
     probed: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (h, kv, d)
+    unsupported: list[str] = field(default_factory=list)  # what the probe saw that we lack
+
+    def probe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs) -> None:
+        """Record layer's head layout, and what its attention call needs that the pages lack."""
+        if layer in self.probed:
+            self.unsupported.append(f"layer {layer} attends twice per step over one K/V")
+        if v.shape[2] != k.shape[2]:
+            self.unsupported.append(f"values have head size {v.shape[2]}, keys {k.shape[2]}")
+        if kwargs.get("s_aux") is not None:
+            self.unsupported.append("its attention has sink logits (s_aux)")
+        self.probed[layer] = (q.shape[1], k.shape[1], k.shape[2])
+
+
+class NoPagedContext(ValueError):
+    """The attention call came without the step's PagedContext."""
 
 
 def register_attention() -> None:
@@ -71,7 +86,7 @@ def paged_attention_forward(
     """query: [1, num_heads, num_tokens, head_dim]; key, value: [1, kv_heads, num_tokens,
     head_dim]. Returns ([1, num_tokens, num_heads, head_dim], None), as transformers expects."""
     if yaied_paged is None:
-        raise ValueError(f"{ATTENTION_NAME} attention runs only inside yaied's model runner")
+        raise NoPagedContext(f"{ATTENTION_NAME} attention runs only inside yaied's model runner")
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx to find its KV pages by")
@@ -81,8 +96,8 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     ctx = yaied_paged
     if ctx.kv_caches is None or ctx.meta is None:
-        ctx.probed[layer] = (q.shape[1], k.shape[1], k.shape[2])
-        return torch.zeros_like(q).unsqueeze(0), None
+        ctx.probe(layer, q, k, v, kwargs)
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[2]).unsqueeze(0), None
     k_cache, v_cache = ctx.kv_caches[layer]
     if k_cache.shape[0] != k.shape[1] or k_cache.shape[3] != k.shape[2]:
         raise ValueError(f"layer {layer}: K of shape {tuple(k.shape)} does not fit its KV pool")

@@ -23,7 +23,12 @@ import torch
 from torch import nn
 
 from yaied.worker.attention import AttentionMetadata
-from yaied.worker.models.hf_attention import ATTENTION_NAME, PagedContext, register_attention
+from yaied.worker.models.hf_attention import (
+    ATTENTION_NAME,
+    NoPagedContext,
+    PagedContext,
+    register_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +148,19 @@ class TransformersModel(nn.Module):
         ids = torch.zeros(2, dtype=torch.int64, device=device)
         positions = torch.arange(2, device=device)
         ctx = PagedContext(None, None, positions, 1)
-        self._run(ids, positions, ctx)
-        num_layers = self.config.num_hidden_layers
         name = f"model {self.name}: {type(self.hf_model).__name__}"
+        try:
+            self._run(ids, positions, ctx)
+        except NoPagedContext:
+            raise ValueError(
+                f"{name}: its layers do not pass their keyword arguments on to the attention "
+                "call, so attention cannot reach yaied's KV pages"
+            ) from None
+        if ctx.unsupported:
+            raise ValueError(
+                f"{name}: {ctx.unsupported[0]}, which yaied's paged attention does not support"
+            )
+        num_layers = self.config.num_hidden_layers
         if sorted(ctx.probed) != list(range(num_layers)):
             raise ValueError(
                 f"{name}: {len(ctx.probed)} of {num_layers} layers attend through transformers' "
