@@ -321,6 +321,11 @@ _REFUSED_BY_THE_PROBE = {
         ),
         "values have head size 16, keys 24",
     ),
+    # a prediction head between the base model and the output embeddings
+    "modernbert-decoder": (
+        dict(model_type="modernbert-decoder", bos_token_id=1, eos_token_id=2, sep_token_id=3),
+        "logits are not its output embeddings'",
+    ),
     # attention sinks: an extra logit per head in the softmax
     "gpt_oss": (
         dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2),

@@ -150,7 +150,7 @@ class TransformersModel(nn.Module):
         ctx = PagedContext(None, None, positions, 1)
         name = f"model {self.name}: {type(self.hf_model).__name__}"
         try:
-            self._run(ids, positions, ctx)
+            hidden = self._run(ids, positions, ctx)
         except NoPagedContext:
             raise ValueError(
                 f"{name}: its layers do not pass their keyword arguments on to the attention "
@@ -160,6 +160,7 @@ class TransformersModel(nn.Module):
             raise ValueError(
                 f"{name}: {ctx.unsupported[0]}, which yaied's paged attention does not support"
             )
+        self._check_head(name, ids, positions, hidden)
         num_layers = self.config.num_hidden_layers
         if sorted(ctx.probed) != list(range(num_layers)):
             raise ValueError(
@@ -177,6 +178,17 @@ class TransformersModel(nn.Module):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
+
+    def _check_head(self, name: str, ids, positions, hidden: torch.Tensor) -> None:
+        """compute_logits must give the causal-LM forward's logits (ModernBERT's decoder has a
+        prediction head between the base model and its output embeddings, for one)."""
+        probe = PagedContext(None, None, positions, 1)
+        full = self.hf_model(input_ids=ids[None], position_ids=positions[None], yaied_paged=probe)
+        if not torch.allclose(self.compute_logits(hidden), full.logits[0].float(), 1e-3, 1e-3):
+            raise ValueError(
+                f"{name}: its logits are not its output embeddings' (with the scalings yaied "
+                "knows) of the base model's hidden states"
+            )
 
     def forward(
         self,
