@@ -345,6 +345,15 @@ def test_attention_the_pages_cannot_serve_is_refused(tmp_path, kind):
     assert "\n" not in str(info.value)
 
 
+def test_chunked_attention_is_refused(tmp_path):
+    """Llama 4's text layers attend within chunks of attention_chunk_size, which the paged
+    attention does not apply: refused by name, not served wrong (nor "has no base model")."""
+    values = _SHAPE | _HEADS | dict(model_type="llama4_text", attention_chunk_size=32)
+    with pytest.raises(ValueError, match=r"config.json \(.*\): its attention is chunked") as info:
+        _dummy(tmp_path, values, model_impl="transformers")
+    assert "\n" not in str(info.value)
+
+
 def test_batch_dependent_rope_is_refused_past_its_original_length(tmp_path):
     phi3 = dict(HF_TINY_CONFIGS["phi3"], partial_rotary_factor=1.0, max_position_embeddings=512)
     phi3["rope_scaling"] = dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8)

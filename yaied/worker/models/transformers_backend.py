@@ -76,6 +76,11 @@ def model_class(name: str, hf_config, trust_remote_code: bool) -> type[nn.Module
             f"model {name} ({arch}) is an encoder-decoder model; yaied's paged KV cache serves "
             "decoder-only models"
         )
+    if getattr(hf_config, "attention_chunk_size", None):  # Llama 4's text layers
+        raise ValueError(
+            f"model {name} ({arch}): its attention is chunked (attention_chunk_size), which "
+            "yaied's paged attention does not apply"
+        )
     auto_map = getattr(hf_config, "auto_map", None) or {}
     if trust_remote_code and "AutoModelForCausalLM" in auto_map:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
