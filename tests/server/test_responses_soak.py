@@ -158,3 +158,23 @@ def test_a_background_response_holds_its_keys_max_in_flight(tiny_chat_model):
         )
         assert again.status_code == 200, again.text
     assert not client.app.state.server.keys.in_flight
+
+
+def test_a_running_background_response_pushed_out_of_the_store_is_still_polled(tiny_chat_model):
+    """A background response still running stays readable (GET) when newer responses push
+    its stored object out of a small store; once it ends, its final object is stored again."""
+    config = ServerConfig(served_model_name=MODEL, responses_store_max=2)
+    loader = engine_loader(model=str(tiny_chat_model), threads=1, max_model_len=2048)
+    body = {"model": MODEL, "input": "Go on.", "background": True, "max_output_tokens": 1500}
+    with in_process_server(config, loader, MODEL) as client:
+        started = client.post("/v1/responses", json=body).json()
+        for text in ("one", "two", "three"):  # push it out of the store
+            turn(client, None, text, headers={})
+        server = client.app.state.server
+        assert server.response_store.get("", started["id"]) is None
+        polled = client.get(f"/v1/responses/{started['id']}")
+        assert polled.status_code == 200, polled.text
+        assert polled.json()["status"] in ("queued", "in_progress")
+        assert polled.json()["id"] == started["id"]
+        cancel = client.post(f"/v1/responses/{started['id']}/cancel")
+        assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"

@@ -75,8 +75,13 @@ def _store(request: Request) -> ResponseStore:
 
 async def get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    item = _store(request).get(_namespace(request), response_id)
+    namespace = _namespace(request)
+    item = _store(request).get(namespace, response_id)
     if item is None:
+        # a background response still running whose stored object newer ones pushed out
+        running = request.state.server.background.get((namespace, response_id))
+        if running is not None:
+            return json_response(running.body(running.status))
         raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
     return json_response(item.body)
 
@@ -213,7 +218,8 @@ async def create_response(request: Request) -> Response:
         body = turn.body("queued")
         _keep(server.response_store, namespace, turn, body)
         task = asyncio.create_task(_run_in_background(server, namespace, turn, run))
-        server.background[(namespace, turn.id)] = BackgroundRun(task, run.started.cancel_unfinished)
+        running = BackgroundRun(task, run.started.cancel_unfinished, turn.body)
+        server.background[(namespace, turn.id)] = running
         # The call runs on past this request: it holds one of its key's max_in_flight until it
         # ends, or a key could start any number of them.
         key = api_key_of(request)
@@ -274,6 +280,9 @@ async def _run_in_background(
             if not running:  # its first tokens: no longer queued
                 running = True
                 _keep(server.response_store, namespace, turn, turn.body("in_progress"))
+                background = server.background.get((namespace, turn.id))
+                if background is not None:
+                    background.status = "in_progress"
             turn.blocks.feed(deltas)
         turn.blocks.close()
         if run.choice.finish_reason == "abort":  # not by the cancel route: the engines stopped

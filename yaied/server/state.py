@@ -38,6 +38,10 @@ class BackgroundRun:
 
     task: asyncio.Task[None]
     cancel_calls: Callable[[], Awaitable[None]]
+    # The response object at a status while it runs: what GET answers if newer responses
+    # pushed its stored one out of the store
+    body: Callable[[str], dict[str, Any]]
+    status: str = "queued"  # "in_progress" from its first tokens
     cancelled: bool = False  # set by POST /v1/responses/{id}/cancel: the status it ends with
 
 
