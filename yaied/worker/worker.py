@@ -228,10 +228,13 @@ class Worker:
         gib = self.config.cache.kv_cache_gib
         num_pages = max(int(gib * 2**30 // page_bytes), 1)
         # Zeroing a pool past what the machine has would end in the OOM killer, not a message.
+        # On CPU every rank of a tensor-parallel engine holds a pool of this size.
+        ranks = self.config.engine.tensor_parallel_size
         available = host_memory.available_bytes()
-        if available is not None and num_pages * page_bytes > available:
+        if available is not None and num_pages * page_bytes * ranks > available:
+            pools = f"{ranks} KV pools" if ranks > 1 else "the KV pool"
             raise ValueError(
-                f"cache.kv_cache_gib = {gib:g}: the KV pool would take more than the "
+                f"cache.kv_cache_gib = {gib:g}: {pools} would take more than the "
                 f"{available / 2**30:.1f} GiB of memory left after loading the model; lower it"
             )
         return num_pages

@@ -7,10 +7,10 @@ decode-only step of up to ``max_rows()`` rows (MAX_ROWS, or AMX_MAX_ROWS where b
 on AMX tiles; any number where every projection has the panel matmul's copy, which then takes
 the steps past MAX_ROWS, or every step for fp32 weights), each decoding an output token, to
 ``LlamaDecodeLoop`` instead of running the layers from Python: about 1.2 ms of Python calls a
-step at batch 1. Its linear layers are the few-row kernel, which accumulates in another order
-than oneDNN (the last bf16 bit differs in about one output in ten thousand): a prompt token
-always takes the layer path, so that a prompt computes the same whether its prefix was cached
-or not.
+step at batch 1. Its linear layers are the few-row kernel (or the panels), which accumulates in
+another order than oneDNN (the last bf16 bit differs in about one output in ten thousand): a
+prompt token always takes the layer path, so that a prompt computes the same whether its prefix
+was cached or not.
 """
 
 from __future__ import annotations
