@@ -45,6 +45,21 @@ class ClientGone(Exception):
     """The client left while its request was prepared or collected: answer nobody (499)."""
 
 
+ABORTED = "the call was aborted before it finished"
+
+
+def abort_error(server: ServerState) -> APIError:
+    """What a call the engine aborted (a cancel through the router, the drain's abort on a
+    stop) ends with where an API cannot end it as a reply: a 503 while the server drains (the
+    client may retry, elsewhere or after the restart), else a 500 the client must not retry (a
+    cancel is deliberate; a retry would run the call again)."""
+    if server.draining:
+        headers = {"Retry-After": str(server.config.retry_after_seconds)}
+        return APIError(503, f"the server is shutting down: {ABORTED}", code="draining",
+                        headers=headers)  # fmt: skip
+    return APIError(500, ABORTED, code="cancelled", headers={"x-should-retry": "false"})
+
+
 @dataclass(slots=True)
 class AgentRun:
     choice: ChoiceState

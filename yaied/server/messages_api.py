@@ -7,6 +7,8 @@
 Content blocks come from agent_output.Blocks: thinking (with a reasoning parser), text and
 tool_use, in the order the model wrote them. Errors before the response are rewritten into
 Anthropic's shape by error_shape.py; after the first byte they travel as an ``error`` event.
+Anthropic has no stop reason for a call aborted before it finished (a cancel, the drain): it
+ends as an error too (agent_run.abort_error), never as ``end_turn``.
 Anthropic's ``input_tokens`` excludes the prompt tokens read from the cache, which it reports as
 ``cache_read_input_tokens``; the two add up to the prompt.
 """
@@ -28,7 +30,7 @@ from starlette.routing import Route
 from yaied.router.manager import EngineManager
 from yaied.server.admission import request_size
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
-from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
+from yaied.server.agent_run import AgentRun, ClientGone, abort_error, collect, start_chat
 from yaied.server.body import read_json
 from yaied.server.context_edits import apply_edits
 from yaied.server.error_shape import anthropic_error
@@ -154,7 +156,7 @@ async def create_message(request: Request) -> Response:
     if applied is not None:
         message["context_management"] = {"applied_edits": applied}
     if req.parsed.stream:
-        stream = _events(req, run, message)
+        stream = _events(req, run, message, server)
         ping = server.config.sse_ping_seconds
         return _SSEResponse(
             stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
@@ -170,6 +172,8 @@ async def create_message(request: Request) -> Response:
         await collect(request, run.started, drain)
     except ClientGone:
         return Response(status_code=499)
+    if run.choice.finish_reason == "abort":  # Anthropic has no stop reason for a cut call
+        raise abort_error(server)
     stop_reason, stop_sequence = _stop(req, run, blocks.blocks)
     message["content"] = [_block_body(b, omit_thinking=req.omit_thinking) for b in blocks.blocks]
     message.update(stop_reason=stop_reason, stop_sequence=stop_sequence, usage=_usage(run))
@@ -182,11 +186,12 @@ def _event(kind: str, **fields: Any) -> bytes:
 
 
 async def _events(
-    req: MessagesRequest, run: AgentRun, message: dict[str, Any]
+    req: MessagesRequest, run: AgentRun, message: dict[str, Any], server: ServerState
 ) -> AsyncIterator[bytes]:
     # message_start waits for the engine's first event (or the end, or an error), which tells
     # how much of the prompt the cache held: its usage splits the input as message_delta's
-    # does (clients read a stream's input tokens from message_start).
+    # does (clients read a stream's input tokens from message_start). An aborted call ends
+    # with an error event, as a failed one does: never a stop_reason that says it finished.
     blocks, started = Blocks(), False
     try:
         async with contextlib.aclosing(run.deltas()) as stream:
@@ -197,6 +202,8 @@ async def _events(
                 for event in blocks.feed(deltas):
                     if _shown(event, req):
                         yield _block_event(event)
+        if run.choice.finish_reason == "abort":
+            raise abort_error(server)
         if not started:
             started = True
             yield _message_start(run, message)

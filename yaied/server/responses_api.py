@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server.agent_run import AgentRun, ClientGone, collect, start_chat
+from yaied.server.agent_run import ABORTED, AgentRun, ClientGone, collect, start_chat
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
@@ -251,7 +251,7 @@ async def create_response(request: Request) -> Response:
 # A foreground call aborted (POST /v1/requests/{id}/cancel, or the drain's abort on a stop) did
 # not complete: it ends failed, so its stream ends with response.failed, the store keeps what it
 # wrote as failed and its conversation gets none of it (only completed or incomplete turns).
-_ABORTED = {"code": "cancelled", "message": "the call was aborted before it finished"}
+_ABORTED = {"code": "cancelled", "message": ABORTED}
 
 
 def _ended(turn: Turn, run: AgentRun) -> dict[str, Any]:
