@@ -208,3 +208,32 @@ def test_context_management_clears_old_tool_results(client):
     )  # fmt: skip
     assert counted.input_tokens == prompt(trimmed)
     assert counted.context_management.original_input_tokens == prompt(plain)
+
+
+def test_tool_use_ids_are_anthropics_and_any_client_id_round_trips(client, live):
+    """tool_use ids are Anthropic's toolu_ ones (chat completions keep OpenAI's call_), whole
+    and streamed; ids a client sends back in its history keep whatever shape they have."""
+    ask = dict(model=MODEL, max_tokens=200, messages=ASK, tools=TOOLS, extra_body=GREEDY,
+               tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    whole = client.messages.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        started = [e.content_block for e in stream if e.type == "content_block_start"]
+        streamed = stream.get_final_message()
+    ids = [b.id for m in (whole, streamed) for b in m.content if b.type == "tool_use"]
+    ids += [b.id for b in started if b.type == "tool_use"]
+    assert len(ids) >= 3 and all(i.startswith("toolu_") and len(i) > 20 for i in ids), ids
+    chat = httpx.post(live.v1 + "/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 200, "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                     "parameters": WEATHER}}],
+        "tool_choice": "required"}).json()  # fmt: skip
+    assert chat["choices"][0]["message"]["tool_calls"][0]["id"].startswith("call_")
+    for call_id in ("toolu_01A09q90qw90lq917835lq9", "call_abc123", "my-own.id:7"):
+        use = {"type": "tool_use", "id": call_id, "name": "get_weather",
+               "input": {"city": "Paris", "unit": "celsius"}}  # fmt: skip
+        result = {"type": "tool_result", "tool_use_id": call_id, "content": "sunny"}
+        history = [*ASK, {"role": "assistant", "content": [use]},
+                   {"role": "user", "content": [result]}]  # fmt: skip
+        answer = client.messages.create(model=MODEL, max_tokens=4, messages=history,
+                                        tools=TOOLS, extra_body=GREEDY)  # fmt: skip
+        assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

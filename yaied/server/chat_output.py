@@ -13,6 +13,7 @@ must match once tools or reasoning take part; `ChoiceMessage` is per choice.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from yaied.tools import (
     ToolCallStart,
     ToolEvent,
     detect_format,
+    new_call_id,
     prompt_opens_reasoning,
 )
 from yaied.tools.custom import InputStream, input_of
@@ -91,7 +93,10 @@ class ChoiceMessage:
             # output_grammar forces every call's markup whenever tools are active, so a call's
             # arguments can go out as they come (the parser's stream_arguments)
             self._calls = ToolCallParser(
-                settings.tool_format, tool_names=names, stream_arguments=True
+                settings.tool_format,
+                tool_names=names,
+                stream_arguments=True,
+                id_factory=functools.partial(new_call_id, tools.call_id_prefix),
             )
         self._text: list[str] = []  # without parsers: the content as it came
         # chat's custom tools: their calls' streamed inputs, by call index

@@ -15,7 +15,7 @@ temperature, top_p, top_k, stop_sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -32,7 +32,7 @@ from yaied.server.protocol import (
     _refuse_unknown_fields,
     parse_sampling,
 )
-from yaied.server.tool_request import parse_tool_request
+from yaied.server.tool_request import ToolRequest, parse_tool_request
 
 # Fields that cannot change the output here: type-checked, then ignored. cache_control: the
 # prefix cache keeps every prompt's pages without being asked.
@@ -241,7 +241,7 @@ def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
-def _tools(body: dict[str, Any]) -> Any:
+def _tools(body: dict[str, Any]) -> ToolRequest:
     """Anthropic's tools (``{name, description, input_schema}``) and tool_choice in chat's shape,
     through chat's parser (the same names, schemas and bounds)."""
     tools = _get(body, "tools", (list,), [])
@@ -271,7 +271,8 @@ def _tools(body: dict[str, Any]) -> Any:
         if choice.get("disable_parallel_tool_use") is True:
             parallel = False
     chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
-    return parse_tool_request({**chat_body, "parallel_tool_calls": parallel})
+    request = parse_tool_request({**chat_body, "parallel_tool_calls": parallel})
+    return replace(request, call_id_prefix="toolu_")  # Anthropic's tool_use ids
 
 
 def _output_format(body: dict[str, Any]) -> GrammarSpec | None:

@@ -31,6 +31,8 @@ class ToolRequest:
     parallel: bool = True
     # chat's custom tools ({"type": "custom"}): their calls are written back in that shape
     custom: frozenset[str] = frozenset()
+    # the start of the ids of the calls the model makes: OpenAI's, or Anthropic's "toolu_"
+    call_id_prefix: str = "call_"
 
     @property
     def active(self) -> bool:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
-def new_call_id() -> str:
-    """An OpenAI-style call id: "call_" and 24 random letters and digits."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+def new_call_id(prefix: str = "call_") -> str:
+    """A call id: OpenAI's style by default ("call_" and 24 random letters and digits);
+    Anthropic's tool_use ids take the prefix "toolu_"."""
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 @dataclass(frozen=True, slots=True)
