@@ -104,3 +104,62 @@ def test_a_drained_message_is_overloaded(client, live):
             if event.type == "content_block_delta":
                 drain()
     assert info.value.body["error"]["type"] == "overloaded_error"
+
+
+@pytest.fixture
+def openai_client(live):
+    import openai
+
+    return openai.OpenAI(base_url=live.v1, api_key="none", max_retries=0)
+
+
+def test_a_cancelled_responses_items_are_incomplete(openai_client, live):
+    """A response that ends failed (a cancel) lists its items as incomplete, never completed:
+    in the streamed output_item.done, response.failed, and the stored object."""
+    headers = {"X-Request-Id": "resp-cancel-items"}
+    with openai_client.responses.stream(
+        model=MODEL, input=LONG[0]["content"], max_output_tokens=900, temperature=0,
+        extra_headers=headers,
+    ) as stream:  # fmt: skip
+        events, deltas = [], 0
+        for event in stream:
+            events.append(event)
+            deltas += event.type == "response.output_text.delta"
+            if event.type == "response.output_text.delta" and deltas == 3:
+                _cancel(live, "resp-cancel-items")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done and all(item.status == "incomplete" for item in done), done
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.error.code == "cancelled"
+    assert [item.status for item in failed.response.output] == ["incomplete"]
+    stored = openai_client.responses.retrieve(failed.response.id)
+    assert stored.status == "failed" and stored.output[0].status == "incomplete"
+
+
+def test_items_cut_by_max_output_tokens_are_incomplete(openai_client):
+    ask = dict(model=MODEL, input=LONG[0]["content"], max_output_tokens=5, temperature=0)
+    whole = openai_client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.output[-1].status == "incomplete"
+    with openai_client.responses.stream(**ask) as stream:
+        events = list(stream)  # the client's final response is a response.completed's only
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    final = events[-1]
+    assert final.type == "response.incomplete", final.type
+    assert done[-1].status == "incomplete" and final.response.output[-1].status == "incomplete"
+    assert openai_client.responses.retrieve(whole.id).output[-1].status == "incomplete"
+
+
+def test_a_cancelled_background_responses_items_are_incomplete(openai_client, live):
+    started = openai_client.responses.create(
+        model=MODEL, input=LONG[0]["content"], max_output_tokens=900, temperature=0,
+        background=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while openai_client.responses.retrieve(started.id).status == "queued":  # no output yet
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cancelled = openai_client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled" and cancelled.output
+    assert all(item.status == "incomplete" for item in cancelled.output)
+    stored = openai_client.responses.retrieve(started.id)
+    assert all(item.status == "incomplete" for item in stored.output)

@@ -254,11 +254,17 @@ async def create_response(request: Request) -> Response:
 _ABORTED = {"code": "cancelled", "message": ABORTED}
 
 
+def _ending(turn: Turn, run: AgentRun) -> str:
+    """The status a foreground call's response ends with, once its last event is in."""
+    return "failed" if run.choice.finish_reason == "abort" else turn.status(run)
+
+
 def _ended(turn: Turn, run: AgentRun) -> dict[str, Any]:
     """The finished response object of a foreground call."""
-    if run.choice.finish_reason == "abort":
-        return {**turn.body("failed", run), "error": dict(_ABORTED)}
-    return turn.body(turn.status(run), run)
+    body = turn.body(_ending(turn, run), run)
+    if body["status"] == "failed":
+        body["error"] = dict(_ABORTED)
+    return body
 
 
 def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,6 +373,7 @@ async def _events(
             for event in turn.blocks.feed(deltas):
                 for chunk in block_events(turn, write, event):
                     yield chunk
+        turn.ending = _ending(turn, run)  # the last item's output_item.done tells it
         for event in turn.blocks.close():
             for chunk in block_events(turn, write, event):
                 yield chunk

@@ -38,6 +38,8 @@ class Turn:
         self.blocks = Blocks()
         self.input_streams: dict[int, InputStream] = {}  # custom calls' inputs, by block index
         self.run: AgentRun | None = None  # the call, once started: its logprobs
+        # the status the response ends with, once known: its items' status (_item_status)
+        self.ending = "completed"
         self.history: list[dict[str, Any]] = []  # the stored conversation before this turn
         self.chain_id = response_id
         # this turn's input items, each with an id (the client's, or one naming this response)
@@ -56,8 +58,9 @@ class Turn:
         prefix = "ctc" if self.is_custom(block) else _ITEM_PREFIX[block.kind]
         return f"{prefix}_{self.id[5:]}_{block.index}"
 
-    def item(self, block: Block, done: bool = True) -> dict[str, Any]:
-        status = "completed" if done else "in_progress"
+    def item(self, block: Block, done: bool = True, ending: str | None = None) -> dict[str, Any]:
+        """``block`` as an output item; ``ending``: the response's status (``self.ending``)."""
+        status = self._item_status(block, ending or self.ending) if done else "in_progress"
         text = block.text if done else ""
         if block.kind == "reasoning":
             content = [{"type": "reasoning_text", "text": text}] if done else []
@@ -74,6 +77,14 @@ class Turn:
         return {"type": "message", "id": self.item_id(block), "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
+    def _item_status(self, block: Block, ending: str) -> str:
+        """OpenAI's item status: every item of a response that failed or was cancelled is
+        incomplete, and so is the one max_output_tokens cut (the last); the rest completed."""
+        if ending in ("failed", "cancelled"):
+            return "incomplete"
+        last = self.blocks.blocks[-1] if self.blocks.blocks else None
+        return "incomplete" if ending == "incomplete" and block is last else "completed"
+
     def logprobs(self, everything: bool = False) -> list[dict[str, Any]]:
         """The output text's token logprobs when asked for (responses_protocol: only without
         tools or a reasoning parser, so every token is the text's): those no delta has carried
@@ -88,7 +99,7 @@ class Turn:
 
     def body(self, status: str, run: AgentRun | None = None) -> dict[str, Any]:
         req, done = self.req, status not in ("queued", "in_progress")
-        output = [self.item(block) for block in self.blocks.blocks] if done else []
+        output = [self.item(block, ending=status) for block in self.blocks.blocks] if done else []
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": output, "error": None, "incomplete_details": None,
