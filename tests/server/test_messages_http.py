@@ -237,3 +237,19 @@ def test_tool_use_ids_are_anthropics_and_any_client_id_round_trips(client, live)
         answer = client.messages.create(model=MODEL, max_tokens=4, messages=history,
                                         tools=TOOLS, extra_body=GREEDY)  # fmt: skip
         assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_count_tokens_takes_what_the_client_sends_it(client):
+    """The client's count_tokens sends cache_control, output_config, speed and more beside the
+    prompt: accepted as create accepts them, and the count is the prompt's."""
+    kind = {"type": "text", "text": "Be kind.", "cache_control": {"type": "ephemeral"}}
+    system = [{"type": "text", "text": "Be brief."}, kind]
+    plain = client.messages.count_tokens(model=MODEL, messages=ASK, tools=TOOLS, system=system)
+    counted = client.messages.count_tokens(
+        model=MODEL, messages=ASK, tools=TOOLS, system=system, speed="standard",
+        cache_control={"type": "ephemeral"}, output_config={"effort": "low"},
+        workspace_id="ws_1", user_profile_id="up_1",
+    )  # fmt: skip
+    assert counted.input_tokens == plain.input_tokens > 10
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        client.messages.count_tokens(model=MODEL, messages=ASK, output_config={"effort": "huge"})

@@ -53,8 +53,10 @@ MESSAGES_FIELDS = frozenset(
         *_NO_OPS,
     }
 )
+# count_tokens: what shapes the prompt, and what the client's count_tokens also sends
 COUNT_TOKENS_FIELDS = frozenset(
     {"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management"}
+    | {"output_config", *_NO_OPS}
 )
 _UNSUPPORTED = {
     "container": "containers",
@@ -82,13 +84,13 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         if body.get(name) is not None:
             raise APIError(400, f"{what} are not supported", param=name)
     parsed = ParsedRequest("chat", _get(body, "model", (str,)))
+    for name, kinds in _NO_OPS.items():
+        _get(body, name, kinds)
+    parsed.structured = _output_format(body)  # count_tokens: checked, the prompt unchanged
     if not count_only:
         if body.get("max_tokens") is None:
             raise APIError(400, "max_tokens is required", param="max_tokens")
         parsed.stream = _get(body, "stream", (bool,), False)
-        for name, kinds in _NO_OPS.items():
-            _get(body, name, kinds)
-        parsed.structured = _output_format(body)
         metadata = _get(body, "metadata", (dict,), {})
         parsed.user = _get(metadata, "user_id", (str,))
         parse_sampling(body, parsed, "messages")

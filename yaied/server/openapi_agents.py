@@ -216,6 +216,11 @@ def _conversation_paths() -> dict[str, Any]:
     }
 
 
+# count_tokens' fields: the prompt's, and those the client sends beside them
+_COUNTED = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+            "context_management")  # fmt: skip
+
+
 def agent_paths() -> dict[str, Any]:
     return {
         **_conversation_paths(),
@@ -230,7 +235,7 @@ def agent_paths() -> dict[str, Any]:
         ),
         "/v1/messages/count_tokens": _post(
             "The prompt's token count for a Messages request",
-            {k: _MESSAGES[k] for k in ("model", "messages", "system", "tools", "tool_choice")},
+            {k: _MESSAGES[k] for k in _COUNTED},
             ["messages"],
         ),
         "/v1/embeddings": _post("Pooled, normalised hidden states", _EMBEDDINGS, ["input"]),
