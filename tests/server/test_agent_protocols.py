@@ -403,3 +403,31 @@ def test_anthropic_text_documents_are_read_as_text():
             "When is pay day?",
         }
     ]
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "words"),
+    [
+        ([IMAGE, {"type": "text", "text": "What is it?"}], "messages[0].content[0]",
+         "image blocks are not supported"),
+        ([{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
+         "messages[0].content[0]", "image blocks are not supported"),
+        ([{"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]}],
+         "messages[0].content[0].content[0]", "image blocks are not supported"),
+        ([{"type": "search_result", "source": "s", "title": "t", "content": []}],
+         "messages[0].content[0]", "search_result blocks are not supported"),
+        ([7], "messages[0].content[0]", "must be an object with a type"),
+        ([{"text": "no type"}], "messages[0].content[0]", "must be an object with a type"),
+    ],
+)  # fmt: skip
+def test_anthropic_blocks_the_model_cannot_read_are_clear_400s(content, param, words):
+    body = {"messages": [{"role": "user", "content": content}]}
+    for count_only in (False, True):  # count_tokens refuses them as create does
+        asked = body if count_only else {**body, "max_tokens": 5}
+        with pytest.raises(APIError) as caught:
+            parse_anthropic(asked, count_only=count_only)
+        assert caught.value.status == 400 and caught.value.param == param
+        assert words in caught.value.message, caught.value.message

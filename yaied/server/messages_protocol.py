@@ -145,8 +145,9 @@ def _system(value: Any) -> list[dict[str, Any]]:
 def _texts(blocks: list[Any], where: str) -> str:
     texts = []
     for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise APIError(400, f"{where}[{j}] must be a text block", param=where)
+        kind = _kind(block, f"{where}[{j}]")
+        if kind != "text":
+            raise _unread(kind, f"{where}[{j}]", f"{where}[{j}] must be a text block")
         if not isinstance(block.get("text"), str):
             raise APIError(400, f"{where}[{j}].text must be a string", param=where)
         texts.append(block["text"])
@@ -179,7 +180,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block, at)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
@@ -191,7 +192,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
         elif kind == "document" and role == "user":
             texts.append(_document(block, at))
         else:
-            raise APIError(400, f"{at}: a {role} message cannot hold a {kind!r} block", at)
+            raise _unread(kind, at, f"{at}: a {role} message cannot hold a {kind!r} block")
     out = list(results)
     if texts or calls or not results:
         item: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
@@ -199,6 +200,25 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
             item["tool_calls"] = calls
         out.append(item)
     return out
+
+
+# the blocks read here (somewhere): any other kind is one the model cannot read (_unread)
+_READ = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking", "document")
+
+
+def _kind(block: Any, at: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise APIError(400, f"{at} must be an object with a type (a content block)", param=at)
+    return block["type"]
+
+
+def _unread(kind: str, at: str, misplaced: str) -> APIError:
+    """The 400 for a block of ``kind`` where it cannot be: ``misplaced`` for a kind read
+    elsewhere, else one saying that kind is not supported (images: the model reads text)."""
+    if kind in _READ:
+        return APIError(400, misplaced, param=at)
+    why = " (the model reads text only)" if kind == "image" else ""
+    return APIError(400, f"{at}: {kind} blocks are not supported{why}", param=at)
 
 
 def _document(block: dict[str, Any], at: str) -> str:
