@@ -374,3 +374,16 @@ def test_a_cancelled_foreground_response_ends_failed_not_completed(client, live)
     assert last["response"]["status"] == "failed" and last["response"]["error"]
     assert client.responses.retrieve(last["response"]["id"]).status == "failed"
     assert not list(client.conversations.items.list(conversation.id))
+
+
+def test_a_bad_max_output_tokens_is_named_as_the_client_sent_it(live):
+    """The engine's check of max_tokens speaks chat's names; /v1/responses's client sent
+    max_output_tokens, and the error names that, in its param and its message."""
+    for asked in (0, 5000):  # below 1; past the context
+        response = httpx.post(live.v1 + "/responses", json={
+            "model": MODEL, "input": "x", "max_output_tokens": asked})  # fmt: skip
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"]
+        if asked == 0:
+            assert error["param"] == "max_output_tokens"

@@ -107,17 +107,16 @@ async def start_chat(
     put in the caller's key's namespace here). ``max_tokens_name``: the API's name for it."""
     limits = RequestLimits.from_config(server.config)
     asked = {"max_tokens": parsed.max_tokens} if parsed.max_tokens is not None else {}
-    try:
-        limits.check_parsed(parsed, {"user": parsed.user, **asked})
-    except APIError as exc:
-        if exc.param == "max_tokens":
-            exc.param = max_tokens_name
-            exc.message = exc.message.replace("max_tokens", max_tokens_name, 1)
-        raise
     chat = server.chat_settings(manager)
     size = request_size(parsed)
     key, template = request_key(request_id), server.config.chat_template
-    jobs = await server.off_loop(size, prepare_jobs, manager, parsed, key, template, limits, chat)
+    try:
+        limits.check_parsed(parsed, {"user": parsed.user, **asked})
+        jobs = await server.off_loop(
+            size, prepare_jobs, manager, parsed, key, template, limits, chat
+        )
+    except APIError as exc:
+        raise _named(exc, max_tokens_name) from None
     if not await _compile_grammar(manager, parsed, request):
         raise ClientGone
     server.check_queue(manager, len(jobs))
@@ -132,6 +131,16 @@ async def start_chat(
     )
     choice = new_choices(jobs, parsed, TokenText.of(manager.tokenizer), chat)[0]
     return AgentRun(choice, started, request_id)
+
+
+def _named(exc: APIError, max_tokens_name: str) -> APIError:
+    """``exc`` in the API's words: the limits and the engine's checks speak chat's max_tokens
+    (param max_completion_tokens or max_tokens), the client sent ``max_tokens_name``."""
+    if exc.param in ("max_tokens", "max_completion_tokens"):
+        exc.param = max_tokens_name
+    if exc.param == max_tokens_name or exc.code == "context_length_exceeded":
+        exc.message = exc.message.replace("max_tokens", max_tokens_name)
+    return exc
 
 
 async def collect(request: Request, started: Submitted, work: Callable[[], Awaitable[T]]) -> T:
