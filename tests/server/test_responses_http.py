@@ -387,3 +387,13 @@ def test_a_bad_max_output_tokens_is_named_as_the_client_sent_it(live):
         assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"]
         if asked == 0:
             assert error["param"] == "max_output_tokens"
+
+
+def test_retrieving_a_response_as_a_stream_is_refused(client):
+    """The client's responses.retrieve(id, stream=True) asks for the events again (OpenAI
+    replays a background response's): not kept here, so a 400, never JSON that the client's
+    stream reads as no events at all."""
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(client.responses.retrieve(response.id, stream=True))
+    assert client.responses.retrieve(response.id).id == response.id

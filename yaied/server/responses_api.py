@@ -74,6 +74,10 @@ def _store(request: Request) -> ResponseStore:
 
 
 async def get_response(request: Request) -> Response:
+    if request.query_params.get("stream", "false").lower() != "false":
+        # OpenAI replays a background response's events; none are kept here
+        raise APIError(400, "stored responses are not streamed here: GET without stream",
+                       param="stream")  # fmt: skip
     response_id = request.path_params["response_id"]
     namespace = _namespace(request)
     item = _store(request).get(namespace, response_id)
