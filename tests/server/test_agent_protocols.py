@@ -200,6 +200,8 @@ def test_anthropic_blocks_become_chat_messages():
         ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
           "mcp_servers": []}, "mcp_servers"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+          "metadata": {"user_id": 7}}, "metadata.user_id"),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
           "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
           "thinking": {"type": "adaptive", "display": "full"}}, "thinking"),

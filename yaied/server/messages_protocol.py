@@ -92,7 +92,8 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
             raise APIError(400, "max_tokens is required", param="max_tokens")
         parsed.stream = _get(body, "stream", (bool,), False)
         metadata = _get(body, "metadata", (dict,), {})
-        parsed.user = _get(metadata, "user_id", (str,))
+        user = {"metadata.user_id": metadata.get("user_id")}  # named as the client sent it
+        parsed.user = _get(user, "metadata.user_id", (str,))
         parse_sampling(body, parsed, "messages")
         if isinstance(body.get("stop_sequences"), str):  # the table's stop takes one; Anthropic not
             raise APIError(400, "stop_sequences must be a list of strings", "stop_sequences")
