@@ -8,6 +8,7 @@ import gc
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -59,3 +60,16 @@ def freeze_loaded_objects() -> None:
     are never walked again; what they hold is still freed by reference counting."""
     gc.collect()
     gc.freeze()
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """A process's end in words, from multiprocessing's ``exitcode`` (or a Popen returncode):
+    ``-N`` is a signal ("killed by signal 9 (SIGKILL)"), ``None`` an end not reaped yet."""
+    if exitcode is None:
+        return "exited (status unknown)"
+    if exitcode >= 0:
+        return f"exited with status {exitcode}"
+    try:
+        return f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+    except ValueError:  # a number with no name here
+        return f"killed by signal {-exitcode}"

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from yaied.core.config import EngineConfig
+from yaied.core.processes import describe_exit
 from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.child import ChildSpec, Sender, child_main
 from yaied.router.config import EngineEntry, RouterConfig
@@ -37,6 +38,7 @@ from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Healt
 
 log = logging.getLogger(__name__)
 _STABLE_SECONDS = 60.0  # a process that lived this long resets the restart backoff
+_REAP_SECONDS = 5.0  # after its pipe closed, how long a dying process gets to be reaped
 
 
 class LocalProcessHandle(EngineHandle):
@@ -68,6 +70,7 @@ class LocalProcessHandle(EngineHandle):
         self._failures = 0  # restarts in a row that failed or died young
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
+        self.last_exit: str | None = None  # how the last process ended, in words
 
     @property
     def pid(self) -> int | None:
@@ -130,7 +133,7 @@ class LocalProcessHandle(EngineHandle):
         incarnation = self._incarnation
         threading.Thread(
             target=self._read_events,
-            args=(event_r, loop, incarnation),
+            args=(event_r, loop, incarnation, process),
             name=f"yaied-events-{self.engine_id}",
             daemon=True,
         ).start()
@@ -139,7 +142,13 @@ class LocalProcessHandle(EngineHandle):
         self.health = Health.UP
         log.info("engine %s: process %d up", self.engine_id, process.pid)
 
-    def _read_events(self, conn: Connection, loop: asyncio.AbstractEventLoop, gen: int) -> None:
+    def _read_events(
+        self,
+        conn: Connection,
+        loop: asyncio.AbstractEventLoop,
+        gen: int,
+        process: multiprocessing.process.BaseProcess,
+    ) -> None:
         """The reader thread: every message into the loop; end-of-file means the child died."""
         try:
             while True:
@@ -149,8 +158,11 @@ class LocalProcessHandle(EngineHandle):
             pass
         finally:
             conn.close()
+            # The pipe closes as the child dies, a moment before it can be reaped: wait for its
+            # exit status here (off the loop), so the report says how it ended.
+            process.join(_REAP_SECONDS)
             with contextlib.suppress(RuntimeError):  # the loop closed first: nobody to tell
-                loop.call_soon_threadsafe(self._on_exit, gen)
+                loop.call_soon_threadsafe(self._on_exit, gen, process.exitcode)
 
     def _on_message(self, gen: int, message: tuple[Any, ...]) -> None:
         if gen != self._incarnation:
@@ -179,12 +191,12 @@ class LocalProcessHandle(EngineHandle):
         elif kind == "failed" and self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"engine {self.engine_id}: {message[1]}"))
 
-    def _on_exit(self, gen: int) -> None:
+    def _on_exit(self, gen: int, exitcode: int | None) -> None:
         if gen != self._incarnation:
             return
         self._incarnation += 1  # whatever the old process still had in flight is void
-        code = None if self.process is None else self.process.exitcode
-        reason = f"engine {self.engine_id} process exited (code {code})"
+        self.last_exit = describe_exit(exitcode)  # "killed by signal 9 (SIGKILL)", ...
+        reason = f"engine {self.engine_id} process {self.last_exit}"
         was_up = self.health is Health.UP
         self.health = Health.STOPPED if self._stopping else Health.DOWN
         for sender in (self._submit, self._aborts):
@@ -275,6 +287,7 @@ class LocalProcessHandle(EngineHandle):
             "device": self.entry.device,
             "pid": self.pid,
             "restarts": self.num_restarts,
+            "last_exit": self.last_exit,  # None until a process of it ended
             "tensor_parallel_size": self.child_spec().engine_config.engine.tensor_parallel_size,
         }
 

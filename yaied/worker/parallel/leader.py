@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from yaied.core.config import EngineConfig
+from yaied.core.processes import describe_exit
 from yaied.core.step import ScheduledSeq
 from yaied.worker.loader import LoadedModel
 from yaied.worker.model_runner import ModelRunner
@@ -128,7 +129,7 @@ class ProcessRank:
 
     def wait_loaded(self) -> None:
         multiprocessing.connection.wait([self.conn, self.process.sentinel])
-        message = ("failed", f"exited with code {self.process.exitcode}")
+        message = ("failed", describe_exit(self.process.exitcode))
         if self.conn.poll():
             with contextlib.suppress(EOFError):
                 message = self.conn.recv()
@@ -138,7 +139,7 @@ class ProcessRank:
     def exit_reason(self) -> str | None:
         if self.process.is_alive():
             return None
-        return f"tensor-parallel {self.name} exited (code {self.process.exitcode})"
+        return f"tensor-parallel {self.name} {describe_exit(self.process.exitcode)}"
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):

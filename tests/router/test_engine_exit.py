@@ -1,0 +1,63 @@
+"""How an engine process's end is reported: a process killed by a signal is named so ("killed by
+signal 9 (SIGKILL)"), never "code None", in the calls' loss reason, the log and GET /v1/engines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from yaied.core.config import load_config
+from yaied.core.model_info import ModelInfo
+from yaied.core.processes import describe_exit
+from yaied.core.request import SamplingParams
+from yaied.router import local_process
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import CallSink, Health
+from yaied.router.local_process import LocalProcessHandle
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_exit_codes_are_described_in_words():
+    assert describe_exit(-signal.SIGKILL) == "killed by signal 9 (SIGKILL)"
+    assert describe_exit(-signal.SIGSEGV) == "killed by signal 11 (SIGSEGV)"
+    assert describe_exit(0) == "exited with status 0"
+    assert describe_exit(3) == "exited with status 3"
+    assert describe_exit(-200) == "killed by signal 200"
+    assert describe_exit(None) == "exited (status unknown)"
+
+
+def idle_child_main(spec, submit_conn, abort_conn, event_conn) -> None:
+    """An engine process that is ready at once and then takes calls it never answers."""
+    event_conn.send(("ready", ModelInfo(512, 256)))
+    time.sleep(120)
+
+
+async def test_a_killed_engine_process_is_reported_by_its_signal(
+    tiny_model_dirs, monkeypatch, caplog
+):
+    monkeypatch.setattr(local_process, "child_main", idle_child_main)
+    config = load_config(env={}, overrides={"model": str(tiny_model_dirs["llama"])})
+    router = RouterConfig(restart_backoff_seconds=60)  # no restart within the test
+    handle = LocalProcessHandle("0", EngineEntry(device="cpu", threads=1), config, router)
+    await handle.start()
+    lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    sink = CallSink(lambda event: None, lost.set_result)
+    params = SamplingParams(max_tokens=4)
+    handle.submit("call-1", [1, 2], params, session_id=None, priority=0, sink=sink)
+    try:
+        with caplog.at_level(logging.ERROR, logger="yaied.router.local_process"):
+            os.kill(handle.pid, signal.SIGKILL)
+            reason = await asyncio.wait_for(lost, 20)
+        assert "killed by signal 9 (SIGKILL)" in reason, reason
+        assert "None" not in reason
+        assert any("killed by signal 9 (SIGKILL)" in r.getMessage() for r in caplog.records)
+        assert handle.health is Health.DOWN
+        assert handle.describe()["last_exit"] == "killed by signal 9 (SIGKILL)"
+    finally:
+        await handle.stop(2.0)
