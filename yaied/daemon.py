@@ -34,12 +34,12 @@ import time
 import uvicorn
 
 from yaied.core.config import EngineConfig
+from yaied.core.forwarding import is_loopback
 from yaied.core.processes import freeze_loaded_objects
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
-from yaied.server.guard import is_loopback
 from yaied.server.reload import ConfigReader, reload
 from yaied.server.shutdown import StopClock
 from yaied.systemd_notify import SystemdNotifier

@@ -48,8 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: ServerConfig, load_engine: Callable, model_name: str) -> LiveServer:
-    port = _free_port()
+def start_server(
+    config: ServerConfig, load_engine: Callable, model_name: str, port: int | None = None
+) -> LiveServer:
+    """The app on a real socket (``port``, else a free one), once its /health says 200."""
+    port = port or _free_port()
     app = build_app(config, load_engine, model_name)
     uv_config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(uv_config)

@@ -41,6 +41,9 @@ class Call:
     output_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     finished: bool = False
+    # The daemons it passed through before this one (X-Yaied-Via), for a remote engine to pass
+    # on: a daemon it comes back to refuses it (core/forwarding.py).
+    via: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from yaied.core.config import load_section, read_toml
+from yaied.core.forwarding import is_own_address
 from yaied.router.policy import POLICIES, RoutingThresholds
 
 ENGINE_KINDS = ("local", "remote", "ray")
@@ -236,6 +237,18 @@ def _check_url(url: str) -> None:
             problem = str(exc)
     if problem:
         raise ValueError(f"a remote engine needs url = http(s)://host:port, got {url!r}: {problem}")
+
+
+def refuse_own_address(entries: Iterable[EngineEntry], host: str, port: int) -> None:
+    """A ValueError for a remote engine whose URL is this daemon's own address (``host``:``port``,
+    what it listens on): its calls would come back here in a loop. The config's check; the
+    instance id (router/remote.py) catches the other names this daemon goes by."""
+    for entry in entries:
+        if entry.kind == "remote" and is_own_address(entry.url, host, port):
+            raise ValueError(
+                f"remote engine {entry.url} is this daemon's own address ({host}:{port}): its "
+                "calls would come back here in a loop; give another yaied daemon's URL"
+            )
 
 
 def _check_unique_names(entries: tuple[EngineEntry, ...]) -> None:

@@ -89,6 +89,9 @@ class EngineHandle(abc.ABC):
     # Whether submit takes ``output_ids``: a call moved from another engine, resumed after the
     # tokens its client has (AsyncEngine.add_request). Other kinds get only calls with no output.
     resumes: bool = False
+    # Whether submit takes ``via``: the daemons a call passed through, which a handle that
+    # forwards calls to another daemon sends on (X-Yaied-Via). Other kinds never get it.
+    forwards: bool = False
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id

@@ -67,6 +67,9 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         self.config = config or RouterConfig()
         self.engine_config = engine_config  # what local engines run, and the front's model
         self.handles: dict[str, EngineHandle] = {}
+        # This daemon among others: what its server answers as X-Yaied-Instance, what its
+        # remote engines add to X-Yaied-Via, and how one of them tells that it is this daemon.
+        self.instance_id = uuid.uuid4().hex
         self.lifecycle = LifecycleTracker(ttl_seconds=self.config.lifecycle_ttl_seconds)
         self.coordinator = KVCoordinator()
         self.inputs: InputProcessor | None = None  # the front end: tokenize and validate
@@ -184,6 +187,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         request_id: str | None = None,
         client_id: str | None = None,
         output_ids: Sequence[int] = (),
+        via: tuple[str, ...] = (),
     ) -> Call:
         """Route and start one call whose prompt and parameters have been through
         ``self.inputs`` (the one input path: they are not checked again). Its events go to
@@ -193,7 +197,8 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         (an HTTP request's X-Request-Id, shared by its choices and by any other request that sent
         the same id), which ``cancel_client_request`` matches exactly; it defaults to the key.
         ``output_ids``: tokens its caller has already (a router that moved the call here sent
-        them): it resumes after them, on an engine that resumes."""
+        them): it resumes after them, on an engine that resumes. ``via``: the daemons the call
+        came through (X-Yaied-Via), passed on by remote engines."""
         if self.inputs is None:
             raise NoEngineAvailable("the engines have not started")
         request_id = request_id or uuid.uuid4().hex
@@ -202,6 +207,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         client_id = request_id if client_id is None else client_id
         call = Call(request_id, session_id, prompt_ids, params, priority, sink, client_id)
         call.output_ids, call.streamed = list(output_ids), bool(output_ids)
+        call.via = via
         engine = self._route(call, exclude=set())
         if engine is None:
             raise NoEngineAvailable("no healthy engine can take the request")
@@ -219,7 +225,11 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
             )
             # A moved call resumes after what its caller has (only on engines that resume:
             # _route picked one); a copy, since a handle may send it from another thread.
-            resume = {"output_ids": list(call.output_ids)} if call.output_ids else {}
+            resume: dict[str, Any] = {}
+            if call.output_ids:
+                resume["output_ids"] = list(call.output_ids)
+            if engine.forwards:
+                resume["via"] = call.via
             try:
                 engine.submit(
                     call.request_id,

@@ -103,6 +103,7 @@ class EnginePool:
     coordinator: KVCoordinator
     config: RouterConfig
     engine_config: EngineConfig | None
+    instance_id: str
 
     def _init_pool(self) -> None:
         self.pool: dict[str, PoolEntry] = {}  # engine id -> its entry, for every live engine
@@ -158,7 +159,7 @@ class EnginePool:
         if entry.kind == "remote":
             from yaied.router.remote import RemoteHandle
 
-            return RemoteHandle(engine_id, entry, self.config)
+            return RemoteHandle(engine_id, entry, self.config, instance_id=self.instance_id)
         if self.engine_config is None:
             raise ValueError(f"a {entry.kind} engine needs the manager's engine_config")
         if entry.kind == "ray":  # Ray is imported only here, and joined once per process

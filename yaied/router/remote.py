@@ -23,6 +23,11 @@ the engine:
 - waiting for one of the ``remote_max_connections`` connections is back-pressure: calls queue
   there as they would in the remote's own queue. Probes use a client of their own, so a pool full
   of streams never fails one.
+
+Loops (core/forwarding.py): a remote whose /health answers with this daemon's own instance id is
+this daemon; it is refused (down for good, saying why, never probed again). Each call carries the
+daemons it came through plus this one (X-Yaied-Via); a daemon it came back to answers 508
+``forwarding_loop``, which moves the call elsewhere without counting against the remote.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import httpx
 import orjson
 
+from yaied.core.forwarding import INSTANCE_HEADER, LOOP_CODE, VIA_HEADER
 from yaied.core.ids import header_safe
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
@@ -95,6 +101,7 @@ class CircuitBreaker:
 class RemoteHandle(EngineHandle):
     kind = "remote"
     resumes = True  # a yaied daemon takes resume_token_ids
+    forwards = True  # and X-Yaied-Via
 
     def __init__(
         self,
@@ -103,9 +110,12 @@ class RemoteHandle(EngineHandle):
         router_config: RouterConfig,
         *,
         transport: httpx.AsyncBaseTransport | None = None,  # tests: a mock daemon
+        instance_id: str = "",  # this daemon's (the manager's): a remote answering it is us
     ) -> None:
         super().__init__(engine_id)
         self._transport = transport
+        self.instance_id = instance_id
+        self.refusal: str | None = None  # why it is refused for good (it is this daemon)
         self.url = entry.url.rstrip("/")
         self.api_key = entry.key
         self.interval = router_config.health_check_interval_seconds
@@ -142,6 +152,9 @@ class RemoteHandle(EngineHandle):
         up = await self._probe()
         self.health = Health.UP if up else Health.DOWN
         self.breaker.up = up
+        if self.refusal is not None:
+            log.error("%s", self.refusal)
+            return
         if not up:
             log.warning("remote engine %s (%s) does not answer; probing", self.engine_id, self.url)
         self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
@@ -150,7 +163,14 @@ class RemoteHandle(EngineHandle):
         client = self._probe_client
         assert client is not None
         try:
-            if (await client.get("/health")).status_code != 200:
+            health = await client.get("/health")
+            if self.instance_id and health.headers.get(INSTANCE_HEADER) == self.instance_id:
+                self.refusal = (
+                    f"remote engine {self.engine_id} ({self.url}) is this daemon itself: its calls "
+                    "would come back here in a loop; refused (give another daemon's URL)"
+                )
+                return False
+            if health.status_code != 200:
                 return False
             if self.info is None:
                 models = (await client.get("/v1/models")).json()["data"]
@@ -164,7 +184,13 @@ class RemoteHandle(EngineHandle):
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self._record(await self._probe())
+            ok = await self._probe()
+            if self.refusal is not None:  # this daemon under another name: down for good
+                log.error("%s", self.refusal)
+                self.health, self._stats = Health.DOWN, None
+                self._lost()
+                return
+            self._record(ok)
 
     def _record(self, ok: bool) -> None:
         changed = self.breaker.record(ok)
@@ -203,12 +229,15 @@ class RemoteHandle(EngineHandle):
         priority: int,
         sink: CallSink,
         output_ids: Sequence[int] = (),
+        via: Sequence[str] = (),
     ) -> None:
         if self.health is not Health.UP or self._client is None:
             raise EngineUnavailable(f"remote engine {self.engine_id} is {self.health.value}")
         headers = {"X-Request-Id": header_safe(request_id)}
         if session_id is not None:  # may be any string (the OpenAI `user`): encoded
             headers["X-Session-Id"] = header_safe(session_id)
+        if self.instance_id:  # the daemons it passed through, and this one
+            headers[VIA_HEADER] = ",".join((*via, self.instance_id))
         body = request_body(prompt_ids, params, priority, output_ids)
         reader = asyncio.get_running_loop().create_task(
             self._read(request_id, (len(prompt_ids), len(output_ids)), body, headers, sink)
@@ -264,9 +293,13 @@ class RemoteHandle(EngineHandle):
     ) -> TokenEvent | EngineUnavailable:
         """A non-200 answer: the engine's trouble (5xx, 429: try elsewhere) or the call's (4xx)."""
         text = (await response.aread()).decode(errors="replace")
+        code = None
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            text = orjson.loads(text)["error"]["message"]
+            error = orjson.loads(text)["error"]
+            text, code = str(error["message"]), error.get("code")
         status = response.status_code
+        if status == 508 and code == LOOP_CODE:  # the call came round: elsewhere, no failure
+            return EngineUnavailable(f"remote engine {self.engine_id}: {text}")
         if status >= 500:
             self._record(False)
         if status >= 500 or status == 429:
@@ -277,4 +310,19 @@ class RemoteHandle(EngineHandle):
         return self._stats
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url}
+        where: dict[str, Any] = {"url": self.url}
+        if self.refusal is not None:
+            where["error"] = self.refusal
+        return where
+
+
+async def instance_at(url: str, api_key: str = "", timeout: float = 3.0) -> str | None:
+    """The instance id the daemon at ``url`` answers with; None when it does not answer in
+    ``timeout`` seconds or sends none (not a yaied daemon, or an older one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+            response = await client.get(url.rstrip("/") + "/health")
+    except httpx.HTTPError:
+        return None
+    return response.headers.get(INSTANCE_HEADER)

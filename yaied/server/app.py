@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from yaied.core.forwarding import is_loopback
 from yaied.server import (
     conversations_api,
     embeddings,
@@ -35,7 +36,8 @@ from yaied.server.chat_protocol import parse_template_options
 from yaied.server.config import ServerConfig
 from yaied.server.error_shape import AnthropicErrors
 from yaied.server.errors import APIError, error_body, from_value_error, json_response
-from yaied.server.guard import GuardMiddleware, is_loopback
+from yaied.server.guard import GuardMiddleware
+from yaied.server.hops import HopsMiddleware
 from yaied.server.keys import KeyTable
 from yaied.server.openapi import openapi_schema
 from yaied.server.protocol import parse_detokenize, parse_tokenize
@@ -220,6 +222,7 @@ def build_app(
         allowed_origins=config.cors_allow_origins,
         send_timeout=config.send_timeout_seconds,
     )
+    app.add_middleware(HopsMiddleware)  # this daemon's id on every answer; loops refused
     app.add_middleware(AnthropicErrors)  # outside the guard and auth: their refusals too
     if config.cors_allow_origins:  # off by default: browsers on other sites get no access
         # Outside auth and the guard, so preflights (which carry no key) are answered, and

@@ -4,7 +4,8 @@
                                     recently removed ones too (state "removed")
     POST   /v1/engines              add one: {"kind": "local", "device": ..., "threads": ...} or
                                     {"kind": "remote", "url": ..., "api_key": ...}, and "name";
-                                    202, it takes calls once its state is "up"
+                                    202, it takes calls once its state is "up"; 400 for
+                                    a remote that is this daemon (core/forwarding.py)
     POST   /v1/engines/{id}/drain   no new calls go there; in-flight ones finish
     DELETE /v1/engines/{id}?timeout=30
                                     drain, then stop it after its calls finish (or the timeout);
@@ -26,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.router.config import EngineEntry, parse_engine_entry
+from yaied.router.config import EngineEntry, parse_engine_entry, refuse_own_address
 from yaied.router.manager import EngineManager
+from yaied.router.remote import instance_at
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
@@ -101,6 +103,7 @@ async def add_engine(request: Request) -> Response:
     who = _admin(request)
     manager = _manager(request)
     entry = engine_entry(await read_json(request))
+    await _refuse_self(request, manager, entry)
     try:
         engine_id = manager.add_engine(entry, name=entry.name or None, origin="api")
     except ValueError as exc:
@@ -135,6 +138,26 @@ async def remove_engine(request: Request) -> Response:
         manager.start_removal(engine_id, timeout)
         log.info("engines: key %s removes engine %s (timeout %g s)", who, engine_id, timeout)
     return json_response(_status(manager, engine_id), 202)
+
+
+async def _refuse_self(request: Request, manager: EngineManager, entry: EngineEntry) -> None:
+    """400 for a remote engine that is this daemon: its address, or (another name for it) a
+    daemon that answers with this one's instance id. One that does not answer now is added, and
+    its handle checks the same once it does."""
+    if entry.kind != "remote":
+        return
+    config = request.state.server.config
+    try:
+        refuse_own_address([entry], config.host, config.port)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="url") from None
+    if await instance_at(entry.url, entry.key) == manager.instance_id:
+        raise APIError(
+            400,
+            f"remote engine {entry.url} is this daemon itself: its calls would come back here "
+            "in a loop; give another yaied daemon's URL",
+            param="url",
+        )
 
 
 def _refuse_last(manager: EngineManager, engine_id: str) -> None:

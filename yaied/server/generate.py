@@ -37,6 +37,7 @@ from yaied.server.errors import (
     json_response,
     public_error,
 )
+from yaied.server.hops import via_of
 from yaied.server.keys import scoped_id
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest, parse_completion
@@ -101,6 +102,7 @@ async def _generate(request: Request, kind: str) -> Response:
         client_id=scoped_id(api_key, request_id),
         session_id=session_id,
         priority=parsed.priority if may_set_priority(request) else 0,
+        via=via_of(request.headers),  # the daemons it came through, when forwarded to us
     )
     events = started.events.events()
     if parsed.stream:

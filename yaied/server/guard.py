@@ -21,11 +21,11 @@ long, then the connection is closed and its calls are cancelled.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from yaied.core.forwarding import is_loopback
 from yaied.core.ids import MAX_ID_CHARS
 from yaied.server.errors import APIError
 
@@ -36,17 +36,6 @@ _ID_HEADERS = (b"x-request-id", b"x-session-id")
 
 class SendTimeout(TimeoutError):
     """A client did not take a response's bytes within the send timeout."""
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback address or name: 127.0.0.0/8, ::1, localhost (and its subdomains)."""
-    host = host.strip("[]").lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_name(value: str) -> str:

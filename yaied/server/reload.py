@@ -23,7 +23,7 @@ from typing import Any
 from yaied.core.config import load_config
 from yaied.router.autoscale import AutoscaleConfig, load_autoscale_config
 from yaied.router.build import local_entries
-from yaied.router.config import EngineEntry, RouterConfig, load_router_config
+from yaied.router.config import EngineEntry, RouterConfig, load_router_config, refuse_own_address
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.keys import KeyTable
 from yaied.server.state import ServerState
@@ -59,6 +59,7 @@ def config_reader(
         load_config(path)
         server = load_server_config(path, overrides=server_flags)
         router, entries = load_router_config(path, overrides=router_flags)
+        refuse_own_address(entries, server.host, server.port)
         return DaemonConfig(server, router, entries, load_autoscale_config(path))
 
     return read

@@ -286,6 +286,7 @@ def submit_jobs(
     client_id: str,
     session_id: str | None,
     priority: int,
+    via: tuple[str, ...] = (),
 ) -> Submitted:
     """Route and start every job's call (validated by build_jobs) before anything is sent to the
     client: a refusal is an APIError (503 when no engine can take the call), and the calls
@@ -306,6 +307,7 @@ def submit_jobs(
                 request_id=job.request_id,
                 client_id=client_id,
                 output_ids=job.output_ids,
+                via=via,
             )
             submitted.calls.append((job, sink.call, timer))
     except BaseException as exc:
