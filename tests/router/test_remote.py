@@ -109,6 +109,14 @@ def test_router_config_from_toml_env_and_overrides(tmp_path):
         ('[[engines]]\nkind = "remote"\nurl = "http://h:99999"\n', "needs url.*out of range"),
         ('[[engines]]\nkind = "remote"\nurl = "http://"\n', "needs url.*no host"),
         ('[[engines]]\nname = "a"\n[[engines]]\nname = "a"\n', "share a name: a"),
+        # resources as a list was a TypeError (a 500 over POST /v1/engines, a traceback at start)
+        ('[[engines]]\nkind = "ray"\nresources = [1, 2]\n', "resources must be a table"),
+        ('[[engines]]\nkind = "ray"\nresources = "CPU"\n', "resources must be a table"),
+        ('[[engines]]\ndevice_ids = "0"\n', "device_ids must be a list of integers"),
+        # accepted, then the engine failed to start (int("x")) or saw CUDA_VISIBLE_DEVICES=-1
+        ('[[engines]]\ndevice = "cuda:x"\n', "engines.device must be"),
+        ('[[engines]]\ndevice = "cuda:-1"\n', "engines.device must be"),
+        ('[[engines]]\ndevice = "cuda"\ndevice_ids = [-1]\n', "device_ids must be >= 0"),
     ],
 )
 def test_router_config_errors(tmp_path, toml, message):

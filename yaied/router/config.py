@@ -34,6 +34,7 @@ from yaied.router.policy import POLICIES, RoutingThresholds
 ENGINE_KINDS = ("local", "remote", "ray")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray's names
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_CUDA_N = re.compile(r"cuda:[0-9]{1,4}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +127,10 @@ class EngineEntry:
             raise ValueError(f"engines.name is 1 to 64 of [A-Za-z0-9._:-], got {self.name!r}")
         if self.threads < 0:
             raise ValueError(f"engines.threads must be >= 0, got {self.threads}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+        if self.device not in ("auto", "cpu", "cuda") and not _CUDA_N.fullmatch(self.device):
             raise ValueError(f"engines.device must be auto, cpu, cuda or cuda:N: {self.device!r}")
+        if any(i < 0 for i in self.device_ids):
+            raise ValueError(f"engines.device_ids must be >= 0, got {list(self.device_ids)}")
         if self.tensor_parallel_size < 0:
             raise ValueError(
                 f"engines.tensor_parallel_size must be >= 0: {self.tensor_parallel_size}"
@@ -262,13 +265,17 @@ def parse_engine_entry(table: dict[str, Any]) -> EngineEntry:
     known = {f.name: type(f.default) for f in dataclasses.fields(EngineEntry) if f.init}
     table = dict(table)
     for key, value in table.items():
-        if key == "resources" and isinstance(value, dict):  # resources = {CPU = 2}
+        if key == "resources":  # resources = {CPU = 2}
+            if not isinstance(value, dict):
+                raise ValueError(f"engines.resources must be a table like {{CPU = 2}}: {value!r}")
             table[key] = value = _resources(value)
             continue
         if key not in known:
             raise ValueError(f"unknown setting engines.{key}; known: {', '.join(known)}")
-        if known[key] is tuple and isinstance(value, list):  # device_ids = [2, 3]
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if known[key] is tuple:  # device_ids = [2, 3]
+            if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
                 raise ValueError(f"engines.{key} must be a list of integers, got {value!r}")
             table[key] = value = tuple(value)
         if not isinstance(value, known[key]) or isinstance(value, bool):
