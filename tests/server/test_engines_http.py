@@ -3,6 +3,7 @@ only (403 for other keys and for everyone on a daemon without keys), over fake e
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -118,3 +119,35 @@ def test_with_every_engine_down_calls_get_503_with_retry_after_and_serve_again_l
         assert client.get("/health").status_code == 503
         engine.health = Health.UP  # a restarted process, a remote probed back
         assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_the_last_engine_up_stays_while_its_replacement_starts():
+    """A replacement still starting (or down) serves nothing yet: removing or draining the one
+    engine up would leave the daemon answering 503 (and, if the replacement never comes up, with
+    no engine at all). Once the replacement is up, the old one goes."""
+    with serve(KEYS) as client:
+        manager = client.app.state.server.manager
+        client.portal.call(_add, manager, StartsForever("1"))
+        for refused in (
+            client.delete("/v1/engines/first?timeout=0", headers=ADMIN),
+            client.post("/v1/engines/first/drain", headers=ADMIN),
+        ):
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"]["code"] == "last_engine"
+        # The one not serving may go: that changes nothing for the calls.
+        assert client.delete("/v1/engines/1?timeout=0", headers=ADMIN).status_code == 202
+        wait_for(lambda: manager.engine_state("1") == "removed")
+        up = FakeEngine("2")
+        client.portal.call(_add, manager, up)
+        wait_for(lambda: manager.engine_state("2") == "up")
+        assert client.delete("/v1/engines/first?timeout=0", headers=ADMIN).status_code == 202
+        assert client.get("/health").status_code == 200
+
+
+class StartsForever(FakeEngine):
+    async def start(self) -> None:
+        await asyncio.Event().wait()  # a model that takes its time to load
+
+
+async def _add(manager: EngineManager, handle: FakeEngine) -> None:
+    manager.add_engine(handle, origin="api")

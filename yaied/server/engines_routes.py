@@ -161,13 +161,17 @@ async def _refuse_self(request: Request, manager: EngineManager, entry: EngineEn
 
 
 def _refuse_last(manager: EngineManager, engine_id: str) -> None:
-    """An operator's slip should not take the whole service down: the last engine that is
-    not on its way out stays (add its replacement first)."""
-    others = [i for i, e in manager.pool.items() if i != engine_id and not e.draining]
-    if engine_id in manager.pool and not manager.pool[engine_id].draining and not others:
+    """An operator's slip should not take the whole service down: the last engine serving (up,
+    not draining) stays until another serves. A replacement still starting, or a dead one
+    restarting, serves nothing yet; an engine that does not serve itself may always go."""
+    if engine_id not in manager.pool or not manager.routable(engine_id):
+        return
+    if not any(manager.routable(i) for i in manager.pool if i != engine_id):
+        starting = [i for i in manager.pool if manager.engine_state(i) == "starting"]
+        wait = f"; wait until engine {starting[0]} is up" if starting else ""
         raise APIError(
             409,
-            f"engine {engine_id} is the last one serving; add another first",
+            f"engine {engine_id} is the last one serving; add another first{wait}",
             code="last_engine",
         )
 
