@@ -4,7 +4,9 @@ daemon does, and POST /v1/completions streams SSE in one of these modes:
 - ``ok``: a token, the final chunk (``stop``), the usage chunk, ``[DONE]``, after ``hold`` s;
 - ``malformed``: a token, then a line that is not JSON;
 - ``bad_finish``: a token, then a finish reason no daemon sends;
-- ``slow``: a token every 50 ms for a long time (stop the process to make it fall silent).
+- ``slow``: a token every 50 ms for a long time (stop the process to make it fall silent);
+- ``close``: a token, then the connection closes, with no finish and no ``[DONE]``;
+- ``not_http``: a line that is not an HTTP response, then the connection closes.
 
 In-process (``async with FakeRemote(mode) as remote``) or as a process of its own, which prints
 its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
@@ -17,7 +19,7 @@ import sys
 
 import orjson
 
-_MODES = ("ok", "malformed", "bad_finish", "slow")
+_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http")
 
 
 def _chunk(finish: str | None = None, ids: tuple[int, ...] = (5,)) -> bytes:
@@ -85,6 +87,10 @@ class FakeRemote:
         self.open_streams += 1
         self.peak_streams = max(self.peak_streams, self.open_streams)
         try:
+            if self.mode == "not_http":
+                writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+                await writer.drain()
+                return
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
             writer.write(b"connection: close\r\n\r\n" + _chunk())
             await writer.drain()
@@ -95,6 +101,8 @@ class FakeRemote:
                 writer.write(b'data: {"choices": [{"text": \n\n')
             elif self.mode == "bad_finish":
                 writer.write(_chunk("exploded", ()) + _USAGE + b"data: [DONE]\n\n")
+            elif self.mode == "close":
+                pass  # the connection closes on the way out
             else:
                 for _ in range(100_000):
                     writer.write(_chunk())

@@ -174,3 +174,34 @@ def test_router_config_rejects_a_bad_pool_or_read_timeout():
     with pytest.raises(ValueError, match="remote_read_timeout_seconds"):
         RouterConfig(remote_read_timeout_seconds=0)
     assert RouterConfig().remote_max_connections > 1024  # above server.max_queue_len
+
+
+@pytest.mark.parametrize("mode", ["close", "not_http", "malformed"])
+async def test_calls_on_a_remote_that_breaks_its_streams_move_to_another(mode):
+    """A remote that closes its streams mid-way, or answers something that is not HTTP: each
+    call on it moves to the other remote (after the token it sent, when it sent one) and ends
+    there; none waits, none is lost, and the broken remote goes down."""
+    async with FakeRemote(mode) as bad, FakeRemote("ok") as good:
+        config = RouterConfig(remote_read_timeout_seconds=READ_TIMEOUT)
+        manager = EngineManager(config)
+        for i, url in enumerate((bad.url, good.url)):
+            entry = EngineEntry(kind="remote", url=url)
+            manager.add_engine(remote.RemoteHandle(str(i), entry, config))
+        manager.inputs = InputProcessor(
+            None, SimpleNamespace(eos_token_id=None), ModelInfo(512, 256)
+        )
+        await manager.start()
+        outputs = await asyncio.wait_for(run_calls(manager, 8), 10)
+        assert [o.finish_reason for o in outputs] == [FinishReason.STOP] * 8
+        moved = manager.migrations["moved"]
+        assert 1 <= moved <= 8 and manager.migrations["failed"] == 0
+        assert len(bad.headers) == moved  # each call that went there moved
+        assert len(good.headers) == 8  # the calls routed there, and those moved there
+        for _ in range(100):
+            if not manager._calls and not any(manager._outstanding.values()):
+                break
+            await asyncio.sleep(0.01)
+        assert not manager._calls and not any(manager._outstanding.values())
+        if moved >= config.failure_threshold:
+            assert manager.handles["0"].health is Health.DOWN
+        await manager.stop()
