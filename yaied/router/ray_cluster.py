@@ -105,6 +105,13 @@ def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
     raise ValueError(f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})")
 
 
+def check_entry(address: str, entry: EngineEntry, world_size: int) -> None:
+    """Join the cluster at ``address`` and check that a node could hold the engine (ValueErrors
+    of one line). Blocking: starting a local Ray instance takes seconds, so a caller on an event
+    loop runs this in a thread (the HTTP route that adds engines does)."""
+    check_feasible(connect(address), entry, world_size)
+
+
 def _holds(node: dict[str, Any], bundle: dict[str, float], copies: int) -> bool:
     return _copies(node, bundle) >= copies
 

@@ -19,6 +19,7 @@ logged with the key's name.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -29,6 +30,7 @@ from starlette.routing import Route
 
 from yaied.router.config import EngineEntry, parse_engine_entry, refuse_own_address
 from yaied.router.manager import EngineManager
+from yaied.router.ray_cluster import check_entry
 from yaied.router.remote import instance_at
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
@@ -104,6 +106,7 @@ async def add_engine(request: Request) -> Response:
     manager = _manager(request)
     entry = engine_entry(await read_json(request))
     await _refuse_self(request, manager, entry)
+    await _check_ray(manager, entry)
     try:
         engine_id = manager.add_engine(entry, name=entry.name or None, origin="api")
     except ValueError as exc:
@@ -138,6 +141,18 @@ async def remove_engine(request: Request) -> Response:
         manager.start_removal(engine_id, timeout)
         log.info("engines: key %s removes engine %s (timeout %g s)", who, engine_id, timeout)
     return json_response(_status(manager, engine_id), 202)
+
+
+async def _check_ray(manager: EngineManager, entry: EngineEntry) -> None:
+    """A ray engine: join the cluster (the first one starts or joins Ray, for seconds) and
+    check its resources in a thread, so the streams and probes on the event loop go on."""
+    if entry.kind != "ray" or manager.engine_config is None:
+        return  # add_engine refuses it, with its reason
+    size = entry.tensor_parallel_size or manager.engine_config.engine.tensor_parallel_size
+    try:
+        await asyncio.to_thread(check_entry, manager.config.ray_address, entry, size)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 async def _refuse_self(request: Request, manager: EngineManager, entry: EngineEntry) -> None:
