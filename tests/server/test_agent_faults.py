@@ -60,6 +60,11 @@ def test_responses_fail_in_openais_shape(live):
     assert streamed[0]["type"] == "response.created"
     assert streamed[-1]["type"] == "response.failed"
     assert streamed[-1]["response"]["error"]["message"]
+    # the failed stream's response is stored as failed, as a cancelled one is: its id (which
+    # the client read from response.created) answers, not 404
+    stored = httpx.get(f"{live.url}/v1/responses/{streamed[0]['response']['id']}", timeout=60)
+    assert stored.status_code == 200, stored.text
+    assert stored.json()["status"] == "failed" and stored.json()["error"]["message"]
     assert post(live, "/v1/responses", body, "fine-r").status_code == 200
 
 

@@ -384,6 +384,7 @@ async def _events(
     except APIError as exc:
         error = {"code": str(exc.code or exc.status), "message": exc.message}
         failed = {**turn.body("failed", run), "error": error}
+        _keep(store, namespace, turn, failed)  # its id was in response.created: GET finds it
         yield write("response.failed", response=failed)
         return
     body = _ended(turn, run)
