@@ -68,6 +68,12 @@ _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # here) or off
 _THINKING = ("enabled", "adaptive", "between_tools", "disabled")
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+def _is_budget(value: Any) -> bool:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    return ok and value >= _MIN_THINKING_BUDGET
 
 
 @dataclass(slots=True)
@@ -110,6 +116,11 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         if kind not in _THINKING:
             text = f"thinking.type must be one of {', '.join(_THINKING)}"
             raise APIError(400, text, "thinking.type")
+        budget = thinking.get("budget_tokens")
+        if (budget is not None or kind == "enabled") and not _is_budget(budget):
+            # Anthropic's bounds; over max_tokens is allowed (interleaved thinking goes past it)
+            text = f"thinking.budget_tokens must be an integer >= {_MIN_THINKING_BUDGET}"
+            raise APIError(400, text, "thinking.budget_tokens")
         display = thinking.get("display")
         if display not in (None, "summarized", "omitted"):
             raise APIError(400, "thinking.display must be summarized or omitted", "thinking")
