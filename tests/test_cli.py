@@ -176,6 +176,32 @@ def test_unknown_model(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("host", "pattern"),
+    [
+        ("127.0.0.1", r"cannot listen on 127\.0\.0\.1:\d+: .*[Aa]ddress already in use"),
+        ("no such host.invalid", r"cannot listen on no such host\.invalid:\d+: "),
+    ],
+)
+def test_serve_on_an_address_it_cannot_listen_on(
+    capsys, tiny_model_dirs, monkeypatch, host, pattern
+):
+    """A port in use or a host that does not resolve is one line and exit 2, before the model
+    loads: not uvicorn's log lines, exit 3, and a "ready ... listening on" for a socket it never
+    had, after a load (a first conversion takes seconds) nobody can use."""
+    import socket
+
+    loads = []
+    monkeypatch.setattr(AsyncEngine, "__init__", lambda self, *a, **k: loads.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--host", host, "--port", port]
+        assert_one_line_error(*run_main(capsys, *argv), pattern)
+    assert loads == []
+
+
+@pytest.mark.parametrize(
     ("command", "pattern"),
     [(["chat"], "has no chat template"), (["serve", "--prompt", "Hi"], "has no tokenizer")],
 )

@@ -1,9 +1,11 @@
 """The daemon: the engines behind the HTTP server, listening before the model has loaded.
 
 ``run_server`` binds at once, so probes get a 503 from ``/health`` (not a refused connection)
-while the engine loads in a thread. If loading fails (unknown model, a pool too small for one
-context, ...) the server stops and the error propagates to the caller, so `yaied serve` exits
-non-zero with a one-line message and systemd can restart or report it.
+while the engine loads in a thread. It binds before anything loads: a port in use or a host that
+does not resolve is an OSError (one line from the CLI), not a load nobody can reach. If loading
+fails (unknown model, a pool too small for one context, ...) the server stops and the error
+propagates to the caller, so `yaied serve` exits non-zero with a one-line message and systemd can
+restart or report it.
 
 Shutdown (SIGTERM or SIGINT) drains first:
 
@@ -28,6 +30,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -172,6 +175,7 @@ def run_server(
     app = build_app(
         server_config, load_engine, engine_config.model.model, on_load_failure=load_failed
     )
+    sockets = listening_sockets(server_config.host, server_config.port)
     warn_if_exposed(server_config)
     config = uvicorn.Config(
         app,
@@ -187,12 +191,39 @@ def run_server(
     # No-op handlers here make that harmless, so a stopped daemon exits 0, as systemd expects.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=sockets)  # uvicorn closes them when it stops
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failure:
         raise failure[0]
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address ``host`` resolves to, as uvicorn would bind them, or an
+    OSError naming the address. uvicorn binds only after the app's startup, which begins the
+    model's load, and reports a failed bind as log lines and exit code 3."""
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        sockets: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(found):
+                sock = socket.socket(family, kind, proto)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # "::" must not take the IPv4 port as well
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from exc
+    return sockets
 
 
 def warn_if_exposed(config: ServerConfig) -> bool:
