@@ -45,6 +45,34 @@ def test_chat_template_is_a_file_or_the_text(tmp_path):
     assert ServerConfig().chat_template == ""
 
 
+def test_a_chat_template_path_that_is_no_file_is_refused(tmp_path):
+    # Not a template: every chat prompt would be this path, verbatim.
+    for value in (str(tmp_path / "chatml.jinja"), str(tmp_path), "templates/chatml.jinja"):
+        with pytest.raises(ValueError, match="server.chat_template .*no such file"):
+            ServerConfig(chat_template=value)
+
+
+@pytest.mark.parametrize("where", ["file", "text"])
+def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path, where):
+    # Accepted, it failed every chat request with a 400 blaming the client's messages.
+    broken = "{% for m in messages %}{{ m.content }}"  # no endfor
+    value = broken
+    if where == "file":
+        (tmp_path / "t.jinja").write_text(broken)
+        value = str(tmp_path / "t.jinja")
+    with pytest.raises(ValueError, match=r"server.chat_template .*: line 1: .*endfor"):
+        ServerConfig(chat_template=value)
+
+
+def test_chat_templates_may_use_what_transformers_renders_with():
+    # loop controls and the {% generation %} tag of assistant masks, as transformers allows
+    template = (
+        "{% for m in messages %}{% if loop.index > 8 %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    )
+    assert ServerConfig(chat_template=template).chat_template == template
+
+
 class StubTokenizer:
     def __init__(self, chat_template: str | None) -> None:
         self.chat_template = chat_template

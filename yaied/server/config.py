@@ -111,14 +111,44 @@ def read_api_key_file(path: str) -> tuple[str, ...]:
 
 
 def read_chat_template(value: str) -> str:
-    """The template text: the file's contents when ``value`` names a file, else ``value``."""
-    if not value or not os.path.isfile(value):
+    """The template text: the file's contents when ``value`` names a file, else ``value``, which
+    must then look like a Jinja template (a mistyped path would otherwise become every chat
+    prompt, verbatim). A template that does not parse is refused here, at start-up, instead of
+    failing every chat request with a 400 that blames the request's messages."""
+    if not value:
         return value
+    if os.path.isfile(value):
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise ValueError(f"server.chat_template {value!r}: {reason}") from None
+        where = repr(value)
+    elif "{{" in value or "{%" in value:
+        text, where = value, "(the text given)"
+    else:
+        raise ValueError(
+            f"server.chat_template {value!r}: no such file, and no Jinja template either"
+        )
+    check_template_syntax(text, f"server.chat_template {where}")
+    return text
+
+
+def check_template_syntax(text: str, name: str) -> None:
+    """ValueError, naming the line, when ``text`` is not a template transformers can compile
+    (its own environment: loop controls, the ``{% generation %}`` tag). Skipped if that
+    helper, not a public one, has moved: the request path still reports the error."""
     try:
-        return Path(value).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
-        raise ValueError(f"server.chat_template {value!r}: {reason}") from None
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as exc:
+        message = " ".join(str(exc.message).split())
+        raise ValueError(f"{name}: line {exc.lineno}: {message}") from None
 
 
 def load_server_config(
