@@ -53,3 +53,19 @@ def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
             finally:
                 proc.kill()
     assert "2 engine(s) [0: local, 1: local]" in log_path.read_text()
+
+
+@pytest.mark.slow  # two engine processes start (and fail)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("engines", ["1", "2"])
+def test_an_engine_that_cannot_load_with_these_settings_is_one_line(tiny_model_dirs, engines):
+    """A setting only the engine can judge (a KV pool too small for one context) stops the start
+    with one line and exit 2, in engine processes as in the daemon's own: it was a traceback
+    (the child's failure came back as a RuntimeError) and exit 1, after a logged traceback."""
+    argv = ["--engines", engines, "--kv-cache-gib", "0.000001"]
+    code = serve_command(tiny_model_dirs["llama"], free_port(), *argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("yaied: error: ") and "KV pool" in last, done.stderr

@@ -85,7 +85,12 @@ def child_main(
 
         engine = AsyncEngine(spec.engine_config, show_progress=False)
     except BaseException as exc:
-        sender.put(("failed", f"{type(exc).__name__}: {exc}"))
+        # A ValueError or OSError is a setting or a file the user can fix (the daemon's own
+        # engine raises the same): the router raises it as such, for one line from the CLI.
+        user_error = isinstance(exc, ValueError | OSError)
+        sender.put(
+            ("failed", str(exc) if user_error else f"{type(exc).__name__}: {exc}", user_error)
+        )
         sender.close()
         sender.join(10)
         return

@@ -189,7 +189,8 @@ class LocalProcessHandle(EngineHandle):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
         elif kind == "failed" and self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"engine {self.engine_id}: {message[1]}"))
+            error = ValueError if message[2] else RuntimeError  # see child_main
+            self._ready.set_exception(error(f"engine {self.engine_id}: {message[1]}"))
 
     def _on_exit(self, gen: int, exitcode: int | None) -> None:
         if gen != self._incarnation:

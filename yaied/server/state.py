@@ -104,7 +104,12 @@ class ServerState:
             await manager.start()
             manager.inputs.grammars.on_compile = self.metrics.observe_compile
         except Exception as exc:
-            log.exception("loading the engine failed")
+            if isinstance(exc, ValueError | OSError):
+                # A setting or a file the user can fix: `yaied serve` prints it as one line, so
+                # the traceback is only for --log-level debug, as the CLI's own.
+                log.debug("loading the engine failed", exc_info=True)
+            else:
+                log.exception("loading the engine failed")
             self.load_error = exc
             return
         self.manager = manager
