@@ -132,6 +132,20 @@ def test_errors_and_ctrl_c_drop_the_turn_and_keep_the_chat(capsys, monkeypatch):
     assert [m["content"] for m in last] == ["S", "one", "Hello", "four"]  # failed turns dropped
 
 
+def test_a_line_that_is_not_utf8_is_skipped_and_the_chat_goes_on(capsys, monkeypatch):
+    # Bytes that are not UTF-8 (a Latin-1 terminal, a pasted binary) reach input() as lone
+    # surrogates: the JSON encoder refused them and the chat ended (exit 2); offline, the
+    # tokenizer raised a TypeError traceback.
+    FakeClient.turns, FakeClient.bodies, FakeClient.closed = [["Ok."]], [], []
+    monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
+    lines = ["caf\udce9", "Hello"]
+    code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x")
+    assert code == 0, err
+    assert out == "Ok.\n"
+    assert err == "yaied: that line is not valid UTF-8 (check the terminal's encoding); not sent\n"
+    assert [m["content"] for m in FakeClient.bodies[0]["messages"]] == ["Hello"]
+
+
 def test_the_client_reads_openai_errors_and_error_chunks():
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":

@@ -29,6 +29,14 @@ def read_line(interactive: bool) -> str | None:
         return None
 
 
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
     """Read turns until /exit or EOF; ``respond`` answers one, or returns None to drop it."""
     interactive = sys.stdin.isatty()
@@ -43,6 +51,12 @@ def chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
                 print("(history cleared)", file=sys.stderr)
             continue
         if not command:
+            continue
+        if not is_utf8(line):  # undecodable bytes: input() gives them as lone surrogates
+            print(
+                f"{PROG}: that line is not valid UTF-8 (check the terminal's encoding); not sent",
+                file=sys.stderr,
+            )
             continue
         messages.append({"role": "user", "content": line})
         reply = respond(messages)
