@@ -157,6 +157,11 @@ def test_the_client_reads_openai_errors_and_error_chunks():
 
     client = chat_client.ChatClient("http://test/v1/")
     assert client.root == "http://test"
+    # The endpoint's own URL, as pasted from a curl line: it was "no route
+    # /v1/chat/completions/v1/models" and exit 1.
+    assert chat_client.api_root("http://test/v1/chat/completions") == "http://test"
+    assert chat_client.api_root("http://test/chat/completions/") == "http://test"
+    assert chat_client.api_root("http://test/proxy/v1") == "http://test/proxy"
     client.http = httpx.Client(base_url=client.root, transport=httpx.MockTransport(handler))
     with pytest.raises(chat_client.ServerError, match="^missing or invalid API key$"):
         client.first_model()

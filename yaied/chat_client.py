@@ -26,8 +26,9 @@ class ServerError(Exception):
 
 
 def api_root(url: str) -> str:
-    """``http://host:8000``, given that or ``http://host:8000/v1`` (with or without a slash)."""
-    return url.rstrip("/").removesuffix("/v1")
+    """``http://host:8000``, given that, ``http://host:8000/v1`` or the chat endpoint itself,
+    ``http://host:8000/v1/chat/completions`` (each with or without a slash)."""
+    return url.rstrip("/").removesuffix("/chat/completions").removesuffix("/v1")
 
 
 class ChatClient:
