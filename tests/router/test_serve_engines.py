@@ -62,7 +62,7 @@ def test_an_engine_that_cannot_load_with_these_settings_is_one_line(tiny_model_d
     """A setting only the engine can judge (a KV pool too small for one context) stops the start
     with one line and exit 2, in engine processes as in the daemon's own: it was a traceback
     (the child's failure came back as a RuntimeError) and exit 1, after a logged traceback."""
-    argv = ["--engines", engines, "--kv-cache-gib", "0.000001"]
+    argv = ["--engines", engines, "--kv-cache-gib", "0.00001"]
     code = serve_command(tiny_model_dirs["llama"], free_port(), *argv)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
     assert done.returncode == 2, done.stderr

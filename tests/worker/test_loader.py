@@ -67,6 +67,13 @@ def test_a_pool_past_the_memory_left_is_refused_before_it_is_zeroed(tiny_model_d
         LLM(str(tiny_model_dirs["llama"]), kv_cache_gib=0.02)
 
 
+def test_a_page_larger_than_the_whole_pool_is_refused_naming_the_page_size(tiny_model_dirs):
+    """One page was always allocated, however large: a pool far past kv_cache_gib, or, past the
+    memory left, an error that told the user to lower kv_cache_gib, which cannot help."""
+    with pytest.raises(ValueError, match=r"cache\.page_size = 1048576: one KV page takes .* lower"):
+        LLM(str(tiny_model_dirs["llama"]), kv_cache_gib=0.001, page_size=2**20)
+
+
 def test_unknown_setting_and_bad_value_are_clear_errors(tiny_model_dirs):
     with pytest.raises(ValueError, match="unknown setting 'max_seqs'"):
         LLM(str(tiny_model_dirs["llama"]), max_seqs=4)

@@ -226,7 +226,13 @@ class Worker:
         if self.device.type == "cuda":
             return max(self._profile_kv_bytes() // page_bytes, 1)
         gib = self.config.cache.kv_cache_gib
-        num_pages = max(int(gib * 2**30 // page_bytes), 1)
+        if page_bytes > gib * 2**30:  # not even one page: never a pool past what was asked for
+            raise ValueError(
+                f"cache.page_size = {self.config.cache.page_size}: one KV page takes "
+                f"{page_bytes / 2**20:.1f} MiB, more than cache.kv_cache_gib = {gib:g}; lower "
+                "cache.page_size"
+            )
+        num_pages = int(gib * 2**30 // page_bytes)
         # Zeroing a pool past what the machine has would end in the OOM killer, not a message.
         # On CPU every rank of a tensor-parallel engine holds a pool of this size.
         ranks = self.config.engine.tensor_parallel_size
