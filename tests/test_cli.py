@@ -139,6 +139,11 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
         (["chat", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
         (["serve", "--log-level", "loud"], "--log-level: invalid choice"),
+        # Bytes that are not UTF-8 reach argv as lone surrogates: the tokenizer raised a
+        # TypeError traceback (--prompt, --system) and the JSON encoder refused them later.
+        (["serve", "--prompt", "caf\udce9"], "--prompt: not valid UTF-8"),
+        (["chat", "--system", "caf\udce9"], "--system: not valid UTF-8"),
+        (["serve", "--served-model-name", "m\udcff"], "--served-model-name: not valid UTF-8"),
     ],
 )
 def test_bad_flags_and_values(capsys, argv, pattern):

@@ -30,6 +30,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     one_line,
     port_number,
     setting_flags,
+    utf8_text,
 )
 from yaied.cli_chat import chat_loop, remote_responder
 from yaied.core.config import EngineConfig
@@ -68,11 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         "daemon listens at once; /health answers 503 until the model has loaded). With --prompt, "
         "answer that one prompt on the terminal instead and exit.",
     )
-    serve.add_argument("--prompt", default=None, help="answer this one prompt and exit")
+    serve.add_argument(
+        "--prompt", type=utf8_text, default=None, help="answer this one prompt and exit"
+    )
     serve.add_argument("--max-tokens", type=int, default=64, metavar="N", help="with --prompt")
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=None, help="listen port (default 8000)")
-    serve.add_argument("--served-model-name", default=None, help="the name in /v1/models")
+    serve.add_argument(
+        "--served-model-name", type=utf8_text, default=None, help="the name in /v1/models"
+    )
     serve.add_argument(
         "--api-key",
         action="append",
@@ -128,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat through the model's chat template. Commands: /reset clears the "
         "history; /exit, /quit or end of input (Ctrl-D) ends.",
     )
-    chat.add_argument("--system", metavar="TEXT", help="a system message opening the chat")
+    chat.add_argument(
+        "--system", type=utf8_text, metavar="TEXT", help="a system message opening the chat"
+    )
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--top-p", type=float, default=None, help="default: the model's own")
     chat.add_argument("--max-tokens", type=int, default=256, metavar="N")

@@ -90,6 +90,23 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def is_utf8(text: str) -> bool:
+    """False for text that came from bytes that are not UTF-8 (argv, stdin): Python hands those
+    over as lone surrogates, which the tokenizer and the JSON encoder refuse much later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def utf8_text(text: str) -> str:
+    """An argument that is text for the model or the API (not a path, which may be any bytes)."""
+    if not is_utf8(text):
+        raise argparse.ArgumentTypeError("not valid UTF-8 (check the terminal's encoding)")
+    return text
+
+
 def port_number(text: str) -> int:
     port = int(text) if text.strip().isdigit() else 0
     if not 0 < port < 65536:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from yaied.cli_args import PROG, one_line
+from yaied.cli_args import PROG, is_utf8, one_line
 
 if TYPE_CHECKING:  # httpx loads only for `chat --url`
     from yaied.chat_client import ChatClient
@@ -27,14 +27,6 @@ def read_line(interactive: bool) -> str | None:
         if interactive:
             print()  # leave the shell prompt on a line of its own
         return None
-
-
-def is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
