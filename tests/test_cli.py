@@ -6,10 +6,13 @@ import asyncio
 import dataclasses
 import io
 import re
+import shutil
+import signal
 import sys
 
 import pytest
 
+from tests.conftest import TINY_CONFIGS, make_tiny_model
 from yaied import cli
 from yaied.core.config import SECTIONS
 from yaied.core.request import FinishReason, TokenEvent
@@ -317,3 +320,57 @@ def test_serve_prints_the_answer_and_a_rate(capsys, torch_threads_restored):
     assert code == 0, err
     assert out.strip()
     assert re.search(r"^[1-4] tokens in \d+\.\d\d s \(\d+\.\d tok/s\)$", err, re.MULTILINE), err
+
+
+class _InterruptOnce(io.StringIO):
+    """stdout that sends this process SIGINT at the first text of the first answer, as a Ctrl-C
+    in the terminal would: the signal reaches the asyncio runner between two tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fired = False
+
+    def write(self, text: str) -> int:
+        if text.strip() and not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return super().write(text)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_local_answer_stops_that_answer_and_the_chat_goes_on(
+    tmp_path, default_model_folder, monkeypatch, capsys
+):
+    # Before, the interrupt ended the whole chat (exit 130); `chat --url` already stopped just
+    # the answer. The stopped call must leave the engine too, not run on behind the next turn.
+    folder = tmp_path / "tiny-chat"
+    config = dict(TINY_CONFIGS["llama"], vocab_size=49152, max_position_embeddings=2048)
+    make_tiny_model("llama", folder, configs={"llama": config})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_folder / name).exists():
+            shutil.copy(default_model_folder / name, folder / name)
+    aborted, answered = [], []
+    abort, stream_reply = AsyncEngine.abort, cli.stream_reply
+    monkeypatch.setattr(
+        AsyncEngine, "abort", lambda self, id_: aborted.append(id_) or abort(self, id_)
+    )
+
+    async def answer(*args):
+        answered.append(await stream_reply(*args))
+        return answered[-1]
+
+    monkeypatch.setattr(cli, "stream_reply", answer)
+    stdout = _InterruptOnce()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one\ntwo\n"))
+    monkeypatch.setattr(sys, "stdout", stdout)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # asyncio's runner's
+    try:
+        argv = ["chat", "--model", str(folder), "--kv-cache-gib", "0.01", "--max-tokens", "400"]
+        code = cli.main([*argv, "--temperature", "0"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "yaied: (answer interrupted)" in err
+    assert len(answered) == 1 and answered[0].num_tokens > 0  # the second turn answered
+    assert len(aborted) == 1  # the cut answer's call, as it was cut

@@ -191,13 +191,16 @@ async def stream_reply(
     """Generate, writing the text to stdout as it arrives."""
     parts: list[str] = []
     num_tokens = 0
-    async for event in engine.generate(prompt, **sampling):
-        if event.error is not None:
-            raise GenerationError(f"generation failed: {event.error}")
-        num_tokens += len(event.token_ids)
-        parts.append(event.text)
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
+    # aclosing: a Ctrl-C (the runner cancels this task) aborts the call here and now, not when
+    # the loop next runs the generator's finalizer
+    async with contextlib.aclosing(engine.generate(prompt, **sampling)) as events:
+        async for event in events:
+            if event.error is not None:
+                raise GenerationError(f"generation failed: {event.error}")
+            num_tokens += len(event.token_ids)
+            parts.append(event.text)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
     return Reply("".join(parts), num_tokens)
@@ -296,6 +299,10 @@ def _chat(args: argparse.Namespace) -> int:
                 return runner.run(stream_reply(engine, prompt, sampling)).text
             except ValueError as exc:  # the conversation outgrew the context: let the user go on
                 print(f"{PROG}: {exc}; /reset starts over", file=sys.stderr)
+                return None
+            except KeyboardInterrupt:  # the runner cancelled the answer (its call aborted)
+                print(file=sys.stdout)
+                print(f"{PROG}: (answer interrupted)", file=sys.stderr)
                 return None
 
         return chat_loop(opening, respond)
