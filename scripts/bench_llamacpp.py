@@ -316,7 +316,7 @@ def _yaied_facts(llm: Any, gguf: Path, ttft: float) -> dict[str, Any]:
 
 def _kv_gib_for(gguf: Path, max_len: int) -> float:
     """A KV pool of about two full contexts (the memory target counts the KV pool)."""
-    from yaied.worker.gguf_convert import open_gguf
+    from yaied.worker.gguf_reader import open_gguf
 
     reader = open_gguf(gguf)
     arch = reader.get_field("general.architecture").contents()
@@ -417,7 +417,7 @@ def serve_llama(python: Path, gguf: Path, threads: int) -> dict[str, Any]:
 
 
 def _eos_ids(gguf: Path) -> list[int]:
-    from yaied.worker.gguf_convert import open_gguf
+    from yaied.worker.gguf_reader import open_gguf
 
     reader = open_gguf(gguf)
     ids = []
@@ -452,7 +452,7 @@ def write_1b_q4_0(path: Path, tokenizer_source: Path) -> None:
     import torch
 
     from yaied.kernels.cpu_quant import Q4_0, quantize
-    from yaied.worker.gguf_convert import open_gguf
+    from yaied.worker.gguf_reader import open_gguf
 
     _log(f"writing {path} (once)")
     source = open_gguf(tokenizer_source)

@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from yaied.worker import model_cache
+from yaied.worker.gguf_reader import metadata, open_gguf, required_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -73,70 +74,6 @@ _SAMPLING_KEYS: dict[str, str] = {
 }
 
 
-class _BlockTableError(ValueError):
-    """A tensor's block table found truncated or corrupt (the message names the tensor)."""
-
-
-class _CheckedReader(gguf.GGUFReader):
-    """gguf-py's reader, with each tensor's block table checked against the file before it is
-    mapped: a truncated or corrupt table stops the load with a message naming the tensor
-    (gguf-py's own error is a bare numpy reshape message)."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
-        for field in fields:
-            _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
-            name = str(bytes(name_data), encoding="utf-8", errors="replace")
-            try:
-                kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _BlockTableError(
-                    f"GGUF tensor {name!r} has type {int(raw_dtype[0])}, which gguf-py does not "
-                    "know: corrupt file, or a type newer than this yaied"
-                ) from None
-            block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-            elements = int(np.prod(dims, dtype=np.int64))
-            if elements % block_size or (len(dims) and int(dims[0]) % block_size):
-                raise _BlockTableError(
-                    f"GGUF tensor {name!r}: {list(map(int, dims))} is not a whole number of "
-                    f"{kind.name} blocks of {block_size}: corrupt block table"
-                )
-            start = start_offs + int(offset[0])
-            end = start + elements // block_size * type_size
-            if end > size:
-                raise _BlockTableError(
-                    f"GGUF tensor {name!r}: its {kind.name} block table ends at byte {end}, past "
-                    f"the end of the file ({size} bytes): truncated or corrupt"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """A reader over ``path`` whose tensors' tables lie inside the file (_CheckedReader). A
-    header, metadata or tensor list cut short or garbled is a ValueError naming the file (gguf-py
-    fails there with numpy's or an IndexError's message)."""
-    try:
-        return _CheckedReader(path)
-    except _BlockTableError:
-        raise
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
-        ) from None
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
-def _required_field(reader: gguf.GGUFReader, key: str) -> Any:
-    value = _field(reader, key)
-    if value is None:
-        raise ValueError(f"GGUF metadata lacks {key!r}, which the config needs")
-    return value
-
-
 def hf_tensor_name(gguf_name: str, arch: str) -> str:
     """The Hugging Face parameter name for a GGUF tensor name; ValueError if it has none."""
     if gguf_name in _GLOBAL_TENSORS:
@@ -162,19 +99,19 @@ def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+    kind = metadata(reader, f"{arch}.rope.scaling.type")
     if kind is None or kind == "none":
         return None
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    factor = float(metadata(reader, f"{arch}.rope.scaling.factor", 1.0))
     if kind == "linear":
         return {"rope_type": "linear", "type": "linear", "factor": factor}
     if kind == "yarn":
         scaling: dict[str, Any] = {"rope_type": "yarn", "type": "yarn", "factor": factor}
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        original = metadata(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = _field(reader, f"{arch}.rope.scaling.{gguf_key}")
+            value = metadata(reader, f"{arch}.rope.scaling.{gguf_key}")
             if value is not None:
                 scaling[hf_key] = float(value)
         return scaling
@@ -194,17 +131,17 @@ def _build_config(
     missing = [name for name in needed if name not in shapes]
     if missing:
         raise ValueError(f"GGUF file lacks tensors {missing}; is it a complete {arch} model?")
-    num_heads = int(_required_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    num_heads = int(required_metadata(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(metadata(reader, f"{arch}.attention.head_count_kv", num_heads))
     q_rows, k_rows = shapes["blk.0.attn_q.weight"][0], shapes["blk.0.attn_k.weight"][0]
     # key_length is the only reliable head size (Qwen3 has head_dim != hidden / heads).
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", q_rows // num_heads))
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", q_rows // num_heads))
     if num_heads * head_dim != q_rows or num_kv_heads * head_dim != k_rows:
         raise ValueError(
             f"GGUF attention shapes disagree with metadata: q {q_rows} rows, k {k_rows} rows, "
             f"{num_heads}/{num_kv_heads} heads of {head_dim}"
         )
-    rope_dim = _field(reader, f"{arch}.rope.dimension_count")
+    rope_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ValueError(f"partial rotary (rope dim {rope_dim} of head dim {head_dim}) unsupported")
     hf_arch, model_type = _HF_ARCHS[arch]
@@ -213,22 +150,22 @@ def _build_config(
         "model_type": model_type,
         "hidden_size": shapes["token_embd.weight"][1],
         "intermediate_size": shapes["blk.0.ffn_up.weight"][0],
-        "num_hidden_layers": int(_required_field(reader, f"{arch}.block_count")),
+        "num_hidden_layers": int(required_metadata(reader, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         # 10000 is llama.cpp's own default when a file names no base.
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "rope_theta": float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(metadata(reader, f"{arch}.context_length", 4096)),
         "vocab_size": shapes["token_embd.weight"][0],
         "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": metadata(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
+    pad_id = metadata(reader, "tokenizer.ggml.padding_token_id")
     if pad_id is not None:
         config["pad_token_id"] = int(pad_id)
     if arch == "llama":
@@ -250,17 +187,17 @@ def _generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     # llama.cpp stops on every end-of-generation token, not only eos (Llama 3's <|eot_id|>).
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = metadata(reader, f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
-    generation: dict[str, Any] = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id")}
+    generation: dict[str, Any] = {"bos_token_id": metadata(reader, "tokenizer.ggml.bos_token_id")}
     if eos_ids:
         generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
+    pad_id = metadata(reader, "tokenizer.ggml.padding_token_id")
     if pad_id is not None:
         generation["pad_token_id"] = int(pad_id)
     sampling = {
-        hf_key: _field(reader, f"general.sampling.{gguf_key}")
+        hf_key: metadata(reader, f"general.sampling.{gguf_key}")
         for gguf_key, hf_key in _SAMPLING_KEYS.items()
     }
     sampling = {key: value for key, value in sampling.items() if value is not None}
@@ -331,7 +268,7 @@ def _tensor_entries(
 
 
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out_dir: Path) -> None:
-    if _field(reader, "tokenizer.ggml.model") is None:
+    if metadata(reader, "tokenizer.ggml.model") is None:
         logger.warning("%s carries no tokenizer; the folder will have none", gguf_path)
         return
     from transformers import AutoTokenizer  # deferred: heavy, and HF_HUB_OFFLINE is read on import
@@ -342,7 +279,7 @@ def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out_dir: Path) -> 
         local_files_only=True,
         trust_remote_code=False,
     )
-    chat_template = _field(reader, "tokenizer.chat_template")
+    chat_template = metadata(reader, "tokenizer.chat_template")
     if chat_template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(out_dir))
@@ -363,7 +300,7 @@ def convert_gguf_to_hf_folder(
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it to convert again")
     reader = open_gguf(gguf_path)
-    arch = _field(reader, "general.architecture")
+    arch = metadata(reader, "general.architecture")
     if arch not in _HF_ARCHS:
         raise ValueError(
             f"{gguf_path}: GGUF architecture {arch!r} is not supported; "

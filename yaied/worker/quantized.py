@@ -267,7 +267,8 @@ def _gguf_tables(
     """Per projection of the model: (type, block table [N, row bytes]) read from the file, or a
     string naming why it stays float ("blk.3.ffn_down.weight (q6_k)"). A block table whose size
     does not match its tensor's shape stops the load with a ValueError naming the tensor."""
-    from yaied.worker.gguf_convert import open_gguf, unpermute_rotary  # deferred: gguf-py
+    from yaied.worker.gguf_convert import unpermute_rotary  # deferred: gguf-py
+    from yaied.worker.gguf_reader import open_gguf
 
     if gguf_path is None:
         raise ValueError("model.quantization = gguf needs a .gguf model file")

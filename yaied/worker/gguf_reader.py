@@ -1,0 +1,75 @@
+"""Opening a GGUF file: gguf-py's reader, with what it leaves unchecked checked before anything
+is read, so that a truncated or corrupt file stops the load with one line naming the tensor or
+the field, never a numpy message, an IndexError or weights read from the wrong bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+
+class _BlockTableError(ValueError):
+    """A tensor's block table found truncated or corrupt (the message names the tensor)."""
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """gguf-py's reader, with each tensor's block table checked against the file before it is
+    mapped: a truncated or corrupt table stops the load with a message naming the tensor
+    (gguf-py's own error is a bare numpy reshape message)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+            name = str(bytes(name_data), encoding="utf-8", errors="replace")
+            try:
+                kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise _BlockTableError(
+                    f"GGUF tensor {name!r} has type {int(raw_dtype[0])}, which gguf-py does not "
+                    "know: corrupt file, or a type newer than this yaied"
+                ) from None
+            block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+            elements = int(np.prod(dims, dtype=np.int64))
+            if elements % block_size or (len(dims) and int(dims[0]) % block_size):
+                raise _BlockTableError(
+                    f"GGUF tensor {name!r}: {list(map(int, dims))} is not a whole number of "
+                    f"{kind.name} blocks of {block_size}: corrupt block table"
+                )
+            start = start_offs + int(offset[0])
+            end = start + elements // block_size * type_size
+            if end > size:
+                raise _BlockTableError(
+                    f"GGUF tensor {name!r}: its {kind.name} block table ends at byte {end}, past "
+                    f"the end of the file ({size} bytes): truncated or corrupt"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """A reader over ``path`` whose tensors' tables lie inside the file (_CheckedReader). A
+    header, metadata or tensor list cut short or garbled is a ValueError naming the file (gguf-py
+    fails there with numpy's or an IndexError's message)."""
+    try:
+        return _CheckedReader(path)
+    except _BlockTableError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
+        ) from None
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def required_metadata(reader: gguf.GGUFReader, key: str) -> Any:
+    value = metadata(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}, which the config needs")
+    return value
