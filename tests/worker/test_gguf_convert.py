@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.worker import gguf_files
 from yaied.worker import gguf_convert
 from yaied.worker.gguf_convert import convert_gguf_to_hf_folder, hf_tensor_name
 from yaied.worker.model_files import (
@@ -276,3 +277,55 @@ def test_file_cut_before_the_data_is_one_clear_error(tmp_path: Path, keep: int |
     with pytest.raises(ValueError, match=r"cut\.gguf is not a readable GGUF file \(truncated"):
         convert_gguf_to_hf_folder(tmp_path / "cut.gguf", tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory) -> Path:
+    """A tiny llama, every projection in Q8_0 (written by gguf-py, as llama.cpp's quantize)."""
+    path = tmp_path_factory.mktemp("q8") / "q8.gguf"
+    return gguf_files.write_gguf(path, gguf_files.Shape(), gguf_files.every(gguf_files.T.Q8_0))
+
+
+def _corrupted(q8_file: Path, tmp_path: Path, edit) -> Path:
+    data = bytearray(q8_file.read_bytes())
+    edit(data)
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    return tmp_path / "bad.gguf"
+
+
+def test_a_table_longer_than_its_room_names_the_tensor(q8_file: Path, tmp_path: Path) -> None:
+    """A tensor whose dims claim more rows than were written: its table runs over the next
+    tensor's, inside the file. llama.cpp refuses it (each table ends where the next begins);
+    here it loaded the next tensor's bytes as rows, and the error, if any, named another
+    tensor (the config took ffn_up's rows for the FFN's size)."""
+    bad = _corrupted(
+        q8_file, tmp_path, lambda d: gguf_files.set_dims(d, "blk.0.ffn_up.weight", [64, 512])
+    )
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_up\.weight'.*overlaps") as exc:
+        convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_table_at_another_tensors_offset_names_the_tensor(q8_file: Path, tmp_path: Path) -> None:
+    """A tensor whose offset points into another's table loaded that tensor's weights in its
+    place, silently."""
+
+    def point_q_at_k(data: bytearray) -> None:
+        q, k = (gguf_files.offset_field(data, f"blk.0.attn_{p}.weight") for p in "qk")
+        data[q] = data[k]
+
+    bad = _corrupted(q8_file, tmp_path, point_q_at_k)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.attn_[qk]\.weight'.*overlaps"):
+        convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
+
+
+def test_q4_k_rows_not_a_whole_number_of_super_blocks_name_the_tensor(tmp_path: Path) -> None:
+    """GGUF stores whole blocks a row: a Q4_K tensor whose rows are 320 long (llama.cpp's
+    quantize falls back to another type there) is corrupt, whatever its element count."""
+    shape = gguf_files.Shape(hidden=256, ffn=512, head_dim=64)
+    path = gguf_files.write_gguf(tmp_path / "k.gguf", shape, gguf_files.every(gguf_files.T.Q4_K))
+    bad = _corrupted(
+        path, tmp_path, lambda d: gguf_files.set_dims(d, "blk.1.ffn_down.weight", [320, 256])
+    )
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_down\.weight': rows of 320 .* Q4_K blocks"):
+        convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)

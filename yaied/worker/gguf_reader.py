@@ -4,11 +4,11 @@ the field, never a numpy message, an IndexError or weights read from the wrong b
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 
 
 class _BlockTableError(ValueError):
@@ -22,6 +22,7 @@ class _CheckedReader(gguf.GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
+        tables = []  # (start, end, name) of every table
         for field in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
             name = str(bytes(name_data), encoding="utf-8", errors="replace")
@@ -33,11 +34,13 @@ class _CheckedReader(gguf.GGUFReader):
                     "know: corrupt file, or a type newer than this yaied"
                 ) from None
             block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-            elements = int(np.prod(dims, dtype=np.int64))
-            if elements % block_size or (len(dims) and int(dims[0]) % block_size):
+            dims = [int(dim) for dim in dims]
+            elements = math.prod(dims)  # Python ints: a garbled dim does not wrap around
+            row = dims[0] if dims else 1
+            if row % block_size:  # GGUF stores whole blocks a row
                 raise _BlockTableError(
-                    f"GGUF tensor {name!r}: {list(map(int, dims))} is not a whole number of "
-                    f"{kind.name} blocks of {block_size}: corrupt block table"
+                    f"GGUF tensor {name!r}: rows of {row} are not a whole number of "
+                    f"{kind.name} blocks of {block_size} (dims {dims}): corrupt block table"
                 )
             start = start_offs + int(offset[0])
             end = start + elements // block_size * type_size
@@ -45,6 +48,16 @@ class _CheckedReader(gguf.GGUFReader):
                 raise _BlockTableError(
                     f"GGUF tensor {name!r}: its {kind.name} block table ends at byte {end}, past "
                     f"the end of the file ({size} bytes): truncated or corrupt"
+                )
+            tables.append((start, end, name))
+        # Each table ends before the next begins (llama.cpp: exactly where, after padding); one
+        # that runs into another's has dims or an offset that are not its own.
+        tables.sort()
+        for (_, end, name), (start, _, other) in zip(tables, tables[1:], strict=False):
+            if end > start:
+                raise _BlockTableError(
+                    f"GGUF tensor {name!r}: its block table (to byte {end}) overlaps "
+                    f"{other!r}'s (from byte {start}): wrong dims or offset, corrupt"
                 )
         super()._build_tensors(start_offs, fields)
 
