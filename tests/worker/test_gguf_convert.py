@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 import gguf
@@ -329,3 +331,26 @@ def test_q4_k_rows_not_a_whole_number_of_super_blocks_name_the_tensor(tmp_path: 
     )
     with pytest.raises(ValueError, match=r"'blk\.1\.ffn_down\.weight': rows of 320 .* Q4_K blocks"):
         convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "value", "kind"),
+    [
+        ("token_embd.weight", float("nan"), gguf_files.T.Q8_0),  # a row few prompts read
+        ("blk.1.ffn_down.weight", float("inf"), gguf_files.T.Q8_0),
+        ("blk.0.attn_v.weight", float("-inf"), gguf_files.T.F16),
+    ],
+    ids=["q8_0-nan-embeddings", "q8_0-inf", "f16-inf"],
+)
+def test_non_finite_weights_name_the_tensor(
+    tmp_path: Path, tensor: str, value: float, kind
+) -> None:
+    """A NaN or infinite scale in one block (or value in a float table): the model loaded, and
+    then every request that met the weight failed with 'non-finite values', or, for a row of
+    the embeddings no prompt had read yet, nothing showed at all."""
+    path = gguf_files.write_gguf(tmp_path / "m.gguf", gguf_files.Shape(), gguf_files.every(kind))
+    start = gguf_files.table_start(path, tensor)
+    bad = _corrupted(path, tmp_path, lambda d: struct.pack_into("<e", d, start, value))
+    with pytest.raises(ValueError, match=rf"GGUF tensor '{re.escape(tensor)}'.*(NaN|infinite)"):
+        convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()

@@ -259,12 +259,26 @@ def _tensor_entries(
                     f"GGUF tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be "
                     f"dequantized: {exc}"
                 ) from exc
+            _check_finite(tensor.name, tensor.tensor_type.name, weights)
             return weights if permute_heads is None else unpermute_rotary(weights, permute_heads)
 
         # GGUF lists dims fastest-first (ne order); numpy and torch list them slowest-first.
         shape = [int(dim) for dim in reversed(tensor.shape.tolist())]
         entries.append((hf_name, shape, produce))
     return entries
+
+
+def _check_finite(name: str, kind: str, weights: np.ndarray) -> None:
+    """ValueError naming the tensor if a weight is NaN or infinite (a corrupt scale or value):
+    otherwise every request that meets it fails, or one row of the embeddings waits for the
+    prompt that reads it."""
+    finite = np.isfinite(weights)
+    if not finite.all():
+        row = int(np.argwhere(~finite)[0][0]) if weights.ndim > 1 else 0
+        raise ValueError(
+            f"GGUF tensor {name!r} ({kind}) holds NaN or infinite weights (row {row} first): "
+            "corrupt scales or values"
+        )
 
 
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out_dir: Path) -> None:
