@@ -354,3 +354,30 @@ def test_non_finite_weights_name_the_tensor(
     with pytest.raises(ValueError, match=rf"GGUF tensor '{re.escape(tensor)}'.*(NaN|infinite)"):
         convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("lie", "named"),
+    [
+        ({"head_count": 8}, r"llama\.attention\.head_count = 8.*blk\.0\.attn_q\.weight"),
+        ({"head_count": 0}, r"llama\.attention\.head_count = 0"),  # was a ZeroDivisionError
+        ({"head_count": 3}, r"llama\.attention\.head_count = 3.*blk\.0\.attn_q\.weight"),
+        ({"head_count_kv": 4}, r"head_count_kv = 4.*blk\.0\.attn_k\.weight"),
+        ({"head_count_kv": 0}, r"llama\.attention\.head_count_kv = 0"),
+        ({"key_length": 8}, r"key_length = 8.*blk\.0\.attn_q\.weight"),
+        ({"block_count": 3}, r"llama\.block_count = 3.*no tensors of block 2"),
+        ({"block_count": 1}, r"'blk\.1\.attn_norm\.weight' is beyond block_count 1"),
+    ],
+    ids=lambda v: None if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()),
+)
+def test_metadata_that_disagrees_with_the_tensors_names_the_field(
+    tmp_path: Path, lie: dict, named: str
+) -> None:
+    """Head counts, head size and block count that do not fit the tensors' shapes: one line
+    naming the field (and the tensor it was checked against), before anything is written."""
+    shape = gguf_files.Shape(lie=lie)
+    path = gguf_files.write_gguf(tmp_path / "m.gguf", shape, gguf_files.every(gguf_files.T.Q8_0))
+    with pytest.raises(ValueError, match=named) as exc:
+        convert_gguf_to_hf_folder(path, tmp_path / "out", show_progress=False)
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()

@@ -118,6 +118,15 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (only linear and yarn)")
 
 
+def _count(reader: gguf.GGUFReader, key: str, default: int) -> int:
+    """Metadata ``key`` (``default`` where absent) as a count of at least 1; a ValueError naming
+    the field for anything else (0, a negative number, a list of per-layer counts)."""
+    value = metadata(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GGUF metadata {key} = {value!r}: yaied needs one count of at least 1")
+    return value
+
+
 def _build_config(
     reader: gguf.GGUFReader, arch: str, shapes: dict[str, list[int]]
 ) -> dict[str, Any]:
@@ -131,15 +140,28 @@ def _build_config(
     missing = [name for name in needed if name not in shapes]
     if missing:
         raise ValueError(f"GGUF file lacks tensors {missing}; is it a complete {arch} model?")
-    num_heads = int(required_metadata(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(metadata(reader, f"{arch}.attention.head_count_kv", num_heads))
     q_rows, k_rows = shapes["blk.0.attn_q.weight"][0], shapes["blk.0.attn_k.weight"][0]
+    heads_key = f"{arch}.attention.head_count"
+    num_heads = _count(reader, heads_key, required_metadata(reader, heads_key))
+    num_kv_heads = _count(reader, f"{arch}.attention.head_count_kv", num_heads)
     # key_length is the only reliable head size (Qwen3 has head_dim != hidden / heads).
-    head_dim = int(metadata(reader, f"{arch}.attention.key_length", q_rows // num_heads))
+    head_dim = _count(reader, f"{arch}.attention.key_length", max(1, q_rows // num_heads))
     if num_heads * head_dim != q_rows or num_kv_heads * head_dim != k_rows:
         raise ValueError(
-            f"GGUF attention shapes disagree with metadata: q {q_rows} rows, k {k_rows} rows, "
-            f"{num_heads}/{num_kv_heads} heads of {head_dim}"
+            f"GGUF metadata {heads_key} = {num_heads}, head_count_kv = {num_kv_heads} and "
+            f"key_length = {head_dim} (given or implied) make q {num_heads * head_dim} and k "
+            f"{num_kv_heads * head_dim} rows, but blk.0.attn_q.weight has {q_rows} and "
+            f"blk.0.attn_k.weight {k_rows}: corrupt metadata or tensors"
+        )
+    num_layers = _count(
+        reader, f"{arch}.block_count", required_metadata(reader, f"{arch}.block_count")
+    )
+    present = {int(m.group(1)) for m in map(_LAYER_TENSOR_RE.match, shapes) if m is not None}
+    absent = [layer for layer in range(num_layers) if layer not in present]
+    if absent:
+        raise ValueError(
+            f"GGUF metadata {arch}.block_count = {num_layers}, but the file has no tensors of "
+            f"block {absent[0]}: corrupt metadata, or an incomplete file"
         )
     rope_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
@@ -150,7 +172,7 @@ def _build_config(
         "model_type": model_type,
         "hidden_size": shapes["token_embd.weight"][1],
         "intermediate_size": shapes["blk.0.ffn_up.weight"][0],
-        "num_hidden_layers": int(required_metadata(reader, f"{arch}.block_count")),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
