@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.cpu_levels import kernel_at
+from tests.worker import gguf_files
 from yaied import LLM, SamplingParams
 from yaied.core.config import EngineConfig, LoopConfig, ModelConfig
 from yaied.kernels import cpu_isa
@@ -407,3 +408,26 @@ def test_q4_is_kept_grouped(isa_level, qtype, dtype):
         torch.testing.assert_close(got, expected.float(), rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(layer.few_rows(x), expected)
+
+
+def test_quantization_that_does_not_fit_the_model_is_one_line(tiny_gguf, tmp_path):
+    """Each a ValueError of one line naming the setting and what does not fit (a float16 run
+    was a KeyError from deep in the kernels' binding, a q4_0 on rows of 72 a bare '72 columns
+    are not a whole number of blocks of 32', gguf over dummy weights said the .gguf file was
+    not one); ``auto`` quantizes nothing where blocks do not run, as under tensor parallelism."""
+    shape = gguf_files.Shape(hidden=72, ffn=200, head_dim=18)  # rows of 72: no blocks of 32
+    odd = gguf_files.write_gguf(tmp_path / "odd.gguf", shape, gguf_files.every(gguf_files.T.F32))
+    for mode in ("q4_0", "q8_0"):
+        with pytest.raises(ValueError, match=rf"model.quantization = {mode}.*72") as exc:
+            _load(odd, mode, tmp_path / "cache")
+        assert "\n" not in str(exc.value) and "layers.0." in str(exc.value)
+    with pytest.raises(ValueError, match=r"load_format = dummy.*use q8_0 or q4_0"):
+        _load(tiny_gguf, "gguf", tmp_path, load_format="dummy")
+    for mode in ("gguf", "q8_0", "q4_0"):
+        with pytest.raises(ValueError, match=rf"model.quantization = {mode}.*float16"):
+            ModelConfig(model=str(tiny_gguf), quantization=mode, dtype="float16")
+    config = ModelConfig(model=str(tiny_gguf), quantization="auto", dtype="float16",
+                         cache_dir=str(tmp_path))  # fmt: skip
+    assert load_model(config, CPU, show_progress=False).quantization == "none"
+    loaded = _load(tiny_gguf, "auto", tmp_path, model_impl="transformers")
+    assert loaded.quantization == "none"

@@ -41,6 +41,11 @@ class ModelConfig:
         _one_of("model.quantization", self.quantization, QUANTIZATIONS)
         _one_of("model.load_format", self.load_format, ("auto", "dummy"))
         _one_of("model.model_impl", self.model_impl, ("native", "transformers", "auto"))
+        if self.dtype == "float16" and self.quantization not in ("none", "auto"):
+            raise ValueError(
+                f"model.quantization = {self.quantization} computes in float32 or bfloat16 "
+                "(model.dtype = auto, float32 or bfloat16), not float16"
+            )
         _at_least("model.max_model_len", self.max_model_len, 0)
 
 

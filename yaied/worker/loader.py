@@ -68,8 +68,8 @@ def load_model(
     folder, hf_config = _resolve_config(config, show_progress)
     max_len = max_model_len_of(hf_config, config.max_model_len)
     torch.manual_seed(config.seed)
-    quantization, gguf_path = quantization_of(config, device)
     impl = pick_impl(config, hf_config)
+    quantization, gguf_path = quantization_of(config, device, impl)
     if quantization != "none" and impl == "transformers":
         raise ValueError(
             f"model.quantization = {config.quantization} runs on the native models only; "
@@ -102,12 +102,21 @@ def load_model(
     return LoadedModel(model, hf_config, folder, dtype, max_len, weight_dtype, quantization)
 
 
-def quantization_of(config: ModelConfig, device: torch.device) -> tuple[str, Path | None]:
+def quantization_of(
+    config: ModelConfig, device: torch.device, impl: str = "native"
+) -> tuple[str, Path | None]:
     """The quantization the model loads with (worker/quantized.py) and the GGUF file whose
-    blocks it keeps (None unless "gguf"). ``auto`` keeps a GGUF file's blocks on CPU and is
-    "none" elsewhere; the others are refused off CPU and, for "gguf", without a GGUF file."""
+    blocks it keeps (None unless "gguf"). ``auto`` keeps a GGUF file's blocks where they run (on
+    CPU, a native model, fp32 or bf16 math) and is "none" elsewhere; the others are refused off
+    CPU and, for "gguf", without a GGUF file's weights."""
+    if config.quantization == "gguf" and config.load_format == "dummy":
+        raise ValueError(
+            "model.quantization = gguf keeps a GGUF file's blocks, but model.load_format = "
+            "dummy loads random weights: use q8_0 or q4_0 to pack them"
+        )
     gguf_path = None if config.load_format == "dummy" else model_files.gguf_file_of(config.model)
-    if config.quantization == "auto" and device.type != "cpu":
+    blocks_run = device.type == "cpu" and impl == "native" and config.dtype != "float16"
+    if config.quantization == "auto" and not blocks_run:
         return "none", None
     mode = resolve_quantization(config.quantization, config.model, gguf_path)
     if mode != "none" and device.type != "cpu":

@@ -209,6 +209,7 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
                 qtype, blocks = found
             else:
                 qtype = QUANT_TYPES[mode]
+                _check_packable(mode, qtype, full_name, linear.in_features)
                 blocks = quantize(linear.weight.detach(), qtype)
             module = QuantizedLinear(qtype, blocks, linear.in_features, linear.bias)
             parent_name, _, child = name.rpartition(".")
@@ -229,11 +230,20 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
     return replaced
 
 
+def _check_packable(mode: str, qtype: QuantType, name: str, k: int) -> None:
+    if k % qtype.block_size:
+        raise ValueError(
+            f"model.quantization = {mode} packs rows in {qtype.name} blocks of "
+            f"{qtype.block_size} weights, but {name}'s rows are {k} long: use none"
+        )
+
+
 def _quantized_head(model: nn.Module, mode: str, tables: dict | None) -> QuantizedLinear | None:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear):
         return None
     if tables is None:
+        _check_packable(mode, Q8_0, "the LM head", head.in_features)
         qtype, blocks = Q8_0, quantize(head.weight.detach(), Q8_0)
     else:
         found = tables.pop("lm_head", None)
