@@ -65,7 +65,7 @@ def test_each_type_gives_the_dequantized_models_tokens(case, tmp_path, caplog):
 
 def test_engine_features_over_a_q4_k_m_files_blocks(tmp_path):
     """A Q4_K_M file's blocks (Q4_K kernels, Q6_K tensors and head dequantized) under prefix
-    hits, preemption (a pool of 19 pages for 8 requests of up to 9) and speculative decoding,
+    hits, preemption (a pool of 20 pages for 8 requests of up to 8) and speculative decoding,
     in fp32: the greedy tokens of the dequantized file without any of them, every page back;
     logprobs and prompt logprobs those of the dequantized file up to the order of sums; a
     seeded sample the same whatever the batch."""
