@@ -321,6 +321,22 @@ def test_a_table_at_another_tensors_offset_names_the_tensor(q8_file: Path, tmp_p
         convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
 
 
+@pytest.mark.parametrize(
+    ("tensor", "dims"),
+    [("blk.0.ffn_up.weight", [64, 128]), ("blk.0.attn_v.weight", [64, 16])],
+)
+def test_a_table_shorter_than_its_room_names_the_tensor(
+    q8_file: Path, tmp_path: Path, tensor: str, dims: list[int]
+) -> None:
+    """Dims that claim fewer rows than were written leave a gap before the next table (which
+    llama.cpp refuses): the error named another weight (ffn_up's rows set the FFN's size, so
+    down_proj was blamed) or was torch's bare 'The size of tensor a (32) must match the size of
+    tensor b (16)'."""
+    bad = _corrupted(q8_file, tmp_path, lambda d: gguf_files.set_dims(d, tensor, dims))
+    with pytest.raises(ValueError, match=rf"GGUF tensor '{re.escape(tensor)}'.*before"):
+        convert_gguf_to_hf_folder(bad, tmp_path / "out", show_progress=False)
+
+
 def test_q4_k_rows_not_a_whole_number_of_super_blocks_name_the_tensor(tmp_path: Path) -> None:
     """GGUF stores whole blocks a row: a Q4_K tensor whose rows are 320 long (llama.cpp's
     quantize falls back to another type there) is corrupt, whatever its element count."""

@@ -50,14 +50,23 @@ class _CheckedReader(gguf.GGUFReader):
                     f"the end of the file ({size} bytes): truncated or corrupt"
                 )
             tables.append((start, end, name))
-        # Each table ends before the next begins (llama.cpp: exactly where, after padding); one
-        # that runs into another's has dims or an offset that are not its own.
+        # Each table ends where the next begins, but for the padding to the file's alignment
+        # (as llama.cpp demands): one that runs into another's, or stops short of the next,
+        # has dims or an offset that are not its own.
         tables.sort()
-        for (_, end, name), (start, _, other) in zip(tables, tables[1:], strict=False):
-            if end > start:
+        pairs = list(zip(tables, tables[1:], strict=False))
+        for (_, end, name), (start, _, other) in pairs:  # overlaps first: a moved offset
+            if end > start:  # leaves a gap too, before a tensor that is not to blame
                 raise _BlockTableError(
                     f"GGUF tensor {name!r}: its block table (to byte {end}) overlaps "
                     f"{other!r}'s (from byte {start}): wrong dims or offset, corrupt"
+                )
+        alignment = int(self.alignment)
+        for (_, end, name), (start, _, other) in pairs:
+            if start - end >= alignment:
+                raise _BlockTableError(
+                    f"GGUF tensor {name!r}: its block table ends at byte {end}, {start - end} "
+                    f"bytes before {other!r}'s begins: wrong dims or offset, corrupt"
                 )
         super()._build_tensors(start_offs, fields)
 
