@@ -136,3 +136,25 @@ def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("bad_shape", [(32, 1), (64, 32)], ids=["broadcast", "transposed"])
+def test_a_fused_projection_of_the_wrong_shape_names_the_weight(
+    tiny_model_dirs, tmp_path, bad_shape
+):
+    """q/k/v and gate/up are copied into one fused weight: a part of the wrong shape was either
+    broadcast into its rows without a word ([32, 1] fills a [32, 64] shard) or torch's bare
+    'The size of tensor a ... must match'. Tensor names are the checkpoint's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bad"
+    shutil.copytree(tiny_model_dirs["llama"], folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert tuple(weights[name].shape) == (32, 64)
+    weights[name] = torch.randn(bad_shape)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}: shape \({bad_shape[0]}, {bad_shape[1]}\)"):
+        LLM(str(folder), dtype="float32", kv_cache_gib=0.01, show_progress=False)

@@ -292,7 +292,12 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {hf_name}")
             offset, size = self._shard_range(target, shard)
-            param.data[offset : offset + size].copy_(tensor)
+            rows = param.data[offset : offset + size]
+            if rows.shape != tensor.shape:  # copy_ would broadcast a [rows, 1] without a word
+                raise ValueError(
+                    f"weight {hf_name}: shape {tuple(tensor.shape)} != {tuple(rows.shape)}"
+                )
+            rows.copy_(tensor)
             loaded.add(f"{name}#{shard}")
         self._check_complete(params, loaded)
 
