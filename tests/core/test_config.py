@@ -240,3 +240,9 @@ def test_a_file_that_is_not_utf8_names_the_file(tmp_path):
     path.write_bytes(b"\x00\xff\xfe")
     with pytest.raises(ValueError, match=r"yaied\.toml is not UTF-8 text"):
         load_config(path, env={})
+
+
+def test_an_empty_choice_shows_in_the_message():
+    # "" (off) is one of speculative_method's choices; joined bare, it read "one of , ngram"
+    with pytest.raises(ValueError, match=r"must be one of '', ngram; got 'foo'"):
+        load_config(env={}, overrides={"speculative.speculative_method": "foo"})

@@ -346,8 +346,9 @@ def _parse_raw(name: str, kind: type, raw: str) -> Any:
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    if value not in allowed:  # repr: an empty choice ("" = off) must show, not vanish
+        choices = ", ".join(repr(choice) if not choice else choice for choice in allowed)
+        raise ValueError(f"{name} must be one of {choices}; got {value!r}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:
