@@ -6,7 +6,9 @@ daemon does, and POST /v1/completions streams SSE in one of these modes:
 - ``bad_finish``: a token, then a finish reason no daemon sends;
 - ``slow``: a token every 50 ms for a long time (stop the process to make it fall silent);
 - ``close``: a token, then the connection closes, with no finish and no ``[DONE]``;
-- ``not_http``: a line that is not an HTTP response, then the connection closes.
+- ``not_http``: a line that is not an HTTP response, then the connection closes;
+- ``error``: a token, then the error chunk a daemon sends when its engine fails the call
+  (``ERROR_MESSAGE``, prefixed as the daemon's server prefixes it), ``[DONE]``.
 
 In-process (``async with FakeRemote(mode) as remote``) or as a process of its own, which prints
 its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
@@ -19,7 +21,8 @@ import sys
 
 import orjson
 
-_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http")
+_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http", "error")
+ERROR_MESSAGE = "the engine ran out of KV pages"  # what mode ``error``'s engine says
 
 
 def _chunk(finish: str | None = None, ids: tuple[int, ...] = (5,)) -> bytes:
@@ -101,6 +104,15 @@ class FakeRemote:
                 writer.write(b'data: {"choices": [{"text": \n\n')
             elif self.mode == "bad_finish":
                 writer.write(_chunk("exploded", ()) + _USAGE + b"data: [DONE]\n\n")
+            elif self.mode == "error":
+                error = {
+                    "message": f"generation failed: {ERROR_MESSAGE}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "engine_error",
+                }
+                writer.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+                writer.write(b"data: [DONE]\n\n")
             elif self.mode == "close":
                 pass  # the connection closes on the way out
             else:

@@ -20,6 +20,10 @@ from yaied.core.grammar_spec import request_field
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.handle import EngineUnavailable
 
+# What a daemon's server puts before its engine's words when a call fails (server/generate.py);
+# the router's own server puts it there again, so it is taken off what a remote sends.
+_FAILED_PREFIX = "generation failed: "
+
 
 class RemoteStreamError(Exception):
     """The remote answered with something that is not a yaied completion stream."""
@@ -93,8 +97,11 @@ class _StreamState:
         if "error" in chunk:
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else None
+            message = str(message or error)
+            while message.startswith(_FAILED_PREFIX):  # older daemons in a chain: every copy
+                message = message[len(_FAILED_PREFIX) :]
             self.failed = True
-            return [self._event([], "", FinishReason.ERROR, error=str(message or error))]
+            return [self._event([], "", FinishReason.ERROR, error=message)]
         events = []
         for choice in chunk.get("choices") or []:
             token_ids = list(choice.get("token_ids") or [])

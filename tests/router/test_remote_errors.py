@@ -1,0 +1,77 @@
+"""What a remote daemon says about a failed call reaches the router's client as the remote said
+it, behind the one prefix the router's own server adds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import orjson
+import pytest
+
+from tests.router.fake_remote import ERROR_MESSAGE
+from tests.server.conftest import LiveServer, start_server, stop_server
+from yaied.core.model_info import ModelInfo
+from yaied.engine.inputs import InputProcessor
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.manager import EngineManager
+from yaied.server.config import ServerConfig
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_remote(mode: str) -> tuple[subprocess.Popen, str]:
+    """tests/router/fake_remote.py in a process of its own (the router's server runs its own
+    event loop in a thread); returns the process and its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.router.fake_remote", mode],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        text=True,
+    )
+    return proc, proc.stdout.readline().strip()
+
+
+def router_of(*urls: str) -> LiveServer:
+    """A router daemon whose engines are the remotes at ``urls`` (ids in, ids out)."""
+
+    def load() -> EngineManager:
+        manager = EngineManager(RouterConfig(health_check_interval_seconds=0.2))
+        for url in urls:
+            manager.add_engine(EngineEntry(kind="remote", url=url))
+        hf_config = SimpleNamespace(eos_token_id=None)
+        manager.inputs = InputProcessor(None, hf_config, ModelInfo(512, 256))
+        return manager
+
+    return start_server(ServerConfig(), load, "tiny")
+
+
+@pytest.fixture
+def failing_remote() -> Iterator[LiveServer]:
+    proc, url = fake_remote("error")
+    router = router_of(url)
+    try:
+        yield router
+    finally:
+        stop_server(router)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_remote_engines_error_reaches_the_client_with_one_prefix(failing_remote):
+    expected = f"generation failed: {ERROR_MESSAGE}"
+    body = {"prompt": [1, 2], "max_tokens": 4}
+    answer = httpx.post(failing_remote.url + "/v1/completions", json=body, timeout=20)
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"]["message"] == expected
+    with httpx.stream(
+        "POST", failing_remote.url + "/v1/completions", json={**body, "stream": True}, timeout=20
+    ) as stream:
+        chunks = [orjson.loads(line[6:]) for line in stream.iter_lines() if line[6:7] == "{"]
+    errors = [chunk["error"] for chunk in chunks if "error" in chunk]
+    assert [error["message"] for error in errors] == [expected]
