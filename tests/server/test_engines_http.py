@@ -151,3 +151,23 @@ class StartsForever(FakeEngine):
 
 async def _add(manager: EngineManager, handle: FakeEngine) -> None:
     manager.add_engine(handle, origin="api")
+
+
+def test_a_name_clash_is_409_and_other_refusals_are_400_whatever_they_say(monkeypatch):
+    """The clash is told by its type, not by its words: a refusal of the input that happens to
+    say "already" is still the client's bad input."""
+    with serve(KEYS) as client:
+        manager = client.app.state.server.manager
+        clash = {"kind": "remote", "url": "http://127.0.0.1:9", "name": "first"}
+        answer = client.post("/v1/engines", json=clash, headers=ADMIN)
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "engine_name_taken"
+        assert "first" in answer.json()["error"]["message"]
+
+        def refuse(engine_id, entry):
+            raise ValueError("device cuda:0 is already held by engine 0")
+
+        monkeypatch.setattr(manager, "_build_handle", refuse)
+        answer = client.post("/v1/engines", json=UNREACHABLE, headers=ADMIN)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["message"] == "device cuda:0 is already held by engine 0"

@@ -47,6 +47,10 @@ ENGINE_STOP_SECONDS = 10.0  # a removed engine's stop: asked, joined, then kille
 _REMOVED_KEPT = 64  # removed engines still listed (an autoscaler can churn through many)
 
 
+class EngineNameTaken(ValueError):
+    """An engine added under a name a serving engine holds (HTTP: 409, not bad input)."""
+
+
 @dataclass(slots=True)
 class PoolEntry:
     """What the pool knows of one live engine beyond its handle."""
@@ -141,7 +145,7 @@ class EnginePool:
         if handle.engine_id in self.handles or handle.engine_id in self.removed:
             raise ValueError(f"engine id {handle.engine_id!r} is already in use")
         if name in self._names_in_use():
-            raise ValueError(f"an engine named {name!r} is already serving")
+            raise EngineNameTaken(f"an engine named {name!r} is already serving")
         handle.on_lost = self._engine_lost  # type: ignore[attr-defined]
         handle.step_observer = self.step_observer  # type: ignore[attr-defined]
         self.handles[handle.engine_id] = handle

@@ -5,7 +5,8 @@
     POST   /v1/engines              add one: {"kind": "local", "device": ..., "threads": ...} or
                                     {"kind": "remote", "url": ..., "api_key": ...}, and "name";
                                     202, it takes calls once its state is "up"; 400 for
-                                    a remote that is this daemon (core/forwarding.py)
+                                    a remote that is this daemon (core/forwarding.py); 409
+                                    (engine_name_taken) for a name a serving engine holds
     POST   /v1/engines/{id}/drain   no new calls go there; in-flight ones finish
     DELETE /v1/engines/{id}?timeout=30
                                     drain, then stop it after its calls finish (or the timeout);
@@ -30,6 +31,7 @@ from starlette.routing import Route
 
 from yaied.router.config import EngineEntry, parse_engine_entry, refuse_own_address
 from yaied.router.manager import EngineManager
+from yaied.router.pool import EngineNameTaken
 from yaied.router.ray_cluster import check_entry
 from yaied.router.remote import instance_at
 from yaied.server.auth import api_key_of
@@ -109,8 +111,10 @@ async def add_engine(request: Request) -> Response:
     await _check_ray(manager, entry)
     try:
         engine_id = manager.add_engine(entry, name=entry.name or None, origin="api")
+    except EngineNameTaken as exc:
+        raise APIError(409, str(exc), param="name", code="engine_name_taken") from None
     except ValueError as exc:
-        raise APIError(409 if "already" in str(exc) else 400, str(exc)) from None
+        raise APIError(400, str(exc)) from None
     log.info("engines: key %s added engine %s (%s)", who, engine_id, manager.pool[engine_id].name)
     return json_response(_status(manager, engine_id), 202)
 
