@@ -7,6 +7,8 @@ daemon does, and POST /v1/completions streams SSE in one of these modes:
 - ``slow``: a token every 50 ms for a long time (stop the process to make it fall silent);
 - ``close``: a token, then the connection closes, with no finish and no ``[DONE]``;
 - ``not_http``: a line that is not an HTTP response, then the connection closes;
+- ``endless``: a token, then one line that never ends (no newline, ever), until the client
+  leaves;
 - ``error``: a token, then the error chunk a daemon sends when its engine fails the call
   (``ERROR_MESSAGE``, prefixed as the daemon's server prefixes it), ``[DONE]``.
 
@@ -21,7 +23,7 @@ import sys
 
 import orjson
 
-_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http", "error")
+_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http", "error", "endless")
 ERROR_MESSAGE = "the engine ran out of KV pages"  # what mode ``error``'s engine says
 
 
@@ -113,6 +115,11 @@ class FakeRemote:
                 }
                 writer.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
                 writer.write(b"data: [DONE]\n\n")
+            elif self.mode == "endless":
+                writer.write(b'data: {"choices": [{"text": "')
+                while True:  # until the client closes the connection
+                    writer.write(b"a" * 65536)
+                    await writer.drain()
             elif self.mode == "close":
                 pass  # the connection closes on the way out
             else:

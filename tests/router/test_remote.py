@@ -67,6 +67,18 @@ async def test_sse_error_chunks_and_truncated_streams():
         await collect(sse(choice("a", [5])))
 
 
+async def test_sse_lines_end_any_way_and_are_bounded(monkeypatch):
+    from yaied.router import remote_stream
+
+    body = "data: " + orjson.dumps(choice("a", [5], "stop")).decode() + "\r\n\r\ndata: [DONE]\r"
+    events = await collect(httpx.Response(200, content=body.encode()))
+    assert [e.token_ids for e in events] == [[5]] and events[0].finish_reason is FinishReason.STOP
+    monkeypatch.setattr(remote_stream, "MAX_LINE_BYTES", 64)
+    for endless in (b"data: " + b"x" * 100, b"data: " + b"x" * 100 + b"\n\n"):
+        with pytest.raises(remote_stream.LineTooLong):
+            await collect(httpx.Response(200, content=endless))
+
+
 def test_remote_metrics_become_engine_stats():
     text = (
         'yaied:num_requests_running{model_name="m",engine="0"} 2\n'

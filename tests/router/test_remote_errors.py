@@ -3,6 +3,7 @@ it, behind the one prefix the router's own server adds."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,12 +14,15 @@ import httpx
 import orjson
 import pytest
 
-from tests.router.fake_remote import ERROR_MESSAGE
+from tests.router.fake_remote import ERROR_MESSAGE, FakeRemote
 from tests.server.conftest import LiveServer, start_server, stop_server
 from yaied.core.model_info import ModelInfo
+from yaied.core.request import FinishReason, SamplingParams
 from yaied.engine.inputs import InputProcessor
 from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.handle import Health
 from yaied.router.manager import EngineManager
+from yaied.router.remote import RemoteHandle
 from yaied.server.config import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,3 +79,28 @@ def test_a_remote_engines_error_reaches_the_client_with_one_prefix(failing_remot
         chunks = [orjson.loads(line[6:]) for line in stream.iter_lines() if line[6:7] == "{"]
     errors = [chunk["error"] for chunk in chunks if "error" in chunk]
     assert [error["message"] for error in errors] == [expected]
+
+
+async def test_a_remote_line_that_never_ends_fails_over_and_marks_the_remote_down():
+    """A line with no newline is read up to a bound (well above any real event), not without
+    one: each call on that remote moves to the other after the token it sent, and the remote,
+    which no daemon would be, goes down at once."""
+    async with FakeRemote("endless") as bad, FakeRemote("ok") as good:
+        config = RouterConfig(remote_read_timeout_seconds=5.0, health_check_interval_seconds=60)
+        manager = EngineManager(config)
+        for i, url in enumerate((bad.url, good.url)):
+            manager.add_engine(RemoteHandle(str(i), EngineEntry(kind="remote", url=url), config))
+        hf_config = SimpleNamespace(eos_token_id=None)
+        manager.inputs = InputProcessor(None, hf_config, ModelInfo(512, 256))
+        await manager.start()
+        params = SamplingParams(max_tokens=8, temperature=0)
+        handles = [
+            await manager.submit_request(prompt=[1, 2], sampling_params=params) for _ in range(6)
+        ]
+        outputs = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 20)
+        assert [o.finish_reason for o in outputs] == [FinishReason.STOP] * 6
+        assert all(o.token_ids in ([5], [5, 5]) for o in outputs)  # moved: one token each
+        assert 1 <= manager.migrations["moved"] == len(bad.headers)
+        assert manager.handles["0"].health is Health.DOWN
+        assert manager.migrations["failed"] == 0 and not manager._calls
+        await manager.stop()

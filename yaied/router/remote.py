@@ -18,7 +18,7 @@ the engine:
 
 - the engine's fault (it cannot be reached, it stopped talking for ``remote_read_timeout_seconds``,
   it answered 5xx or something that is not our stream): a failure, and ``sink.lost``, so the
-  call moves to another engine;
+  call moves to another engine; a line past remote_stream.MAX_LINE_BYTES marks it down at once;
 - the call's own (a header or body httpx refuses to send, a 4xx, a bug here): an error event;
 - waiting for one of the ``remote_max_connections`` connections is back-pressure: calls queue
   there as they would in the remote's own queue. Probes use a client of their own, so a pool full
@@ -49,7 +49,7 @@ from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
-from yaied.router.remote_stream import RemoteStreamError, request_body, sse_events
+from yaied.router.remote_stream import LineTooLong, RemoteStreamError, request_body, sse_events
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(10.0)
@@ -279,6 +279,9 @@ class RemoteHandle(EngineHandle):
             sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
             raise
         except _ENGINE_FAULTS as exc:
+            if isinstance(exc, LineTooLong):  # no daemon does that: down now, not in 3 calls
+                log.error("remote engine %s (%s) sent %s", self.engine_id, self.url, exc)
+                self.breaker.failures = self.breaker.failure_threshold - 1
             self._record(False)
             sink.lost(f"remote engine {self.engine_id}: {exc!r}")
         except httpx.PoolTimeout as exc:  # only with a pool timeout: busy, not broken

@@ -4,6 +4,8 @@ stream that comes back, read into TokenEvents.
 The stream is checked as it is read: a chunk that is not what a yaied daemon sends (not JSON,
 not an object, ids that are not integers, a finish reason we do not know) raises
 RemoteStreamError, which the handle counts against the remote, never leaving the call waiting.
+A line is read up to MAX_LINE_BYTES, far above any event a daemon sends; a longer one (a line
+that never ends) raises LineTooLong, and the handle marks the remote down at once.
 """
 
 from __future__ import annotations
@@ -23,10 +25,17 @@ from yaied.router.handle import EngineUnavailable
 # What a daemon's server puts before its engine's words when a call fails (server/generate.py);
 # the router's own server puts it there again, so it is taken off what a remote sends.
 _FAILED_PREFIX = "generation failed: "
+# A line of the stream: an event of one step's tokens is well under a kilobyte; an error
+# message, a few. A remote that sends more without a newline is not a yaied daemon.
+MAX_LINE_BYTES = 1 << 20
 
 
 class RemoteStreamError(Exception):
     """The remote answered with something that is not a yaied completion stream."""
+
+
+class LineTooLong(RemoteStreamError):
+    """A line of the stream past MAX_LINE_BYTES with no end in sight."""
 
 
 def request_body(
@@ -63,7 +72,7 @@ async def sse_events(
     follows it, which carries the cached tokens. A chunk that is not what a yaied daemon sends
     raises RemoteStreamError. ``num_sent``: output tokens of a resumed call sent before."""
     stream = _StreamState(request_id, num_prompt_tokens, num_sent)
-    async for line in response.aiter_lines():
+    async for line in _lines(response):
         if not line.startswith("data: "):
             continue  # blank separators and keep-alive comments
         data = line[6:]
@@ -80,6 +89,24 @@ async def sse_events(
     if stream.final is None:
         raise EngineUnavailable("the stream ended without a finish reason")
     yield stream.final
+
+
+async def _lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines (ended by LF, CRLF or CR; a CRLF split across two chunks adds an empty
+    line, which SSE ignores), each of at most MAX_LINE_BYTES: past that, LineTooLong, having held
+    no more than that and one chunk."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        lines = (pending + chunk).splitlines(keepends=True)
+        pending = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+        if len(pending) > MAX_LINE_BYTES:
+            raise LineTooLong(f"a line of over {MAX_LINE_BYTES} bytes with no end")
+        for line in lines:
+            if len(line) > MAX_LINE_BYTES + 2:  # a long one that ended in this very chunk
+                raise LineTooLong(f"a line of {len(line)} bytes")
+            yield line.rstrip(b"\r\n").decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
 
 
 @dataclass(slots=True)
