@@ -171,6 +171,7 @@ class MockDaemon:
     def __init__(self) -> None:
         self.up = True
         self.probes = 0
+        self.max_model_len: object = 512  # what /v1/models reports
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if not self.up:
@@ -179,7 +180,8 @@ class MockDaemon:
             self.probes += 1
             return httpx.Response(200)
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 512}]})
+            card = {"id": "m", "max_model_len": self.max_model_len}
+            return httpx.Response(200, json={"data": [card]})
         if request.url.path == "/metrics":
             return httpx.Response(200, text='yaied:num_requests_waiting{engine="0"} 4\n')
         usage = {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}
@@ -241,4 +243,30 @@ async def test_a_remote_engine_goes_down_is_probed_and_comes_back():
     probes = daemon.probes
     await wait_until(lambda: handle.health is Health.UP)
     assert daemon.probes >= probes + 2  # two good probes in a row before it is trusted again
+    await handle.stop()
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("reported", [-4096, 0, 0.5, True, "many", 1 << 40, None])
+async def test_a_remote_reporting_no_usable_context_length_is_down_saying_why(reported, caplog):
+    """Its limit would be the router's: a remote whose /v1/models says something no context
+    length is stays down (one log line, the reason in GET /v1/engines) until it says one."""
+    from yaied.router.handle import Health
+    from yaied.router.remote import RemoteHandle
+
+    daemon = MockDaemon()
+    daemon.max_model_len = reported
+    config = RouterConfig(health_check_interval_seconds=0.01)
+    entry = EngineEntry(kind="remote", url="http://remote:8000")
+    handle = RemoteHandle("2", entry, config, transport=httpx.MockTransport(daemon))
+    await handle.start()
+    probes = daemon.probes
+    await wait_until(lambda: daemon.probes >= probes + 5)
+    assert handle.health is Health.DOWN and (handle.info is None or handle.info.max_model_len > 0)
+    lines = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert len(lines) == 1 and repr(reported) in lines[0] and "\n" not in lines[0], lines
+    assert "max_model_len" in handle.describe()["error"]
+    daemon.max_model_len = 4096
+    await wait_until(lambda: handle.health is Health.UP)
+    assert handle.info.max_model_len == 4096 and "error" not in handle.describe()
     await handle.stop()

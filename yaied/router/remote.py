@@ -54,6 +54,8 @@ from yaied.router.remote_stream import LineTooLong, RemoteStreamError, request_b
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(10.0)
 _CONNECT_TIMEOUT = 10.0  # also for writing a request body
+# The longest context a remote may report: above any model's (a few million tokens at most).
+MAX_CONTEXT_TOKENS = 1 << 24
 
 
 # What says the remote engine is at fault, not the call: it cannot be reached, stopped talking
@@ -116,6 +118,7 @@ class RemoteHandle(EngineHandle):
         self._transport = transport
         self.instance_id = instance_id
         self.refusal: str | None = None  # why it is refused for good (it is this daemon)
+        self.bad_report: str | None = None  # why what its /v1/models says is no context length
         self.url = entry.url.rstrip("/")
         self.api_key = entry.key
         self.interval = router_config.health_check_interval_seconds
@@ -174,12 +177,38 @@ class RemoteHandle(EngineHandle):
                 return False
             if self.info is None:
                 models = (await client.get("/v1/models")).json()["data"]
-                self.info = ModelInfo(int(models[0].get("max_model_len", 0)), 0)
+                if not self._take_context_length(models[0]):
+                    return False
             metrics = await client.get("/metrics")
             self._stats = stats_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return True
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return False
+
+    def _take_context_length(self, card: dict[str, Any]) -> bool:
+        """The context length the remote reports, as its limit: none is unknown (0: the front
+        end's limit holds), one that is no length at all (not an integer, 0 or less, beyond
+        MAX_CONTEXT_TOKENS) leaves the remote down, saying why once; the next probe reads it
+        again."""
+        reported = card.get("max_model_len")
+        if "max_model_len" not in card or (
+            type(reported) is int and 0 < reported <= MAX_CONTEXT_TOKENS
+        ):
+            reported = reported or 0
+            if self.bad_report is not None:
+                log.info("remote engine %s now reports max_model_len %d", self.engine_id, reported)
+            self.bad_report = None
+            self.info = ModelInfo(reported, 0)
+            return True
+        shown = repr(reported)[:60]
+        reason = (
+            f"remote engine {self.engine_id} ({self.url}) reports max_model_len {shown}, "
+            f"not a context length (1 to {MAX_CONTEXT_TOKENS} tokens); down until it reports one"
+        )
+        if reason != self.bad_report:
+            log.error("%s", reason)
+        self.bad_report = reason
+        return False
 
     async def _probe_forever(self) -> None:
         while True:
@@ -314,8 +343,8 @@ class RemoteHandle(EngineHandle):
 
     def describe(self) -> dict[str, Any]:
         where: dict[str, Any] = {"url": self.url}
-        if self.refusal is not None:
-            where["error"] = self.refusal
+        if self.refusal is not None or self.bad_report is not None:
+            where["error"] = self.refusal or self.bad_report
         return where
 
 
