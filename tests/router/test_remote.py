@@ -270,3 +270,20 @@ async def test_a_remote_reporting_no_usable_context_length_is_down_saying_why(re
     await wait_until(lambda: handle.health is Health.UP)
     assert handle.info.max_model_len == 4096 and "error" not in handle.describe()
     await handle.stop()
+
+
+@pytest.mark.timeout(20)
+async def test_a_remote_context_length_is_read_again_at_every_probe():
+    """A remote daemon is a pool itself (or restarts with another config): what it holds
+    changes, and the router's routing follows it."""
+    from yaied.router.remote import RemoteHandle
+
+    daemon = MockDaemon()
+    config = RouterConfig(health_check_interval_seconds=0.01)
+    entry = EngineEntry(kind="remote", url="http://remote:8000")
+    handle = RemoteHandle("2", entry, config, transport=httpx.MockTransport(daemon))
+    await handle.start()
+    assert handle.info.max_model_len == 512
+    daemon.max_model_len = 2048
+    await wait_until(lambda: handle.info.max_model_len == 2048)
+    await handle.stop()

@@ -1,7 +1,8 @@
 """The router's front end: tokenizing and validating calls for engines that run elsewhere.
 
 It reads the model's folder (tokenizer, generation defaults, EOS ids) and config, never its
-weights; the limits (context length, vocabulary) come from what the engines reported.
+weights; the limits (context length, vocabulary) come from what the engines reported, and the
+context length then follows the pool (limits.py).
 """
 
 from __future__ import annotations

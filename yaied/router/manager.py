@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, EventStream
 from yaied.router.calls import Call, RequestHandle
@@ -36,6 +35,7 @@ from yaied.router.handle import (
 )
 from yaied.router.kv_coordinator import KVCoordinator
 from yaied.router.lifecycle import CallState, LifecycleTracker
+from yaied.router.limits import ContextLimits, call_length, holds
 from yaied.router.migration import CallMigration
 from yaied.router.policy import EngineLoad, route
 from yaied.router.pool import EnginePool
@@ -44,7 +44,6 @@ from yaied.router.status import ManagerStatus
 if TYPE_CHECKING:
     from yaied.core.config import EngineConfig
     from yaied.engine.async_engine import AsyncEngine
-    from yaied.engine.inputs import InputProcessor
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class NoEngineAvailable(RuntimeError):
     """No healthy engine can take the call (all are down, restarting or unsuited)."""
 
 
-class EngineManager(ManagerStatus, EnginePool, CallMigration):
+class EngineManager(ManagerStatus, EnginePool, CallMigration, ContextLimits):
     def __init__(
         self, config: RouterConfig | None = None, *, engine_config: EngineConfig | None = None
     ) -> None:
@@ -72,8 +71,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         self.instance_id = uuid.uuid4().hex
         self.lifecycle = LifecycleTracker(ttl_seconds=self.config.lifecycle_ttl_seconds)
         self.coordinator = KVCoordinator()
-        self.inputs: InputProcessor | None = None  # the front end: tokenize and validate
-        self.info: ModelInfo | None = None
+        # self.inputs, the front end (tokenize and validate), and self.info: limits.py
         self._calls: dict[str, Call] = {}
         self._outstanding: dict[str, dict[str, int]] = {}  # engine -> request id -> tokens
         self._turn = 0  # calls routed so far (round_robin's counter)
@@ -114,7 +112,6 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         if self.inputs is None:
             assert self.engine_config is not None
             self.inputs = await asyncio.to_thread(front_inputs, self.engine_config.model, infos)
-        self.info = self.inputs.info
         self.running = True
         self._start_autoscaler()  # when [autoscale] enabled is set
 
@@ -210,11 +207,19 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
         call.via = via
         engine = self._route(call, exclude=set())
         if engine is None:
-            raise NoEngineAvailable("no healthy engine can take the request")
+            raise NoEngineAvailable(self._why_none_takes(call))
         self.lifecycle.add(request_id, session_id, len(prompt_ids), client_id)
         self._calls[request_id] = call
         self._dispatch(call, engine)
         return call
+
+    def _why_none_takes(self, call: Call) -> str:
+        length = call_length(len(call.prompt_ids), call.params)
+        up = [h for i, h in self.handles.items() if self.routable(i) and h.supports(call.params)]
+        if up and not any(holds(h, length) for h in up):
+            largest = max(h.info.max_model_len for h in up if h.info is not None)
+            return f"no engine up holds a call of {length} tokens (the largest up holds {largest})"
+        return "no healthy engine can take the request"
 
     def _dispatch(self, call: Call, engine: EngineHandle | None) -> None:
         """Hand the call to ``engine``; one that cannot take it passes it on (see _give_up_on)."""
@@ -252,6 +257,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
             self._deliver(call, event)
 
     def _route(self, call: Call, exclude: set[str]) -> EngineHandle | None:
+        length = call_length(len(call.prompt_ids), call.params)
         loads = [
             EngineLoad(
                 engine_id,
@@ -260,6 +266,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration):
                 self.routable(engine_id)
                 and engine_id not in exclude
                 and handle.supports(call.params)
+                and holds(handle, length)
                 and (handle.resumes or not call.output_ids),
             )
             for engine_id, handle in self.handles.items()

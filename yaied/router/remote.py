@@ -11,7 +11,8 @@ resumes after them, as an engine of its own would.
 
 Health: a circuit breaker over /health probes and the calls themselves. ``failure_threshold``
 failures in a row mark the engine down (its pins are cleared); it is then probed every
-``health_check_interval_seconds`` until ``success_threshold`` probes in a row succeed.
+``health_check_interval_seconds`` until ``success_threshold`` probes in a row succeed. Each
+probe reads the remote's context length again (/v1/models): it is sent only calls it holds.
 
 Whatever goes wrong in a call's reader ends that call, and only the engine's faults count against
 the engine:
@@ -175,10 +176,10 @@ class RemoteHandle(EngineHandle):
                 return False
             if health.status_code != 200:
                 return False
-            if self.info is None:
-                models = (await client.get("/v1/models")).json()["data"]
-                if not self._take_context_length(models[0]):
-                    return False
+            # Read at every probe: the remote may be a pool whose largest engine changes.
+            models = (await client.get("/v1/models")).json()["data"]
+            if not self._take_context_length(models[0]):
+                return False
             metrics = await client.get("/metrics")
             self._stats = stats_from_metrics(metrics.text) if metrics.status_code == 200 else None
             return True
@@ -197,6 +198,8 @@ class RemoteHandle(EngineHandle):
             reported = reported or 0
             if self.bad_report is not None:
                 log.info("remote engine %s now reports max_model_len %d", self.engine_id, reported)
+            elif self.info is not None and self.info.max_model_len != reported:
+                log.info("remote engine %s now holds %d tokens", self.engine_id, reported)
             self.bad_report = None
             self.info = ModelInfo(reported, 0)
             return True
