@@ -34,6 +34,7 @@ from typing import Any
 from yaied.core.config import load_section, read_toml
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle
+from yaied.router.ray_cluster import join_for
 
 log = logging.getLogger(__name__)
 COUNTED = ("starting", "up", "down")  # states that count towards min and max (down: restarting)
@@ -203,27 +204,45 @@ class Autoscaler:
         return PoolSample(self.clock(), manager.num_calls_waiting, serving, local)
 
     def tick(self) -> Decision | None:
-        """One sample, one decision, applied."""
+        """One sample, one decision, applied (a ray engine's Ray joined here: see ``step``)."""
+        decision, self.memory = decide(self.config, self.sample(), self.memory)
+        if decision is not None:
+            self._apply(decision, self.new_engine() if decision.direction == "up" else None)
+        return decision
+
+    async def step(self) -> Decision | None:
+        """``tick`` for the loop: a ray engine's cluster is joined (the first time, Ray starts:
+        seconds) in a thread before it is added, so the streams go on meanwhile. One that
+        cannot join is a ValueError, and the cooldown holds the next try back."""
         decision, self.memory = decide(self.config, self.sample(), self.memory)
         if decision is None:
             return None
+        engine = self.new_engine() if decision.direction == "up" else None
+        if isinstance(engine, EngineEntry) and self.manager.engine_config is not None:
+            size = self.manager.engine_config.engine.tensor_parallel_size
+            await join_for(self.manager.config.ray_address, [engine], size)
+        self._apply(decision, engine)
+        return decision
+
+    def _apply(self, decision: Decision, engine: EngineEntry | EngineHandle | None) -> None:
         self.events[decision.direction] += 1
-        if decision.direction == "up":
+        if engine is not None:
             self._added += 1
             engine_id = self.manager.add_engine(
-                self.new_engine(), name=f"auto-{self._added}", origin="autoscale"
+                engine, name=f"auto-{self._added}", origin="autoscale"
             )
             log.info("autoscale up: engine %s added (%s)", engine_id, decision.reason)
         else:
             assert decision.engine_id is not None
             self.manager.start_removal(decision.engine_id)
             log.info("autoscale down: engine %s removed (%s)", decision.engine_id, decision.reason)
-        return decision
 
     async def run(self) -> None:
         while True:
             try:
-                self.tick()
+                await self.step()
+            except ValueError as exc:  # Ray that cannot be joined, resources no node has
+                log.error("autoscale: no engine added: %s", exc)
             except Exception:  # a failed add (say, no engine_config) must not end the loop
                 log.exception("autoscale: the decision could not be applied")
             await asyncio.sleep(self.config.interval_seconds)

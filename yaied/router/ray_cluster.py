@@ -12,8 +12,10 @@ which stops the start (the CLI prints it) or refuses ``POST /v1/engines`` (a 400
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 from yaied.router.config import EngineEntry
@@ -108,8 +110,23 @@ def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
 def check_entry(address: str, entry: EngineEntry, world_size: int) -> None:
     """Join the cluster at ``address`` and check that a node could hold the engine (ValueErrors
     of one line). Blocking: starting a local Ray instance takes seconds, so a caller on an event
-    loop runs this in a thread (the HTTP route that adds engines does)."""
+    loop runs this in a thread (``join_for``)."""
     check_feasible(connect(address), entry, world_size)
+
+
+async def join_for(address: str, entries: Iterable[EngineEntry], default_size: int) -> None:
+    """``check_entry`` for each ray engine among ``entries``, in a thread: what every way of
+    adding one on the event loop (HTTP, a reload, the autoscaler) awaits first, so the streams
+    and probes go on while Ray starts; the handle built after finds Ray joined. Nothing to do
+    (and no thread) when none is a ray engine."""
+    wanted = [e for e in entries if e.kind == "ray"]
+    if wanted:
+        await asyncio.to_thread(_check_all, address, wanted, default_size)
+
+
+def _check_all(address: str, entries: list[EngineEntry], default_size: int) -> None:
+    for entry in entries:
+        check_entry(address, entry, entry.tensor_parallel_size or default_size)
 
 
 def _holds(node: dict[str, Any], bundle: dict[str, float], copies: int) -> bool:

@@ -20,7 +20,6 @@ logged with the key's name.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -32,7 +31,7 @@ from starlette.routing import Route
 from yaied.router.config import EngineEntry, parse_engine_entry, refuse_own_address
 from yaied.router.manager import EngineManager
 from yaied.router.pool import EngineNameTaken
-from yaied.router.ray_cluster import check_entry
+from yaied.router.ray_cluster import join_for
 from yaied.router.remote import instance_at
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
@@ -152,9 +151,9 @@ async def _check_ray(manager: EngineManager, entry: EngineEntry) -> None:
     check its resources in a thread, so the streams and probes on the event loop go on."""
     if entry.kind != "ray" or manager.engine_config is None:
         return  # add_engine refuses it, with its reason
-    size = entry.tensor_parallel_size or manager.engine_config.engine.tensor_parallel_size
+    size = manager.engine_config.engine.tensor_parallel_size
     try:
-        await asyncio.to_thread(check_entry, manager.config.ray_address, entry, size)
+        await join_for(manager.config.ray_address, [entry], size)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

@@ -24,6 +24,7 @@ from yaied.core.config import load_config
 from yaied.router.autoscale import AutoscaleConfig, load_autoscale_config
 from yaied.router.build import local_entries
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config, refuse_own_address
+from yaied.router.ray_cluster import join_for
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.keys import KeyTable
 from yaied.server.state import ServerState
@@ -81,6 +82,12 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
             # As build_manager makes them at start, so named alike: a reload leaves them be.
             device = manager.engine_config.device.device
             entries = await asyncio.to_thread(local_entries, config.router.engines, device)
+        if manager.engine_config is not None:  # else apply_engines refuses ray engines
+            # A new ray engine may start or join Ray (seconds): in a thread, before any change.
+            known = [e.entry for e in manager.pool.values() if e.origin == "config"]
+            new = [e for e in entries if e not in known]
+            size = manager.engine_config.engine.tensor_parallel_size
+            await join_for(manager.config.ray_address, new, size)
         diff = manager.apply_engines(entries)
     except Exception as exc:  # whatever stops the load, the daemon goes on as it was
         log.error("reload failed, nothing changed: %s", exc)
