@@ -347,7 +347,7 @@ def _parse_raw(name: str, kind: type, raw: str) -> Any:
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:  # repr: an empty choice ("" = off) must show, not vanish
-        choices = ", ".join(repr(choice) if not choice else choice for choice in allowed)
+        choices = ", ".join(choice or repr(choice) for choice in allowed)
         raise ValueError(f"{name} must be one of {choices}; got {value!r}")
 
 
