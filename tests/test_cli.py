@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from yaied import cli
 from yaied.core.config import SECTIONS
+from yaied.core.errors import EngineStartError
 from yaied.core.request import FinishReason, TokenEvent
 from yaied.engine.async_engine import AsyncEngine
 
@@ -245,6 +246,17 @@ def test_a_failed_generation_exits_1_with_one_line(capsys, monkeypatch):
     assert code == 1
     assert out == "par"  # what streamed before the failure stays printed
     assert err == "yaied: error: generation failed: worker died\n"
+
+
+def test_an_engine_killed_while_loading_exits_1_with_one_line(capsys, monkeypatch):
+    # router/local_process.py raises it when an engine process ends before it is ready
+    def serve(args):
+        raise EngineStartError("engine 0 process killed by signal 9 (SIGKILL) while loading")
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    code, out, err = run_main(capsys, "serve")
+    assert (code, out) == (1, "")
+    assert err == "yaied: error: engine 0 process killed by signal 9 (SIGKILL) while loading\n"
 
 
 # -- end to end with the default model ------------------------------------------------------

@@ -34,6 +34,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
 )
 from yaied.cli_chat import chat_loop, remote_responder
 from yaied.core.config import EngineConfig
+from yaied.core.errors import EngineStartError
 from yaied.core.request import SamplingParams
 from yaied.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `yaied serve | head`: the reader left; stop as quietly as it did
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except GenerationError as exc:
+    except (GenerationError, EngineStartError) as exc:
         print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (UsageError, ValueError, OSError) as exc:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from yaied.core.config import load_config
+from yaied.core.errors import EngineStartError
 from yaied.core.model_info import ModelInfo
 from yaied.core.processes import describe_exit
 from yaied.core.request import SamplingParams
@@ -59,5 +60,25 @@ async def test_a_killed_engine_process_is_reported_by_its_signal(
         assert any("killed by signal 9 (SIGKILL)" in r.getMessage() for r in caplog.records)
         assert handle.health is Health.DOWN
         assert handle.describe()["last_exit"] == "killed by signal 9 (SIGKILL)"
+    finally:
+        await handle.stop(2.0)
+
+
+def killed_while_loading_main(spec, submit_conn, abort_conn, event_conn) -> None:
+    """An engine process killed while it loads (the kernel's OOM killer, an operator)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def test_a_process_killed_while_loading_is_an_engine_start_error(
+    tiny_model_dirs, monkeypatch
+):
+    # The start's failure says how the process ended, as an EngineStartError: the CLI prints
+    # it as one line (exit 1); it was a bare RuntimeError, a traceback.
+    monkeypatch.setattr(local_process, "child_main", killed_while_loading_main)
+    config = load_config(env={}, overrides={"model": str(tiny_model_dirs["llama"])})
+    handle = LocalProcessHandle("0", EngineEntry(device="cpu", threads=1), config, RouterConfig())
+    try:
+        with pytest.raises(EngineStartError, match=r"killed by signal 9 \(SIGKILL\) while loading"):
+            await handle.start()
     finally:
         await handle.stop(2.0)

@@ -16,3 +16,9 @@ class ContextLengthError(InputError):
     """A prompt that, with what it asks to generate, does not fit the model's context: the
     server answers OpenAI's code ``context_length_exceeded`` (clients match on it to shorten
     a conversation), and ``/v1/responses`` with ``truncation: "auto"`` drops its oldest turns."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine that ended before it was ready for reasons of its own process (killed by the
+    OOM killer or an operator, crashed): the start fails, and the CLI says so in one line (exit
+    1), as it does for a failed generation, with no traceback to read."""

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from yaied.core.config import EngineConfig
+from yaied.core.errors import EngineStartError
 from yaied.core.processes import describe_exit
 from yaied.core.request import SamplingParams, TokenEvent
 from yaied.router.child import ChildSpec, Sender, child_main
@@ -208,7 +209,7 @@ class LocalProcessHandle(EngineHandle):
             sink.lost(reason)
         self._stats = None
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"{reason} while loading"))
+            self._ready.set_exception(EngineStartError(f"{reason} while loading"))
         if self._stopping:
             return
         log.error("%s; %d calls lost", reason, len(lost))

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from yaied.core.errors import EngineStartError
 from yaied.router.manager import EngineManager
 from yaied.server.chat_output import ChatSettings
 from yaied.server.config import ServerConfig
@@ -104,9 +105,10 @@ class ServerState:
             await manager.start()
             manager.inputs.grammars.on_compile = self.metrics.observe_compile
         except Exception as exc:
-            if isinstance(exc, ValueError | OSError):
-                # A setting or a file the user can fix: `yaied serve` prints it as one line, so
-                # the traceback is only for --log-level debug, as the CLI's own.
+            if isinstance(exc, ValueError | OSError | EngineStartError):
+                # A setting or a file the user can fix, or an engine process killed while it
+                # loaded: `yaied serve` prints it as one line, so the traceback is only for
+                # --log-level debug, as the CLI's own.
                 log.debug("loading the engine failed", exc_info=True)
             else:
                 log.exception("loading the engine failed")
