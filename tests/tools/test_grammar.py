@@ -135,3 +135,31 @@ def test_a_tool_without_parameters_takes_an_empty_object(compiler):
     )
     assert accepts(compiler, tag, call("hermes", "get_time", {}))
     assert not accepts(compiler, tag, call("hermes", "get_time", {"tz": "UTC"}))
+
+
+# What pydantic writes for a model that extends another (openai.pydantic_function_tool of it).
+EXTENDED = {
+    "$defs": {
+        "Base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        "Ext": {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]},
+    },
+    "allOf": [{"$ref": "#/$defs/Base"}, {"$ref": "#/$defs/Ext"}],
+    "additionalProperties": False,
+}
+
+
+def test_an_all_of_in_tool_parameters_is_enforced_as_the_merge(compiler):
+    """The arguments' schema gets what a response_format's does: xgrammar alone compiles an allOf
+    of two objects to any JSON value, so the model wrote arrays as arguments, the parser could not
+    read the call, and its markup came back as `content` with finish_reason stop."""
+    tool = Tool("f", None, EXTENDED)
+    tag = output_structural_tag(tool_format="hermes", tools=[tool], choice=ToolChoice("required"))
+    assert accepts(compiler, tag, call("hermes", "f", {"a": 1, "b": "x"}))
+    for bad in ([1, 2], {"a": 1}, {"b": "x"}, {"a": "x", "b": "x"}):
+        assert not accepts(compiler, tag, call("hermes", "f", bad)), bad
+    # and a response_format beside tools under auto (the `or` of calls and the answer)
+    answer = make_spec("json_schema", EXTENDED, "response_format.json_schema.schema")
+    tag = output_structural_tag(tool_format="hermes", tools=[tool], constraint=answer)
+    assert accepts(compiler, tag, '{"a": 1, "b": "x"}')
+    assert not accepts(compiler, tag, "[1, 2]")
+

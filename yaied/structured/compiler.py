@@ -27,7 +27,7 @@ import torch
 import xgrammar as xgr
 
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError
-from yaied.structured.schema_merge import merge_object_all_of
+from yaied.structured.schema_prepare import prepare_schema_source, prepare_structural_tag_source
 from yaied.structured.tokenizer import build_tokenizer_info
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class GrammarCompiler:
 
     def _xgr_compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":
-            source = merge_object_all_of(spec.source)
+            source = prepare_schema_source(spec.source)
             try:
                 return self._xgr.compile_json_schema(source, **self._json_options)
             except RuntimeError as strict_error:
@@ -305,7 +305,7 @@ class GrammarCompiler:
         if spec.kind == "choice":
             return self._xgr.compile_grammar(_choice_ebnf(spec.source))
         if spec.kind == "structural_tag":
-            return self._xgr.compile_structural_tag(spec.source)
+            return self._xgr.compile_structural_tag(prepare_structural_tag_source(spec.source))
         return self._xgr.compile_grammar(spec.source)
 
 

@@ -31,7 +31,12 @@ def merge_object_all_of(source: str) -> str:
     schema = json.loads(source)
     if not isinstance(schema, dict):
         return source
-    return json.dumps(_merge_walk(schema, schema), separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(merge_all_of(schema), separators=(",", ":"), ensure_ascii=False)
+
+
+def merge_all_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """`merge_object_all_of` on a parsed schema: a new schema, `schema` left as it is."""
+    return _merge_walk(schema, schema)
 
 
 def _merge_walk(value: Any, root: dict[str, Any]) -> Any:
