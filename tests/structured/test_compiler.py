@@ -288,3 +288,40 @@ def test_compile_threads_run_torch_serially(compiler):
     import torch
 
     assert compiler._pool.submit(torch.get_num_threads).result() == 1
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid"),
+    [
+        ({"type": "object", "required": ["a"]}, ['{"a": 1}', '{"a": "x"}'], ["{}"]),
+        (
+            {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a"]},
+            ['{"b": 1, "a": [true]}', '{"a": null}'],
+            ["{}", '{"b": 1}'],
+        ),
+        (
+            {"type": "object", "additionalProperties": {"type": "integer"}, "required": ["a"]},
+            ['{"a": 1}'],
+            ["{}", '{"a": "x"}'],
+        ),
+    ],
+)
+def test_a_required_property_the_schema_does_not_name_is_written(
+    compiler: GrammarCompiler, tokenizer: Any, encode: Callable, schema, valid, invalid
+) -> None:
+    """A name in `required` but not in `properties` may hold any value (or what
+    additionalProperties allows); xgrammar wrote objects without it, which the schema refuses."""
+    compiled = compiler.compile(make_spec("json_schema", schema, "p"))
+    for text in valid:
+        assert runs_to_stop(compiled, encode(text), tokenizer.eos_token_id), text
+    for text in invalid:
+        assert not runs_to_stop(compiled, encode(text), tokenizer.eos_token_id), text
+
+
+def test_a_required_property_additional_properties_forbid_is_a_400(
+    compiler: GrammarCompiler,
+) -> None:
+    """No object has it, so the schema has no instance: xgrammar wrote {} all the same."""
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False}
+    with pytest.raises(StructuredOutputError, match="'a'"):
+        compiler.compile(make_spec("json_schema", schema, "response_format.json_schema.schema"))

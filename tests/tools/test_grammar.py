@@ -163,3 +163,11 @@ def test_an_all_of_in_tool_parameters_is_enforced_as_the_merge(compiler):
     assert accepts(compiler, tag, '{"a": 1, "b": "x"}')
     assert not accepts(compiler, tag, "[1, 2]")
 
+
+def test_a_required_name_the_parameters_do_not_list_must_be_written(compiler):
+    """{"type": "object", "required": ["city"]}: xgrammar wrote {} (no named property, strict),
+    which the schema refuses."""
+    tool = Tool("f", None, {"type": "object", "required": ["city"]})
+    tag = output_structural_tag(tool_format="hermes", tools=[tool], choice=ToolChoice("required"))
+    assert accepts(compiler, tag, call("hermes", "f", {"city": "Paris"}))
+    assert not accepts(compiler, tag, call("hermes", "f", {}))

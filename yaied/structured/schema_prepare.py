@@ -1,11 +1,19 @@
 """JSON schemas made ready for xgrammar wherever a spec holds one: a response_format's schema,
 and every `json_schema` element of a structural tag (each tool's arguments, a response_format
 beside tools or after reasoning). Both must be enforced alike: a schema that is only prepared on
-one path is enforced in part, or not at all, on the other."""
+one path is enforced in part, or not at all, on the other.
+
+- `allOf` of object schemas: merged into one (`schema_merge`).
+- A name in `required` that `properties` does not list: xgrammar writes only the listed
+  properties, so it wrote objects without that name, which the schema refuses. It is listed,
+  with the schema `additionalProperties` (or a matching `patternProperties`) gives it, any
+  value when none; where `additionalProperties` is false the schema has no instance: refused.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from yaied.structured.schema_merge import merge_all_of
@@ -15,7 +23,7 @@ def prepare_schema(schema: Any) -> Any:
     """`schema` as xgrammar must see it to enforce what the client asked for; a new value."""
     if not isinstance(schema, dict):
         return schema
-    return merge_all_of(schema)
+    return _list_required(merge_all_of(schema))
 
 
 def prepare_schema_source(source: str) -> str:
@@ -44,6 +52,62 @@ def _prepare_tag(value: Any) -> Any:
     if value.get("type") == "json_schema" and "json_schema" in value:
         return {**value, "json_schema": prepare_schema(value["json_schema"])}
     return {key: _prepare_tag(item) for key, item in value.items()}
+
+
+# Keywords whose value is one subschema, or a list of them, or a map of names to them.
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _list_required(schema: Any) -> Any:
+    if isinstance(schema, list):  # `items` as a list (draft 4's tuples)
+        return [_list_required(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = _list_required(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [_list_required(item) for item in out[key]]
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _list_required(sub) for name, sub in out[key].items()}
+    required = out.get("required")
+    if isinstance(required, list) and _may_be_object(out):
+        properties = out.get("properties")
+        properties = dict(properties) if isinstance(properties, dict) else {}
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        for name in missing:
+            properties[name] = _unlisted_property(out, name)
+        if missing:
+            out["properties"] = properties
+    return out
+
+
+def _may_be_object(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type", "object")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _unlisted_property(schema: dict[str, Any], name: str) -> Any:
+    """The schema a property `properties` does not list gets: a matching patternProperties
+    entry's, else additionalProperties' (any value when absent or true)."""
+    for pattern, sub in (schema.get("patternProperties") or {}).items():
+        try:
+            if re.search(pattern, name):
+                return sub
+        except re.error:
+            continue
+    extra = schema.get("additionalProperties", True)
+    if extra is False:
+        raise ValueError(
+            f"required property {name!r} is not in properties and additionalProperties is "
+            "false, so no object can hold it"
+        )
+    return {} if extra is True else extra
 
 
 def _dumps(value: Any) -> str:
