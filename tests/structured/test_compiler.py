@@ -325,3 +325,16 @@ def test_a_required_property_additional_properties_forbid_is_a_400(
     schema = {"type": "object", "required": ["a"], "additionalProperties": False}
     with pytest.raises(StructuredOutputError, match="'a'"):
         compiler.compile(make_spec("json_schema", schema, "response_format.json_schema.schema"))
+
+
+@pytest.mark.parametrize(
+    "ref", ["http://example.com/schema.json", "other.json#/$defs/A", "#anchor", "urn:x"]
+)
+def test_a_ref_outside_the_schema_is_a_400(compiler: GrammarCompiler, ref: str) -> None:
+    """Nothing outside the schema is fetched: xgrammar logged a warning and let any value through
+    in its place (`null` came back for {"$ref": "http://..."})."""
+    schema = {"type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"]}
+    with pytest.raises(StructuredOutputError, match="only"):
+        compiler.compile(make_spec("json_schema", schema, "response_format.json_schema.schema"))
+    with pytest.raises(StructuredOutputError, match="only"):
+        compiler.compile(make_spec("json_schema", {"$ref": ref}, "p"))

@@ -8,6 +8,8 @@ one path is enforced in part, or not at all, on the other.
   properties, so it wrote objects without that name, which the schema refuses. It is listed,
   with the schema `additionalProperties` (or a matching `patternProperties`) gives it, any
   value when none; where `additionalProperties` is false the schema has no instance: refused.
+- A `$ref` outside the schema (a URL, another file, an anchor): nothing is fetched, and xgrammar
+  would let any value through in its place; refused.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def prepare_schema(schema: Any) -> Any:
     """`schema` as xgrammar must see it to enforce what the client asked for; a new value."""
     if not isinstance(schema, dict):
         return schema
-    return _list_required(merge_all_of(schema))
+    return _prepare_node(merge_all_of(schema))
 
 
 def prepare_schema_source(source: str) -> str:
@@ -60,21 +62,26 @@ _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
-def _list_required(schema: Any) -> Any:
+def _prepare_node(schema: Any) -> Any:
     if isinstance(schema, list):  # `items` as a list (draft 4's tuples)
-        return [_list_required(item) for item in schema]
+        return [_prepare_node(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        raise ValueError(
+            f"$ref {ref!r}: only references inside the schema ('#' or '#/...') are supported"
+        )
     out = dict(schema)
     for key in _ONE:
         if key in out:
-            out[key] = _list_required(out[key])
+            out[key] = _prepare_node(out[key])
     for key in _MANY:
         if isinstance(out.get(key), list):
-            out[key] = [_list_required(item) for item in out[key]]
+            out[key] = [_prepare_node(item) for item in out[key]]
     for key in _MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _list_required(sub) for name, sub in out[key].items()}
+            out[key] = {name: _prepare_node(sub) for name, sub in out[key].items()}
     required = out.get("required")
     if isinstance(required, list) and _may_be_object(out):
         properties = out.get("properties")
