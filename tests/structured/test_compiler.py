@@ -338,3 +338,21 @@ def test_a_ref_outside_the_schema_is_a_400(compiler: GrammarCompiler, ref: str) 
         compiler.compile(make_spec("json_schema", schema, "response_format.json_schema.schema"))
     with pytest.raises(StructuredOutputError, match="only"):
         compiler.compile(make_spec("json_schema", {"$ref": ref}, "p"))
+
+
+@pytest.mark.parametrize("pattern", ["^(?=a).*$", "^(?!x).*$", "^(?=.*[0-9]).{3,}$"])
+def test_a_lookahead_in_a_pattern_is_a_400_as_in_a_regex(
+    compiler: GrammarCompiler, pattern: str
+) -> None:
+    """xgrammar refuses a lookahead in a `regex` constraint but dropped it from a schema's
+    `pattern`, so "xb" passed ^(?=a).*$: the same 400 now, rather than a pattern half kept."""
+    with pytest.raises(StructuredOutputError, match="not supported"):
+        compiler.compile(make_spec("regex", pattern, "guided_regex"))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(StructuredOutputError, match="lookahead"):
+        compiler.compile(make_spec("json_schema", schema, "p"))
+
+
+@pytest.mark.parametrize("pattern", [r"^\(?=a$", "^[(?=]+$", r"^a\\(b)$"])
+def test_what_only_looks_like_a_lookahead_compiles(compiler: GrammarCompiler, pattern: str):
+    compiler.compile(make_spec("json_schema", {"type": "string", "pattern": pattern}, "p"))

@@ -8,6 +8,8 @@ one path is enforced in part, or not at all, on the other.
   properties, so it wrote objects without that name, which the schema refuses. It is listed,
   with the schema `additionalProperties` (or a matching `patternProperties`) gives it, any
   value when none; where `additionalProperties` is false the schema has no instance: refused.
+- A lookahead in a `pattern`: xgrammar drops it there (and refuses it in a `regex`
+  constraint), so the pattern would hold only in part; refused, as in a regex.
 - A `$ref` outside the schema (a URL, another file, an anchor): nothing is fetched, and xgrammar
   would let any value through in its place; refused.
 """
@@ -72,6 +74,12 @@ def _prepare_node(schema: Any) -> Any:
         raise ValueError(
             f"$ref {ref!r}: only references inside the schema ('#' or '#/...') are supported"
         )
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _has_lookahead(pattern):
+        raise ValueError(
+            f"pattern {pattern!r}: lookahead ((?=...), (?!...)) is not supported, and would "
+            "not be enforced"
+        )
     out = dict(schema)
     for key in _ONE:
         if key in out:
@@ -92,6 +100,23 @@ def _prepare_node(schema: Any) -> Any:
         if missing:
             out["properties"] = properties
     return out
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether `pattern` holds a `(?=` or `(?!` outside a character class and not escaped."""
+    escaped = in_class = False
+    for i, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+    return False
 
 
 def _may_be_object(schema: dict[str, Any]) -> bool:
