@@ -14,6 +14,7 @@ from tests.server.test_engines_http import serve
 from yaied.core.errors import ContextLengthError
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, TokenEvent
+from yaied.router.handle import Health
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,9 +39,9 @@ class SizedEngine(FakeEngine):
         )
 
 
-async def run(manager, prompt_len: int, n: int) -> list:
+async def run(manager, prompt_len: int, n: int, max_tokens: int = 4) -> list:
     handles = [
-        await manager.submit_request(prompt=[1] * prompt_len, sampling_params=params(4))
+        await manager.submit_request(prompt=[1] * prompt_len, sampling_params=params(max_tokens))
         for _ in range(n)
     ]
     return await asyncio.gather(*(h.result() for h in handles))
@@ -100,3 +101,38 @@ async def _add(manager, handle) -> None:
     while await manager.wait_started(handle.engine_id) != "up":
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+
+
+async def test_a_call_without_max_tokens_fits_every_engine_up_that_holds_its_prompt():
+    # Chat's default max_tokens is the context the call has left. Taken from the pool's largest
+    # engine, a call that did not ask for a length went only to that engine, and got a 503
+    # while it was down though the others were up: it is the smallest room left on an engine
+    # up that holds the prompt.
+    manager, engines = await started(1)  # engine 0 holds 8192
+    big = SizedEngine("1", 16384)
+    manager.add_engine(big, origin="api")
+    await manager.wait_started("1")
+    assert manager.room_for(100) == 8092  # both hold a 100-token prompt
+    assert manager.room_for(10000) == 6384  # only the big one holds it
+    engines[0].tick = big.tick = 0  # thousands of tokens a call
+    outputs = await run(manager, 100, 6, max_tokens=manager.room_for(100))
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outputs)
+    assert engines[0].seen and big.seen  # spread over both
+    big.health = Health.DOWN
+    assert manager.room_for(100) == 8092
+    [output] = await run(manager, 100, 1, max_tokens=manager.room_for(100))
+    assert output.finish_reason is FinishReason.LENGTH
+    await manager.stop()
+
+
+def test_a_call_only_a_down_engine_holds_is_a_503_with_retry_after():
+    # README: such a call waits for the engine, so the client is told when to come back
+    with serve() as client:
+        manager = client.app.state.server.manager
+        big = SizedEngine("1", 16384)
+        client.portal.call(_add, manager, big)
+        big.health = Health.DOWN
+        answer = client.post("/v1/completions", json={"prompt": [1] * 12000, "max_tokens": 4})
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"] == "1"
+        assert "no engine up holds a call of 12004 tokens" in answer.json()["error"]["message"]

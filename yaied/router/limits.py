@@ -21,6 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from yaied.core.model_info import ModelInfo
+from yaied.router.handle import Health
 
 if TYPE_CHECKING:
     from yaied.core.request import SamplingParams
@@ -75,11 +76,27 @@ class ContextLimits:
     def context_limit(self) -> int:
         """The largest context length an engine in the pool (not draining) reported; the front
         end's own while none has."""
-        reported = [
+        return max(self._reported(up_only=False), default=self._front_limit)
+
+    def room_for(self, num_prompt_tokens: int) -> int:
+        """What a call of this prompt may generate when it does not say (chat's default
+        max_tokens): the context left on the smallest engine up that holds the prompt, so the
+        call may go to any of them. From the largest, it could go to the largest engine only,
+        and while that one was down to none. The pool's largest while no engine up holds it."""
+        fits = [n for n in self._reported(up_only=True) if n > num_prompt_tokens]
+        return (min(fits) if fits else self.context_limit()) - num_prompt_tokens
+
+    def _reported(self, *, up_only: bool) -> list[int]:
+        """The context lengths engines of the pool (not draining; up, with ``up_only``) have
+        reported. A snapshot: the front end runs on worker threads too, while the loop adds and
+        removes engines."""
+        handles, pool = list(self.handles.items()), dict(self.pool)
+        return [
             handle.info.max_model_len
-            for engine_id, handle in self.handles.items()
+            for engine_id, handle in handles
             if handle.info is not None
-            and engine_id in self.pool
-            and not self.pool[engine_id].draining
+            and handle.info.max_model_len > 0
+            and engine_id in pool
+            and not pool[engine_id].draining
+            and (not up_only or handle.health is Health.UP)
         ]
-        return max((n for n in reported if n > 0), default=self._front_limit)

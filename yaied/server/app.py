@@ -134,6 +134,10 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     if exc.status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+    server = getattr(request.state, "server", None)
+    if exc.status == 503 and "Retry-After" not in exc.headers and server is not None:
+        # every 503 is "not now" (loading, no engine up that holds the call): say when to retry
+        exc.headers["Retry-After"] = str(server.config.retry_after_seconds)
     return _with_request_id(request, exc.response())
 
 

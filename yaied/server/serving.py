@@ -212,7 +212,7 @@ def _params_for(
 ) -> tuple[SamplingParams, bool]:
     max_tokens = parsed.max_tokens
     if max_tokens is None:  # chat's default: whatever the context has left, under the cap
-        max_tokens = limits.default_max_tokens(manager.info.max_model_len - num_prompt_tokens)
+        max_tokens = limits.default_max_tokens(manager.room_for(num_prompt_tokens))
         if max_tokens < 1:
             raise ContextLengthError(
                 f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "
