@@ -5,7 +5,6 @@ Ray itself is faked here (tests/router/test_ray_http.py starts a real one for th
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 import time
 from types import SimpleNamespace
@@ -20,10 +19,7 @@ from yaied.server.config import ServerConfig
 from yaied.server.keys import KeyTable
 from yaied.server.reload import DaemonConfig, reload
 
-pytestmark = [
-    pytest.mark.timeout(30),
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray installed"),
-]
+pytestmark = pytest.mark.timeout(30)  # Ray is faked: these run where it is not installed too
 JOIN_SECONDS = 0.6  # what the fake ray.init blocks for
 
 
@@ -114,3 +110,28 @@ async def test_the_autoscaler_joins_ray_off_the_loop(fake_ray):
     assert threading.get_ident() not in fake_ray.threads and fake_ray.joined
     assert stall < JOIN_SECONDS / 2, f"the loop stalled {stall:.2f} s"
     await manager.stop()
+
+
+def test_threads_that_join_at_once_start_ray_once(monkeypatch):
+    # An HTTP add, a reload and the autoscaler may each join in a thread at the same moment;
+    # without the lock each saw Ray not started and called ray.init (a second init fails, or
+    # starts a second local instance).
+    class SlowRay:
+        def __init__(self) -> None:
+            self.inits: list[dict] = []
+
+        def is_initialized(self) -> bool:
+            return bool(self.inits)
+
+        def init(self, **options) -> None:
+            time.sleep(0.2)  # starting Ray: the others arrive meanwhile
+            self.inits.append(options)
+
+    ray = SlowRay()
+    monkeypatch.setattr(ray_cluster, "import_ray", lambda: ray)
+    threads = [threading.Thread(target=ray_cluster.connect, args=("",)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(ray.inits) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ from yaied.router.config import EngineEntry
 log = logging.getLogger(__name__)
 NODE_LABEL_AMOUNT = 0.001  # what an engine takes of its node's label resource: any node has 1
 _CONNECT_TIMEOUT_SECONDS = 5.0
+_JOIN_LOCK = threading.Lock()
 
 
 def import_ray() -> Any:
@@ -35,10 +37,16 @@ def import_ray() -> Any:
 
 def connect(address: str) -> Any:
     """Join the cluster at ``address`` once per process (see the module's table); returns the
-    ``ray`` module."""
+    ``ray`` module. Threads may join at once (``join_for`` from an HTTP add, a reload and the
+    autoscaler): the lock lets one of them start Ray and the others find it started."""
     ray = import_ray()
-    if ray.is_initialized():
-        return ray
+    with _JOIN_LOCK:
+        if ray.is_initialized():
+            return ray
+        return _join(ray, address)
+
+
+def _join(ray: Any, address: str) -> Any:
     if address not in ("", "auto") and not address.startswith("ray://"):
         _check_reachable(address)
     try:
