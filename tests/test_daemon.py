@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -182,3 +183,50 @@ def test_yaied_serve_exits_non_zero_when_its_engine_dies(tiny_model_dirs, tmp_pa
                 proc.kill()
                 proc.wait()
     assert "the engine stopped" in log_path.read_text()
+
+
+# -- the listening sockets, bound before the model loads ------------------------------------
+
+
+def _resolves_to(monkeypatch, *addresses: tuple[socket.AddressFamily, str]) -> None:
+    def getaddrinfo(host, port, *args, **kwargs):
+        return [(family, socket.SOCK_STREAM, 6, "", (ip, port)) for family, ip in addresses]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_family_the_kernel_lacks_is_skipped_as_asyncio_skips_it(monkeypatch):
+    # `localhost` resolves to ::1 as well on most hosts; with IPv6 switched off the bind of
+    # 127.0.0.1 alone served before sockets were bound here, and must still.
+    from yaied.daemon import listening_sockets
+
+    _resolves_to(monkeypatch, (socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1"))
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    sockets = listening_sockets("localhost", 0)
+    try:
+        assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1"]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_an_address_not_on_this_machine_is_skipped_while_another_binds(monkeypatch):
+    from yaied.daemon import listening_sockets
+
+    _resolves_to(monkeypatch, (socket.AF_INET, "192.0.2.1"), (socket.AF_INET, "127.0.0.1"))
+    sockets = listening_sockets("somewhere", 0)
+    try:
+        assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1"]
+    finally:
+        for sock in sockets:
+            sock.close()
+    _resolves_to(monkeypatch, (socket.AF_INET, "192.0.2.1"))  # TEST-NET-1: on no interface
+    with pytest.raises(OSError, match=r"cannot listen on elsewhere:0: .*assign"):
+        listening_sockets("elsewhere", 0)

@@ -27,6 +27,7 @@ A single engine that stops for good (see yaied/engine/faults.py) stops the serve
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -176,53 +177,74 @@ def run_server(
         server_config, load_engine, engine_config.model.model, on_load_failure=load_failed
     )
     sockets = listening_sockets(server_config.host, server_config.port)
-    warn_if_exposed(server_config)
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level="info",
-        timeout_graceful_shutdown=5,  # a stop by signal sets its own (see _drain)
-        # Connections and tasks at once: past it, 503 at once instead of a daemon out of memory.
-        limit_concurrency=server_config.limit_concurrency,
-    )
-    server = DrainingServer(config, server_config, read_config)
-    # uvicorn re-raises the signal it caught under the handlers it found once it has stopped.
-    # No-op handlers here make that harmless, so a stopped daemon exits 0, as systemd expects.
-    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run(sockets=sockets)  # uvicorn closes them when it stops
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        warn_if_exposed(server_config)
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,  # a stop by signal sets its own (see _drain)
+            # Connections and tasks at once: past it, 503 at once, not a daemon out of memory.
+            limit_concurrency=server_config.limit_concurrency,
+        )
+        server = DrainingServer(config, server_config, read_config)
+        # uvicorn re-raises the signal it caught under the handlers it found once it has
+        # stopped. No-op handlers here make that harmless, so a stopped daemon exits 0, as
+        # systemd expects.
+        previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run(sockets=sockets)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:  # uvicorn closes them when it stops, not when it exits before (closing twice is fine)
+        for sock in sockets:
+            sock.close()
     if failure:
         raise failure[0]
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Sockets bound to every address ``host`` resolves to, as uvicorn would bind them, or an
-    OSError naming the address. uvicorn binds only after the app's startup, which begins the
-    model's load, and reports a failed bind as log lines and exit code 3."""
+    """Sockets bound to the addresses ``host`` resolves to, as uvicorn (asyncio) would bind
+    them, or an OSError naming the address. uvicorn binds only after the app's startup, which
+    begins the model's load, and reports a failed bind as log lines and exit code 3.
+
+    As asyncio does, an address this machine cannot have is skipped while another binds: an
+    address family the kernel lacks (IPv6 switched off, yet ``localhost`` resolves to ``::1``
+    too), or an address not on any interface. A port in use is an error whatever else binds."""
     try:
         found = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        sockets: list[socket.socket] = []
-        try:
-            for family, kind, proto, _, address in dict.fromkeys(found):
-                sock = socket.socket(family, kind, proto)
-                sockets.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:  # "::" must not take the IPv4 port as well
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
-        except OSError:
-            for sock in sockets:
-                sock.close()
-            raise
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise OSError(f"cannot listen on {host}:{port}: {reason}") from exc
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sockets: list[socket.socket] = []
+    skipped: OSError | None = None
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(found):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # no such family here
+                skipped = exc
+                continue
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # "::" must not take the IPv4 port as well
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                skipped = exc
+                sockets.pop().close()
+        if not sockets:
+            raise skipped or OSError(errno.EADDRNOTAVAIL, "no address to listen on")
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     return sockets
 
 
