@@ -18,6 +18,7 @@ import httpx
 import orjson
 
 from yaied.core import sampling_fields
+from yaied.core.bounded import LineSplitter, TooLong
 from yaied.core.grammar_spec import request_field
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.handle import EngineUnavailable
@@ -92,21 +93,17 @@ async def sse_events(
 
 
 async def _lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The body's lines (ended by LF, CRLF or CR; a CRLF split across two chunks adds an empty
-    line, which SSE ignores), each of at most MAX_LINE_BYTES: past that, LineTooLong, having held
-    no more than that and one chunk."""
-    pending = b""
-    async for chunk in response.aiter_bytes():
-        lines = (pending + chunk).splitlines(keepends=True)
-        pending = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
-        if len(pending) > MAX_LINE_BYTES:
-            raise LineTooLong(f"a line of over {MAX_LINE_BYTES} bytes with no end")
-        for line in lines:
-            if len(line) > MAX_LINE_BYTES + 2:  # a long one that ended in this very chunk
-                raise LineTooLong(f"a line of {len(line)} bytes")
-            yield line.rstrip(b"\r\n").decode(errors="replace")
-    if pending:
-        yield pending.decode(errors="replace")
+    """The body's lines (core/bounded.py's LineSplitter), each of at most MAX_LINE_BYTES: past
+    that, LineTooLong, having held no more than that and one chunk."""
+    lines = LineSplitter(MAX_LINE_BYTES)
+    try:
+        async for chunk in response.aiter_bytes():
+            for line in lines.feed(chunk):
+                yield line
+        for line in lines.end():
+            yield line
+    except TooLong as exc:
+        raise LineTooLong(str(exc)) from None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,47 @@
+"""Reading a peer's lines and bodies within a bound (core/bounded.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
+
+
+def split(chunks: list[bytes], limit: int = 64) -> list[str]:
+    lines = LineSplitter(limit)
+    out = [line for chunk in chunks for line in lines.feed(chunk)]
+    return out + lines.end()
+
+
+def test_lines_end_any_way_across_chunks():
+    assert split([b"a\r\nb", b"c\rd\n", b"e"]) == ["a", "bc", "d", "e"]
+    assert split([b"a\r", b"\nb\n"]) == ["a", "", "b"]  # a split CRLF: an empty line, as SSE skips
+    assert split([b"\xffx\n"]) == ["\ufffdx"]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"x" * 65],  # no end, in one chunk
+        [b"x" * 40, b"x" * 40],  # no end, over two
+        [b"x" * 40, b"x" * 40 + b"\n"],  # an end, but only after the bound
+        [b"ok\n" + b"x" * 70 + b"\nmore"],  # a long one inside a chunk
+    ],
+)
+def test_a_line_past_the_bound_raises(chunks):
+    with pytest.raises(TooLong):
+        split(chunks)
+
+
+def test_a_line_at_the_bound_passes():
+    assert split([b"x" * 32, b"x" * 32, b"\r\n"]) == ["x" * 64]
+
+
+def test_a_body_past_the_bound_raises_having_held_no_more():
+    body = BodyBuffer(10)
+    body.feed(b"12345")
+    body.feed(b"67890")
+    assert body.value() == b"1234567890"
+    with pytest.raises(TooLong, match="over 10 bytes"):
+        body.feed(b"x")
+    assert body.value() == b"1234567890"
