@@ -10,7 +10,10 @@ daemon does, and POST /v1/completions streams SSE in one of these modes:
 - ``endless``: a token, then one line that never ends (no newline, ever), until the client
   leaves;
 - ``error``: a token, then the error chunk a daemon sends when its engine fails the call
-  (``ERROR_MESSAGE``, prefixed as the daemon's server prefixes it), ``[DONE]``.
+  (``ERROR_MESSAGE``, prefixed as the daemon's server prefixes it), ``[DONE]``;
+- ``huge_error``: a 400 whose OpenAI error body is HUGE_BYTES long (its message padded);
+- ``huge_models``, ``huge_metrics``: streams as ``ok``, but /v1/models (valid JSON, padded) or
+  /metrics (valid Prometheus text, padded) is HUGE_BYTES long, above any bound on a body.
 
 In-process (``async with FakeRemote(mode) as remote``) or as a process of its own, which prints
 its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
@@ -23,13 +26,32 @@ import sys
 
 import orjson
 
-_MODES = ("ok", "malformed", "bad_finish", "slow", "close", "not_http", "error", "endless")
+_MODES = (
+    "ok",
+    "malformed",
+    "bad_finish",
+    "slow",
+    "close",
+    "not_http",
+    "error",
+    "endless",
+    "huge_error",
+    "huge_models",
+    "huge_metrics",
+)
 ERROR_MESSAGE = "the engine ran out of KV pages"  # what mode ``error``'s engine says
+HUGE_BYTES = 16 << 20  # what the huge_* modes send: finite (a test without a bound ends)
 
 
 def _chunk(finish: str | None = None, ids: tuple[int, ...] = (5,)) -> bytes:
     choice = {"index": 0, "text": "a", "token_ids": list(ids), "finish_reason": finish}
     return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+def _padded(body: bytes, comment: bytes = b"") -> bytes:
+    """``body`` and then blanks (a comment, given its start) up to HUGE_BYTES: still valid."""
+    pad = HUGE_BYTES - len(body) - len(comment) - 1
+    return body + b"\n" + comment + b" " * pad if comment else body + b" " * (pad + 1)
 
 
 _USAGE = b"data: " + orjson.dumps({"choices": [], "usage": {"prompt_tokens": 2}}) + b"\n\n"
@@ -43,6 +65,7 @@ class FakeRemote:
         self.open_streams = 0
         self.peak_streams = 0
         self.headers: list[dict[str, str]] = []  # each completion request's headers
+        self.probes = 0  # GET /health requests
         self._server: asyncio.Server | None = None
 
     @property
@@ -78,11 +101,16 @@ class FakeRemote:
             writer.close()
 
     async def _answer(self, writer: asyncio.StreamWriter, path: str) -> None:
+        self.probes += path == "/health"
         bodies = {
             "/health": b"",
             "/v1/models": orjson.dumps({"data": [{"id": "m", "max_model_len": 512}]}),
             "/metrics": b'yaied:num_requests_waiting{engine="0"} 0\n',
         }
+        if self.mode == "huge_models":
+            bodies["/v1/models"] = _padded(bodies["/v1/models"])
+        elif self.mode == "huge_metrics":
+            bodies["/metrics"] = _padded(bodies["/metrics"], b"# ")
         body = bodies.get(path, b"")
         status = "200 OK" if path in bodies else "404 Not Found"
         writer.write(f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
@@ -96,11 +124,18 @@ class FakeRemote:
                 writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
                 await writer.drain()
                 return
+            if self.mode == "huge_error":
+                message = "bad request " + "x" * HUGE_BYTES
+                body = orjson.dumps({"error": {"message": message, "code": 400}})
+                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n")
+                writer.write(f"content-length: {len(body)}\r\n\r\n".encode() + body)
+                await writer.drain()
+                return
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
             writer.write(b"connection: close\r\n\r\n" + _chunk())
             await writer.drain()
             await asyncio.sleep(self.hold)
-            if self.mode == "ok":
+            if self.mode in ("ok", "huge_models", "huge_metrics"):
                 writer.write(_chunk("stop", ()) + _USAGE + b"data: [DONE]\n\n")
             elif self.mode == "malformed":
                 writer.write(b'data: {"choices": [{"text": \n\n')

@@ -104,3 +104,57 @@ async def test_a_remote_line_that_never_ends_fails_over_and_marks_the_remote_dow
         assert manager.handles["0"].health is Health.DOWN
         assert manager.migrations["failed"] == 0 and not manager._calls
         await manager.stop()
+
+
+async def two_remotes(bad: FakeRemote, good: FakeRemote, **router: object) -> EngineManager:
+    config = RouterConfig(**{"remote_read_timeout_seconds": 5.0, **router})
+    manager = EngineManager(config)
+    for i, url in enumerate((bad.url, good.url)):
+        manager.add_engine(RemoteHandle(str(i), EngineEntry(kind="remote", url=url), config))
+    hf_config = SimpleNamespace(eos_token_id=None)
+    manager.inputs = InputProcessor(None, hf_config, ModelInfo(512, 256))
+    await manager.start()
+    return manager
+
+
+async def test_an_error_body_past_the_bound_fails_over_and_marks_the_remote_down(caplog):
+    """A 4xx is the call's own fault, its message the remote's; but one whose body runs to
+    megabytes is no daemon's answer: it is read up to a bound, not whole, and the call moves to
+    the other remote as for any broken answer."""
+    async with FakeRemote("huge_error") as bad, FakeRemote("ok") as good:
+        manager = await two_remotes(bad, good, health_check_interval_seconds=60)
+        params = SamplingParams(max_tokens=8, temperature=0)
+        handles = [
+            await manager.submit_request(prompt=[1, 2], sampling_params=params) for _ in range(4)
+        ]
+        outputs = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 20)
+        assert [(o.finish_reason, o.error) for o in outputs] == [(FinishReason.STOP, None)] * 4
+        assert 1 <= manager.migrations["moved"] == len(bad.headers)
+        assert manager.handles["0"].health is Health.DOWN
+        own = [r.getMessage() for r in caplog.records if r.name == "yaied.router.remote"]
+        lines = [line for line in own if "error body" in line]  # each moved call logs its own
+        assert len(lines) == 1 and lines[0].startswith("remote engine 0"), lines
+        await manager.stop()
+
+
+@pytest.mark.parametrize(("mode", "what"), [("huge_models", "models"), ("huge_metrics", "metrics")])
+async def test_a_probe_body_past_the_bound_is_a_failed_probe_said_once(mode, what, caplog):
+    """/v1/models and /metrics are read up to a bound far above any daemon's: a remote whose
+    answer runs past it stays down (one log line, the reason in GET /v1/engines), its calls go
+    to the other."""
+    async with FakeRemote(mode) as bad, FakeRemote("ok") as good:
+        manager = await two_remotes(bad, good, health_check_interval_seconds=0.05)
+        handle = manager.handles["0"]
+        for _ in range(500):
+            if bad.probes >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert bad.probes >= 4 and handle.health is Health.DOWN
+        lines = [r.getMessage() for r in caplog.records if r.name == "yaied.router.remote"]
+        assert len(lines) == 1 and f"/{what} body of over" in lines[0], lines
+        assert "bytes" in handle.describe()["error"]
+        params = SamplingParams(max_tokens=8, temperature=0)
+        call = await manager.submit_request(prompt=[1, 2], sampling_params=params)
+        assert (await asyncio.wait_for(call.result(), 10)).finish_reason is FinishReason.STOP
+        assert not bad.headers
+        await manager.stop()

@@ -13,13 +13,15 @@ Health: a circuit breaker over /health probes and the calls themselves. ``failur
 failures in a row mark the engine down (its pins are cleared); it is then probed every
 ``health_check_interval_seconds`` until ``success_threshold`` probes in a row succeed. Each
 probe reads the remote's context length again (/v1/models): it is sent only calls it holds.
+Each answer is read up to MAX_PROBE_BYTES: one past it fails the probe, saying why once.
 
 Whatever goes wrong in a call's reader ends that call, and only the engine's faults count against
 the engine:
 
 - the engine's fault (it cannot be reached, it stopped talking for ``remote_read_timeout_seconds``,
   it answered 5xx or something that is not our stream): a failure, and ``sink.lost``, so the
-  call moves to another engine; a line past remote_stream.MAX_LINE_BYTES marks it down at once;
+  call moves to another engine; a line past remote_stream.MAX_LINE_BYTES, or an error body past
+  MAX_ERROR_BYTES, marks it down at once;
 - the call's own (a header or body httpx refuses to send, a 4xx, a bug here): an error event;
 - waiting for one of the ``remote_max_connections`` connections is back-pressure: calls queue
   there as they would in the remote's own queue. Probes use a client of their own, so a pool full
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,13 +53,23 @@ from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import CallSink, EngineHandle, EngineUnavailable, Health, Stats
 from yaied.router.remote_metrics import stats_from_metrics
-from yaied.router.remote_stream import LineTooLong, RemoteStreamError, request_body, sse_events
+from yaied.router.remote_stream import (
+    Oversized,
+    RemoteStreamError,
+    read_body,
+    request_body,
+    sse_events,
+)
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(10.0)
 _CONNECT_TIMEOUT = 10.0  # also for writing a request body
 # The longest context a remote may report: above any model's (a few million tokens at most).
 MAX_CONTEXT_TOKENS = 1 << 24
+# The most read of a probe's answer (/health, /v1/models, /metrics; a router's /metrics over
+# many engines is tens of kilobytes) and of an error's body (a message, a few hundred bytes).
+MAX_PROBE_BYTES = 8 << 20
+MAX_ERROR_BYTES = 256 << 10
 
 
 # What says the remote engine is at fault, not the call: it cannot be reached, stopped talking
@@ -119,7 +132,7 @@ class RemoteHandle(EngineHandle):
         self._transport = transport
         self.instance_id = instance_id
         self.refusal: str | None = None  # why it is refused for good (it is this daemon)
-        self.bad_report: str | None = None  # why what its /v1/models says is no context length
+        self.bad_report: str | None = None  # why its probe's answers are unusable (said once)
         self.url = entry.url.rstrip("/")
         self.api_key = entry.key
         self.interval = router_config.health_check_interval_seconds
@@ -159,15 +172,13 @@ class RemoteHandle(EngineHandle):
         if self.refusal is not None:
             log.error("%s", self.refusal)
             return
-        if not up:
+        if not up and self.bad_report is None:  # else said already, with the reason
             log.warning("remote engine %s (%s) does not answer; probing", self.engine_id, self.url)
         self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
     async def _probe(self) -> bool:
-        client = self._probe_client
-        assert client is not None
         try:
-            health = await client.get("/health")
+            health, _ = await self._get("/health")
             if self.instance_id and health.headers.get(INSTANCE_HEADER) == self.instance_id:
                 self.refusal = (
                     f"remote engine {self.engine_id} ({self.url}) is this daemon itself: its calls "
@@ -177,41 +188,56 @@ class RemoteHandle(EngineHandle):
             if health.status_code != 200:
                 return False
             # Read at every probe: the remote may be a pool whose largest engine changes.
-            models = (await client.get("/v1/models")).json()["data"]
-            if not self._take_context_length(models[0]):
-                return False
-            metrics = await client.get("/metrics")
-            self._stats = stats_from_metrics(metrics.text) if metrics.status_code == 200 else None
-            return True
+            _, models = await self._get("/v1/models")
+            reason = self._take_context_length(json.loads(models)["data"][0])
+            if reason is None:
+                metrics, text = await self._get("/metrics")
+                ok = metrics.status_code == 200
+                self._stats = stats_from_metrics(text.decode(errors="replace")) if ok else None
+        except Oversized as exc:
+            reason = f"remote engine {self.engine_id} ({self.url}) sent {exc}; down until it stops"
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return False
+        self._report(reason)
+        return reason is None
 
-    def _take_context_length(self, card: dict[str, Any]) -> bool:
+    async def _get(self, path: str) -> tuple[httpx.Response, bytes]:
+        """A probe's GET: the response (its status and headers) and its body, read up to
+        MAX_PROBE_BYTES (past that, BodyTooLarge)."""
+        assert self._probe_client is not None
+        async with self._probe_client.stream("GET", path) as response:
+            return response, await read_body(response, MAX_PROBE_BYTES, f"a {path} body")
+
+    def _take_context_length(self, card: dict[str, Any]) -> str | None:
         """The context length the remote reports, as its limit: none is unknown (0: the front
-        end's limit holds), one that is no length at all (not an integer, 0 or less, beyond
-        MAX_CONTEXT_TOKENS) leaves the remote down, saying why once; the next probe reads it
-        again."""
+        end's limit holds); one that is no length at all (not an integer, 0 or less, beyond
+        MAX_CONTEXT_TOKENS) is returned as the reason the remote stays down."""
         reported = card.get("max_model_len")
         if "max_model_len" not in card or (
             type(reported) is int and 0 < reported <= MAX_CONTEXT_TOKENS
         ):
             reported = reported or 0
-            if self.bad_report is not None:
-                log.info("remote engine %s now reports max_model_len %d", self.engine_id, reported)
-            elif self.info is not None and self.info.max_model_len != reported:
+            known = self.info is not None and self.bad_report is None
+            if known and self.info.max_model_len != reported:
                 log.info("remote engine %s now holds %d tokens", self.engine_id, reported)
-            self.bad_report = None
             self.info = ModelInfo(reported, 0)
-            return True
+            return None
         shown = repr(reported)[:60]
-        reason = (
+        return (
             f"remote engine {self.engine_id} ({self.url}) reports max_model_len {shown}, "
             f"not a context length (1 to {MAX_CONTEXT_TOKENS} tokens); down until it reports one"
         )
-        if reason != self.bad_report:
+
+    def _report(self, reason: str | None) -> None:
+        """What a probe's answers said that leaves the remote down (None: nothing): said once
+        while it lasts, and shown in describe(); the next probe reads them again."""
+        if reason is not None and reason != self.bad_report:
             log.error("%s", reason)
+        elif reason is None and self.bad_report is not None:
+            assert self.info is not None
+            held = self.info.max_model_len
+            log.info("remote engine %s answers well again (max_model_len %d)", self.engine_id, held)
         self.bad_report = reason
-        return False
 
     async def _probe_forever(self) -> None:
         while True:
@@ -311,9 +337,9 @@ class RemoteHandle(EngineHandle):
             sink.deliver(TokenEvent(request_id, [], "", FinishReason.ABORT))
             raise
         except _ENGINE_FAULTS as exc:
-            if isinstance(exc, LineTooLong):  # no daemon does that: down now, not in 3 calls
+            if isinstance(exc, Oversized) and self.breaker.up:  # no daemon does that: down
                 log.error("remote engine %s (%s) sent %s", self.engine_id, self.url, exc)
-                self.breaker.failures = self.breaker.failure_threshold - 1
+                self.breaker.failures = self.breaker.failure_threshold - 1  # now, not in 3 calls
             self._record(False)
             sink.lost(f"remote engine {self.engine_id}: {exc!r}")
         except httpx.PoolTimeout as exc:  # only with a pool timeout: busy, not broken
@@ -326,8 +352,10 @@ class RemoteHandle(EngineHandle):
     async def _refused(
         self, request_id: str, response: httpx.Response
     ) -> TokenEvent | EngineUnavailable:
-        """A non-200 answer: the engine's trouble (5xx, 429: try elsewhere) or the call's (4xx)."""
-        text = (await response.aread()).decode(errors="replace")
+        """A non-200 answer: the engine's trouble (5xx, 429: try elsewhere) or the call's (4xx).
+        A body past MAX_ERROR_BYTES raises BodyTooLarge: the engine's fault, as a broken stream."""
+        body = await read_body(response, MAX_ERROR_BYTES, "an error body")
+        text = body.decode(errors="replace")
         code = None
         with contextlib.suppress(ValueError, KeyError, TypeError):
             error = orjson.loads(text)["error"]

@@ -1,11 +1,14 @@
 """What goes over the wire to a remote engine: the request's body and headers, and the SSE
-stream that comes back, read into TokenEvents.
+stream that comes back, read into TokenEvents; and the bodies of its other answers, read within a
+bound.
 
 The stream is checked as it is read: a chunk that is not what a yaied daemon sends (not JSON,
 not an object, ids that are not integers, a finish reason we do not know) raises
 RemoteStreamError, which the handle counts against the remote, never leaving the call waiting.
 A line is read up to MAX_LINE_BYTES, far above any event a daemon sends; a longer one (a line
-that never ends) raises LineTooLong, and the handle marks the remote down at once.
+that never ends) raises LineTooLong, and the handle marks the remote down at once. A whole body
+(a probe's answer, an error) is read up to the bound its caller gives: past it, BodyTooLarge.
+Both are Oversized, and both hold no more than their bound and one chunk (core/bounded.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import httpx
 import orjson
 
 from yaied.core import sampling_fields
-from yaied.core.bounded import LineSplitter, TooLong
+from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
 from yaied.core.grammar_spec import request_field
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.handle import EngineUnavailable
@@ -35,8 +38,16 @@ class RemoteStreamError(Exception):
     """The remote answered with something that is not a yaied completion stream."""
 
 
-class LineTooLong(RemoteStreamError):
+class Oversized(RemoteStreamError):
+    """A line or a body past its bound: no yaied daemon sends one."""
+
+
+class LineTooLong(Oversized):
     """A line of the stream past MAX_LINE_BYTES with no end in sight."""
+
+
+class BodyTooLarge(Oversized):
+    """A body past the bound its reader gave."""
 
 
 def request_body(
@@ -104,6 +115,18 @@ async def _lines(response: httpx.Response) -> AsyncIterator[str]:
             yield line
     except TooLong as exc:
         raise LineTooLong(str(exc)) from None
+
+
+async def read_body(response: httpx.Response, limit: int, what: str) -> bytes:
+    """``response``'s body, of at most ``limit`` bytes: past that, BodyTooLarge (``what``, say
+    "a /metrics body", names it), having held no more than that and one chunk."""
+    body = BodyBuffer(limit)
+    try:
+        async for chunk in response.aiter_bytes():
+            body.feed(chunk)
+    except TooLong:
+        raise BodyTooLarge(f"{what} of over {limit} bytes") from None
+    return body.value()
 
 
 @dataclass(slots=True)
