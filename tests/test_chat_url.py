@@ -195,3 +195,92 @@ def test_serve_with_a_missing_key_file_is_one_line_and_exit_2(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("yaied: error: server.api_key_file") and str(missing) in err
     assert err.count("\n") == 1
+
+
+# -- what a server that is not a yaied daemon (or a broken one) sends ----------------------------
+
+
+def client_of(handler) -> chat_client.ChatClient:
+    client = chat_client.ChatClient("http://test")
+    client.http = httpx.Client(base_url=client.root, transport=httpx.MockTransport(handler))
+    return client
+
+
+def streamed(content, headers: dict[str, str] | None = None) -> chat_client.ChatClient:
+    return client_of(lambda request: httpx.Response(200, headers=headers, content=content))
+
+
+def test_a_stream_line_past_the_bound_is_an_error_having_read_no_more():
+    """An endless line grew the client's memory without bound: lines are read up to 1 MiB (a
+    chunk is well under a kilobyte); past that the turn fails, the stream read no further."""
+    sent = []
+
+    def endless():
+        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        yield b'data: {"choices":[{"delta":{"content":"'
+        for _ in range(64):  # 4 MiB, within one line (finite: without a bound, the test ends)
+            sent.append(1)
+            yield b"b" * 65536
+        yield b'"}}]}\n\ndata: [DONE]\n\n'
+
+    got = []
+    with pytest.raises(chat_client.ServerError, match="line of over 1048576 bytes") as error:
+        got.extend(streamed(endless()).stream_chat({"messages": []}))
+    assert got == ["a"] and len(sent) <= 1 + (1 << 20) // 65536
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "message"),
+    [
+        (b'{"choices":[{"message":{"content":"hi"}}]}', None, "ended before"),  # not streamed
+        (b'{"choices":[]}', {"content-type": "application/json"}, "not an event stream"),
+        (b"<html>busy</html>", {"content-type": "text/html"}, "not an event stream"),
+        (b"data: [1, 2]\n\ndata: [DONE]\n\n", None, "not a JSON object"),
+        (b'data: "a"\n\ndata: [DONE]\n\n', None, "not a JSON object"),
+        (b"data: 5\n\ndata: [DONE]\n\n", None, "not a JSON object"),
+        (b'data: {"choices": 5}\n\ndata: [DONE]\n\n', None, "choices"),
+        (b'data: {"choices": [5]}\n\ndata: [DONE]\n\n', None, "choice"),
+        (b'data: {"choices": [{"delta": "a"}]}\n\ndata: [DONE]\n\n', None, "delta"),
+        (b'data: {"choices": [{"delta": {"content": 5}}]}\n\ndata: [DONE]\n\n', None, "content"),
+        (b"data: {nope\n\n", None, "malformed stream chunk"),
+    ],
+)
+def test_a_stream_that_is_not_an_openai_chat_stream_is_a_one_line_error(content, headers, message):
+    """Such streams ended the chat with a traceback (AttributeError, TypeError), or, not SSE at
+    all, gave an empty answer as if the model had said nothing."""
+    with pytest.raises(chat_client.ServerError, match=message) as error:
+        list(streamed(content, headers).stream_chat({"messages": []}))
+    assert "\n" not in str(error.value) and "http://test" in str(error.value)
+
+
+def test_a_well_formed_stream_with_its_content_type_still_streams():
+    stream = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n: ping\n\n'
+    stream += b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n'
+    stream += b'data:{"choices":[{"delta":{"content":"b"},"finish_reason":"stop"}]}\n\n'
+    stream += b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\ndata: [DONE]\n\n'
+    headers = {"content-type": "text/event-stream; charset=utf-8"}
+    assert list(streamed(stream, headers).stream_chat({"messages": []})) == ["a", "b"]
+
+
+def test_a_broken_stream_drops_the_turn_in_one_line_and_the_chat_goes_on(capsys, monkeypatch):
+    import functools
+
+    answers = [
+        b'data: {"choices":[{"delta":{"content":"par"}}]}\n\ndata: [5]\n\n',
+        b"data: " + b"x" * (chat_client.MAX_LINE_BYTES + 1),
+        b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n',
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=answers.pop(0))
+
+    client = functools.partial(httpx.Client, transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(chat_client.httpx, "Client", client)
+    lines = ["one", "two", "three"]
+    code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x", "--model", "m")
+    assert code == 0, err
+    assert out == "par\nok\n"
+    errors = err.splitlines()
+    assert len(errors) == 2 and all(e.startswith("yaied: error: ") for e in errors), err
+    assert "not a JSON object" in errors[0] and "line of over" in errors[1]

@@ -3,6 +3,9 @@
 The terminal loop stays in cli.py; this module only speaks the protocol. Two failures differ:
 ``ServerUnreachable`` (nothing listens there: the chat cannot go on) and ``ServerError`` (the
 server answered with an error, before or inside the stream: that turn failed, the chat goes on).
+What the server sends is checked as it is read: a stream that is not SSE, whose chunks are not
+OpenAI chat chunks, that ends before ``[DONE]``, or whose line runs past MAX_LINE_BYTES (a line
+that never ends) is a ServerError, one line, having held no more than that line.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ from typing import Any
 
 import httpx
 
+from yaied.core.bounded import LineSplitter, TooLong
+
 # Connecting should be quick; an answer may pause for long (the server pings idle streams).
 TIMEOUT = httpx.Timeout(10.0, read=300.0)
+# A line of the stream: a chunk is well under a kilobyte. A server that sends more without a
+# newline is broken (or not a chat server).
+MAX_LINE_BYTES = 1 << 20
 
 
 class ServerUnreachable(Exception):
@@ -60,24 +68,24 @@ class ChatClient:
         with self._request("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 _json_body(resp)  # raises ServerError with the server's message
+            kind = resp.headers.get("content-type", "text/event-stream")
+            if not kind.lower().startswith("text/event-stream"):
+                raise ServerError(f"the answer from {self.root} is {kind}, not an event stream")
             try:
-                for line in resp.iter_lines():
+                for line in _lines(resp):
                     if not line.startswith("data:"):
                         continue  # blank separators and ": ping" comments
                     data = line.removeprefix("data:").strip()
                     if data == "[DONE]":
                         return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise ServerError(_message(chunk))
-                    for choice in chunk.get("choices") or ():
-                        content = (choice.get("delta") or {}).get("content")
-                        if content:
-                            yield content
+                    yield from _contents(json.loads(data))
             except httpx.TransportError as exc:
                 raise ServerError(f"the stream from {self.root} broke: {exc}") from None
-            except json.JSONDecodeError as exc:
+            except TooLong as exc:
+                raise ServerError(f"the stream from {self.root} sent {exc}") from None
+            except ValueError as exc:  # not JSON, or not a chat chunk
                 raise ServerError(f"a malformed stream chunk from {self.root}: {exc}") from None
+        raise ServerError(f"the stream from {self.root} ended before [DONE]; the answer is cut")
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         """A streaming response as a context manager, with connection failures translated."""
@@ -99,6 +107,39 @@ class _Translated:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stream.__exit__(*exc_info)
+
+
+def _lines(response: httpx.Response) -> Iterator[str]:
+    """The body's lines, each of at most MAX_LINE_BYTES (past that, TooLong)."""
+    lines = LineSplitter(MAX_LINE_BYTES)
+    for chunk in response.iter_bytes():
+        yield from lines.feed(chunk)
+    yield from lines.end()
+
+
+def _contents(chunk: Any) -> list[str]:
+    """One chat chunk's content deltas; an error chunk raises ServerError with its message, a
+    chunk that is no chat chunk ValueError."""
+    if not isinstance(chunk, dict):
+        raise ValueError(f"{type(chunk).__name__}, not a JSON object")
+    if "error" in chunk:
+        raise ServerError(_message(chunk))
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        raise ValueError("choices is not a list")
+    contents = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise ValueError("a choice is not an object")
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ValueError("a choice's delta is not an object")
+        content = delta.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError("a delta's content is not a string")
+        if content:
+            contents.append(content)
+    return contents
 
 
 def _json_body(response: httpx.Response) -> Any:
