@@ -284,3 +284,26 @@ def test_a_broken_stream_drops_the_turn_in_one_line_and_the_chat_goes_on(capsys,
     errors = err.splitlines()
     assert len(errors) == 2 and all(e.startswith("yaied: error: ") for e in errors), err
     assert "not a JSON object" in errors[0] and "line of over" in errors[1]
+
+
+def test_a_body_past_the_bound_is_an_error_having_read_no_more():
+    """/v1/models and error bodies were read whole: they are read up to MAX_BODY_BYTES."""
+    sent = []
+
+    def huge(head: bytes):
+        yield head
+        for _ in range(256):  # 16 MiB of blanks: still valid JSON
+            sent.append(1)
+            yield b" " * 65536
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, content=huge(b'{"data": [{"id": "m"}]}'))
+        return httpx.Response(400, content=huge(b'{"error": {"message": "no"}}'))
+
+    client = client_of(handler)
+    with pytest.raises(chat_client.ServerError, match="/v1/models body of over"):
+        client.first_model()
+    assert len(sent) <= 1 + chat_client.MAX_BODY_BYTES // 65536
+    with pytest.raises(chat_client.ServerError, match="error body of over"):
+        list(client.stream_chat({"messages": []}))

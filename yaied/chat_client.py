@@ -16,13 +16,15 @@ from typing import Any
 
 import httpx
 
-from yaied.core.bounded import LineSplitter, TooLong
+from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
 
 # Connecting should be quick; an answer may pause for long (the server pings idle streams).
 TIMEOUT = httpx.Timeout(10.0, read=300.0)
 # A line of the stream: a chunk is well under a kilobyte. A server that sends more without a
 # newline is broken (or not a chat server).
 MAX_LINE_BYTES = 1 << 20
+# A whole body: /v1/models (a few models, a kilobyte each), an error (a message).
+MAX_BODY_BYTES = 4 << 20
 
 
 class ServerUnreachable(Exception):
@@ -54,7 +56,7 @@ class ChatClient:
     def first_model(self) -> str:
         """The first id in ``/v1/models``: what the daemon serves."""
         with self._request("GET", "/v1/models") as response:
-            body = _json_body(response)
+            body = _json_body(response, "/v1/models")
         models = body.get("data") if isinstance(body, dict) else None
         if not models or not isinstance(models[0], dict) or "id" not in models[0]:
             raise ServerError(f"{self.root}/v1/models lists no model")
@@ -142,18 +144,25 @@ def _contents(chunk: Any) -> list[str]:
     return contents
 
 
-def _json_body(response: httpx.Response) -> Any:
-    """The JSON of a 200 response; any other status raises ServerError with the server's words."""
-    response.read()
+def _json_body(response: httpx.Response, what: str = "") -> Any:
+    """The JSON of a 200 response (``what``: its path, for the errors); any other status raises
+    ServerError with the server's words. The body is read up to MAX_BODY_BYTES."""
+    name = f"a {what} body" if response.status_code == 200 else "an error body"
+    content = BodyBuffer(MAX_BODY_BYTES)
     try:
-        body = response.json()
+        for chunk in response.iter_bytes():
+            content.feed(chunk)
+    except TooLong:
+        raise ServerError(f"{response.url} sent {name} of over {MAX_BODY_BYTES} bytes") from None
+    try:
+        body = json.loads(content.value())
     except ValueError:
         body = None
     if response.status_code != 200:
         if isinstance(body, dict) and "error" in body:
             raise ServerError(_message(body))
-        text = " ".join(response.text.split()) or response.reason_phrase
-        raise ServerError(f"HTTP {response.status_code}: {text}")
+        text = " ".join(content.value().decode(errors="replace").split())
+        raise ServerError(f"HTTP {response.status_code}: {text or response.reason_phrase}")
     return body
 
 
