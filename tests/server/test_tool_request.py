@@ -171,3 +171,26 @@ def test_chat_custom_tools_parse_and_their_calls_come_back_as_functions():
         with pytest.raises(APIError) as info:
             chat(tools=[{"type": "custom", "custom": {"name": "t", **bad}}])
         assert info.value.param == param
+
+
+def test_each_api_names_its_own_tool_schema_field():
+    """A tool's schema is `function.parameters` in chat, `parameters` in Responses and
+    `input_schema` in Messages: a 400 about it names the client's field."""
+    from yaied.server.messages_protocol import parse_anthropic
+    from yaied.server.responses_protocol import parse_responses
+
+    bad = "{not json"
+    with pytest.raises(APIError) as info:
+        chat(tools=[{"function": {"name": "f", "parameters": bad}}])
+    assert info.value.param == "tools[0].function.parameters"
+    assert chat(tools=[WEATHER]).tools.argument_specs()[0][1].param == (
+        "tools[0].function.parameters"
+    )
+    with pytest.raises(APIError) as info:
+        parse_responses({"input": "hi", "tools": [{"type": "function", "name": "f",
+                                                  "parameters": bad}]})  # fmt: skip
+    assert info.value.param == "tools[0].parameters"
+    with pytest.raises(APIError) as info:
+        parse_anthropic({"messages": USER, "max_tokens": 4,
+                                "tools": [{"name": "f", "input_schema": bad}]})  # fmt: skip
+    assert info.value.param == "tools[0].input_schema"

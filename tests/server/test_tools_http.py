@@ -231,3 +231,42 @@ def test_a_custom_tool_call_in_chat_whole_and_streamed(client, live):
     answer = client.chat.completions.create(model=MODEL, messages=history, tools=[RUN_SQL],
                                             max_tokens=8, temperature=0)  # fmt: skip
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+BAD_SCHEMAS = [
+    ({"type": "odd"}, 'Unsupported type "odd"'),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://x.test/s.json"}}}, "$ref"),
+]
+
+
+@pytest.mark.parametrize(("schema", "why"), BAD_SCHEMAS)
+def test_a_tool_schema_that_cannot_be_enforced_is_a_400_naming_the_tool(live, schema, why):
+    """It was a 400 with param "tools" and "invalid structural tag: ...", which named neither the
+    tool nor the field, in words of the grammar library the client never sent. Each API names
+    its own field."""
+    good = {"name": "get_time", "parameters": TIME_PARAMS}
+    bad = {"name": "get_weather", "parameters": schema}
+    chat_tools = [{"type": "function", "function": f} for f in (good, bad)]
+    cases = [
+        ("/chat/completions", {"model": MODEL, "messages": ASK, "tools": chat_tools},
+         "tools[1].function.parameters"),
+        ("/responses", {"model": MODEL, "input": "hi",
+                        "tools": [{"type": "function", **f} for f in (good, bad)]},
+         "tools[1].parameters"),
+        ("/messages", {"model": MODEL, "messages": ASK, "max_tokens": 8,
+                       "tools": [{"name": f["name"], "input_schema": f["parameters"]}
+                                 for f in (good, bad)]},
+         "tools[1].input_schema"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        for choice in (None, "required"):
+            if choice is not None and path == "/chat/completions":
+                body = {**body, "tool_choice": choice}
+            response = httpx.post(live.v1 + path, json=body, timeout=60)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            message = error["message"]
+            assert error.get("param", param) == param, (path, error)
+            assert message.startswith(param) and "'get_weather'" in message, message
+            assert why in message and "structural tag" not in message, message

@@ -356,3 +356,21 @@ def test_a_lookahead_in_a_pattern_is_a_400_as_in_a_regex(
 @pytest.mark.parametrize("pattern", [r"^\(?=a$", "^[(?=]+$", r"^a\\(b)$"])
 def test_what_only_looks_like_a_lookahead_compiles(compiler: GrammarCompiler, pattern: str):
     compiler.compile(make_spec("json_schema", {"type": "string", "pattern": pattern}, "p"))
+
+
+def test_check_spec_refuses_what_a_compile_refuses_without_the_vocabulary() -> None:
+    """check_spec tells which part of a spec that did not compile is at fault (a request's
+    tools: one structural tag holds every tool's schema)."""
+    from yaied.structured import check_spec
+
+    check_spec(make_spec("json_schema", {"type": "object", "minProperties": 1}, "p"))  # retried
+    check_spec(make_spec("regex", "[a-c]+", "p"))
+    for kind, value, words in [
+        ("json_schema", {"type": "foo"}, 'invalid JSON schema: Unsupported type "foo"'),
+        ("json_schema", {"$ref": "https://x.test/s.json"}, "invalid JSON schema: $ref"),
+        ("regex", "(unclosed", "invalid regular expression"),
+    ]:
+        with pytest.raises(StructuredOutputError) as info:
+            check_spec(make_spec(kind, value, "tools[3].function.parameters"))
+        assert info.value.param == "tools[3].function.parameters"
+        assert info.value.message.startswith(words) and "[" not in info.value.message[:20]

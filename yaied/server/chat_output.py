@@ -8,7 +8,8 @@ newer name); with tools active, the rest goes through the tool-call parser of th
 same parsers, so they agree on every split of the text.
 
 `ChatSettings` is per server (the format and parser names); `output_grammar` is what a request
-must match once tools or reasoning take part; `ChoiceMessage` is per choice.
+must match once tools or reasoning take part (`tools_refused`: which tool is at fault when that
+does not compile); `ChoiceMessage` is per choice.
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ def output_grammar(
         return make_spec("structural_tag", tag, param)
     except StructuredOutputError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+
+
+# What the compiler says of a structural tag it refuses (structured/compiler.py's _reason).
+_TAG_ERROR = "invalid structural tag: "
+
+
+async def tools_refused(grammars: Any, tools: ToolRequest, exc: StructuredOutputError) -> APIError:
+    """The 400 for the output grammar of a request with tools (output_grammar's, param
+    "tools") that did not compile: the first tool whose arguments' schema (a custom tool's:
+    format) would not compile on its own, named by the API's field and the tool's name, and
+    why; else the grammar's error, as the tools' together. ``grammars``: the engine's."""
+    specs = tools.argument_specs()
+    refused = await grammars.first_refused(spec for _, spec in specs)
+    if refused is not None:
+        name = next(name for name, spec in specs if spec.param == refused.param)
+        message = f"{refused.param} (tool {name!r}) cannot be enforced: {refused.message}"
+        return APIError(400, message, param=refused.param)
+    message = exc.message
+    if message.startswith(_TAG_ERROR):  # not, say, a compile past the timeout
+        message = "the tools cannot be enforced together: " + message[len(_TAG_ERROR) :]
+    return APIError(400, message, param=exc.param)
 
 
 class ChoiceMessage:

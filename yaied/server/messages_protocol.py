@@ -305,7 +305,8 @@ def _tools(body: dict[str, Any]) -> ToolRequest:
         if choice.get("disable_parallel_tool_use") is True:
             parallel = False
     chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
-    request = parse_tool_request({**chat_body, "parallel_tool_calls": parallel})
+    chat_body["parallel_tool_calls"] = parallel
+    request = parse_tool_request(chat_body, schema_field="tools[{i}].input_schema")
     return replace(request, call_id_prefix="toolu_")  # Anthropic's tool_use ids
 
 

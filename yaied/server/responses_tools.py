@@ -48,7 +48,7 @@ def parse_tools(body: dict[str, Any], parsed: ParsedRequest) -> tuple[list, Any,
     chat_body = {"tools": chat_tools or None, "tool_choice": chat_choice}
     chat_body["parallel_tool_calls"] = body.get("parallel_tool_calls")
     try:
-        parsed.tools = parse_tool_request(chat_body)
+        parsed.tools = parse_tool_request(chat_body, "tools[{i}].parameters", "tools[{i}].format")
     except APIError as exc:  # chat's names for the fields: tools[i].function.name -> tools[i].name
         exc.param = exc.param and exc.param.replace(".function", "")
         exc.message = exc.message.replace(".function", "")

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from yaied.core.grammar_spec import StructuredOutputError, make_spec
+from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
 from yaied.server.errors import APIError
 from yaied.tools.custom import arguments_of, input_parameters, json_string_regex
 from yaied.tools.grammar import NO_PARAMETERS, Tool, ToolChoice
@@ -20,6 +20,9 @@ MAX_TOOLS = 128
 # OpenAI's rule (letters, digits, _ and -, at most 64) plus dots, which MCP tool names use.
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _CHOICE_MODES = ("none", "auto", "required")
+# Chat's names for a tool's schema and a custom tool's format ("{i}": the tool's index).
+SCHEMA_FIELD = "tools[{i}].function.parameters"
+FORMAT_FIELD = "tools[{i}].custom.format"
 
 
 @dataclass(slots=True)
@@ -33,6 +36,9 @@ class ToolRequest:
     custom: frozenset[str] = frozenset()
     # the start of the ids of the calls the model makes: OpenAI's, or Anthropic's "toolu_"
     call_id_prefix: str = "call_"
+    # The API's names for a tool's schema and a custom tool's format ("{i}": the tool's index)
+    schema_field: str = SCHEMA_FIELD
+    format_field: str = FORMAT_FIELD
 
     @property
     def active(self) -> bool:
@@ -41,8 +47,24 @@ class ToolRequest:
     def definitions(self) -> list[dict[str, Any]]:
         return [tool.definition() for tool in self.tools]
 
+    def argument_specs(self) -> list[tuple[str, GrammarSpec]]:
+        """Each tool's name and what its arguments are held to on their own (its schema, a custom
+        tool's regex), named by the API's field: to tell which tool is at fault when the
+        output's grammar, which holds them all, does not compile."""
+        specs = []
+        for i, tool in enumerate(self.tools):
+            if tool.input_regex is not None:
+                spec = GrammarSpec("regex", tool.input_regex, self.format_field.format(i=i))
+            else:  # parsed already: make_spec passes
+                spec = make_spec("json_schema", tool.parameters, self.schema_field.format(i=i))
+            specs.append((tool.name, spec))
+        return specs
 
-def parse_tool_request(body: dict[str, Any]) -> ToolRequest:
+
+def parse_tool_request(
+    body: dict[str, Any], schema_field: str = SCHEMA_FIELD, format_field: str = FORMAT_FIELD
+) -> ToolRequest:
+    """``schema_field``, ``format_field``: the API's names (ToolRequest's), where not chat's."""
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
             raise APIError(
@@ -50,7 +72,7 @@ def parse_tool_request(body: dict[str, Any]) -> ToolRequest:
                 f"{name} is OpenAI's deprecated functions API; send tools and tool_choice",
                 param=name,
             )
-    tools = _parse_tools(body.get("tools"))
+    tools = _parse_tools(body.get("tools"), schema_field)
     choice = _parse_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is None:
@@ -58,10 +80,12 @@ def parse_tool_request(body: dict[str, Any]) -> ToolRequest:
     elif not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     custom = frozenset(tool.name for tool in tools if tool.free_form)
-    return ToolRequest(tools, choice, parallel, custom)
+    return ToolRequest(
+        tools, choice, parallel, custom, schema_field=schema_field, format_field=format_field
+    )
 
 
-def _parse_tools(value: Any) -> list[Tool]:
+def _parse_tools(value: Any, schema_field: str) -> list[Tool]:
     if value is None:
         return []
     if not isinstance(value, list):
@@ -83,7 +107,7 @@ def _parse_tools(value: Any) -> list[Tool]:
         function = item.get("function")
         if not isinstance(function, dict):
             raise APIError(400, f"{where}.function must be an object", param=f"{where}.function")
-        tools.append(_parse_function(function, f"{where}.function"))
+        tools.append(_parse_function(function, f"{where}.function", schema_field.format(i=i)))
     names = [tool.name for tool in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -92,7 +116,7 @@ def _parse_tools(value: Any) -> list[Tool]:
     return tools
 
 
-def _parse_function(function: dict[str, Any], where: str) -> Tool:
+def _parse_function(function: dict[str, Any], where: str, schema_param: str = "") -> Tool:
     name = function.get("name")
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
         raise APIError(
@@ -110,7 +134,7 @@ def _parse_function(function: dict[str, Any], where: str) -> Tool:
     if parameters is None:
         parameters = dict(NO_PARAMETERS)
     try:  # the same bounds as any schema a request carries (size, depth, valid JSON)
-        make_spec("json_schema", parameters, f"{where}.parameters")
+        make_spec("json_schema", parameters, schema_param or f"{where}.parameters")
     except StructuredOutputError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
     return Tool(name, description, parameters, strict)

@@ -3,6 +3,7 @@
 - `yaied.core.grammar_spec`: the request fields parsed into one canonical `GrammarSpec` (pure, no
   tokenizer; in core, since `SamplingParams` carries it through every layer), re-exported here;
 - `compiler`: one `GrammarCompiler` per model (xgrammar), a byte-bounded cache, off-loop compiles;
+  `check_spec`, whether a spec would compile, without the vocabulary;
 - `matcher`: per-sequence grammar state and the persistent token bitmask applied to the logits.
 """
 
@@ -13,7 +14,7 @@ from yaied.core.grammar_spec import (
     make_spec,
     parse_structured_output,
 )
-from yaied.structured.compiler import CompiledGrammar, CompileStats, GrammarCompiler
+from yaied.structured.compiler import CompiledGrammar, CompileStats, GrammarCompiler, check_spec
 from yaied.structured.matcher import (
     SequenceMatcher,
     TokenBitmask,
@@ -34,6 +35,7 @@ __all__ = [
     "TokenBitmask",
     "allocate_bitmask",
     "apply_bitmask",
+    "check_spec",
     "fill_bitmasks",
     "make_spec",
     "parse_structured_output",
