@@ -171,3 +171,18 @@ def test_a_required_name_the_parameters_do_not_list_must_be_written(compiler):
     tag = output_structural_tag(tool_format="hermes", tools=[tool], choice=ToolChoice("required"))
     assert accepts(compiler, tag, call("hermes", "f", {"city": "Paris"}))
     assert not accepts(compiler, tag, call("hermes", "f", {}))
+
+
+def test_a_pattern_or_reference_a_tool_cannot_enforce_passes_with_a_warning(compiler, caplog):
+    # A response_format's own schema is refused for these (tests/structured/test_compiler.py);
+    # a tool's schema often comes from elsewhere (an MCP server) and the tool may never be
+    # called, so the request goes on: the rest of the schema is enforced, the log says what not.
+    password = {"type": "string", "pattern": "^(?=.*[0-9]).{8,}$"}
+    elsewhere = {"$ref": "https://example.com/address.json"}
+    properties = {"password": password, "address": elsewhere}
+    tool = Tool("sign_up", None, {"type": "object", "properties": properties})
+    tag = output_structural_tag(tool_format="hermes", tools=[tool], choice=ToolChoice("auto"))
+    with caplog.at_level("WARNING", logger="yaied.structured.schema_prepare"):
+        assert accepts(compiler, tag, "Fine.")
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "lookahead" in warnings and "example.com" in warnings

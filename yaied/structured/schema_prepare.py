@@ -12,22 +12,31 @@ one path is enforced in part, or not at all, on the other.
   constraint), so the pattern would hold only in part; refused, as in a regex.
 - A `$ref` outside the schema (a URL, another file, an anchor): nothing is fetched, and xgrammar
   would let any value through in its place; refused.
+
+The last two are refused in a response_format's own schema, which the client wrote to be
+enforced. In a structural tag they pass with a warning in the log (`lenient`): tools often come
+from elsewhere (an MCP server's schemas, which the agent cannot edit) and may never be called,
+so a request is not refused for a pattern or a reference in one of them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 from yaied.structured.schema_merge import merge_all_of
 
+log = logging.getLogger(__name__)
 
-def prepare_schema(schema: Any) -> Any:
-    """`schema` as xgrammar must see it to enforce what the client asked for; a new value."""
+
+def prepare_schema(schema: Any, *, lenient: bool = False) -> Any:
+    """`schema` as xgrammar must see it to enforce what the client asked for; a new value.
+    ``lenient``: what xgrammar cannot enforce in full passes with a warning (see above)."""
     if not isinstance(schema, dict):
         return schema
-    return _prepare_node(merge_all_of(schema))
+    return _prepare_node(merge_all_of(schema), lenient)
 
 
 def prepare_schema_source(source: str) -> str:
@@ -54,7 +63,7 @@ def _prepare_tag(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     if value.get("type") == "json_schema" and "json_schema" in value:
-        return {**value, "json_schema": prepare_schema(value["json_schema"])}
+        return {**value, "json_schema": prepare_schema(value["json_schema"], lenient=True)}
     return {key: _prepare_tag(item) for key, item in value.items()}
 
 
@@ -64,32 +73,34 @@ _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
-def _prepare_node(schema: Any) -> Any:
+def _prepare_node(schema: Any, lenient: bool) -> Any:
     if isinstance(schema, list):  # `items` as a list (draft 4's tuples)
-        return [_prepare_node(item) for item in schema]
+        return [_prepare_node(item, lenient) for item in schema]
     if not isinstance(schema, dict):
         return schema
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
-        raise ValueError(
-            f"$ref {ref!r}: only references inside the schema ('#' or '#/...') are supported"
+        _refuse(
+            f"$ref {ref!r}: only references inside the schema ('#' or '#/...') are supported",
+            lenient,
         )
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and _has_lookahead(pattern):
-        raise ValueError(
+        _refuse(
             f"pattern {pattern!r}: lookahead ((?=...), (?!...)) is not supported, and would "
-            "not be enforced"
+            "not be enforced",
+            lenient,
         )
     out = dict(schema)
     for key in _ONE:
         if key in out:
-            out[key] = _prepare_node(out[key])
+            out[key] = _prepare_node(out[key], lenient)
     for key in _MANY:
         if isinstance(out.get(key), list):
-            out[key] = [_prepare_node(item) for item in out[key]]
+            out[key] = [_prepare_node(item, lenient) for item in out[key]]
     for key in _MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _prepare_node(sub) for name, sub in out[key].items()}
+            out[key] = {name: _prepare_node(sub, lenient) for name, sub in out[key].items()}
     required = out.get("required")
     if isinstance(required, list) and _may_be_object(out):
         properties = out.get("properties")
@@ -100,6 +111,13 @@ def _prepare_node(schema: Any) -> Any:
         if missing:
             out["properties"] = properties
     return out
+
+
+def _refuse(reason: str, lenient: bool) -> None:
+    if not lenient:
+        raise ValueError(reason)
+    # once per grammar compiled: the compiler's cache keeps the grammar, not this warning
+    log.warning("a tool's schema is enforced in part: %s", reason)
 
 
 def _has_lookahead(pattern: str) -> bool:
