@@ -34,12 +34,13 @@ def test_a_ray_engine_no_node_can_hold_is_a_400_and_stalls_nothing(tiny_model_di
 
     live = start_server(ServerConfig(api_keys=KEYS), load, "tiny")
     gaps: list[float] = []
+    statuses: set[int] = set()  # checked on the test's thread: an assert in this one is lost
     done = threading.Event()
 
     def watch_health() -> None:  # the longest wait for /health while Ray starts
         while not done.is_set():
             started = time.monotonic()
-            assert httpx.get(live.url + "/health", timeout=30).status_code == 200
+            statuses.add(httpx.get(live.url + "/health", timeout=30).status_code)
             gaps.append(time.monotonic() - started)
             time.sleep(0.02)
 
@@ -47,8 +48,9 @@ def test_a_ray_engine_no_node_can_hold_is_a_400_and_stalls_nothing(tiny_model_di
     watcher.start()
     try:
         for resources, shown in (
-            ({"CPU": 64}, "CPU = 64"),
-            ({"GPU": 1}, "GPU = 1"),
+            # more than any machine has (a GPU box's local Ray has GPUs: none asks for one here)
+            ({"CPU": 100000}, "CPU = 100000"),
+            ({"GPU": 100000}, "GPU = 100000"),
             ({"no_such_thing": 1}, "no_such_thing = 1"),
         ):
             body = {"kind": "ray", "resources": resources}
@@ -61,7 +63,10 @@ def test_a_ray_engine_no_node_can_hold_is_a_400_and_stalls_nothing(tiny_model_di
         assert [e["name"] for e in listing] == ["first"]
         done.set()
         watcher.join(30)
-        assert max(gaps) < 1.5, f"/health waited {max(gaps):.1f} s while Ray started"
+        assert gaps and statuses == {200}, statuses
+        # Ray's start took 4.4 s on the loop before; a thread leaves /health well under that
+        # (generous: two busy CPUs share the start with the watcher)
+        assert max(gaps) < 2.5, f"/health waited {max(gaps):.1f} s while Ray started"
     finally:
         done.set()
         stop_server(live)
