@@ -55,9 +55,11 @@ def is_loopback(host: str) -> bool:
 
 
 def is_own_address(url: str, host: str, port: int) -> bool:
-    """Whether ``url`` reaches a daemon bound to ``host``:``port`` (on this machine): the same
-    port, on the host it binds or, where it binds loopback or every address, on a loopback name.
-    Another name for this machine is not told here: the instance id tells it (see above)."""
+    """Whether ``url`` surely reaches a daemon bound to ``host``:``port`` (on this machine): the
+    same port, and the host it binds, a loopback name where it binds loopback or every address,
+    or a loopback (or unspecified) address of the family it binds. Another loopback address
+    than the one it binds (127.0.0.2 beside 127.0.0.1), or the other family, may be another
+    daemon's; names not told here are told by the instance id (see above)."""
     parts = urlsplit(url)
     name = (parts.hostname or "").lower().rstrip(".")
     try:
@@ -67,5 +69,26 @@ def is_own_address(url: str, host: str, port: int) -> bool:
     if port <= 0 or url_port != port:
         return False
     bound = host.strip("[]").lower().rstrip(".")
-    local = is_loopback(name) or name in _ANY_HOST  # 0.0.0.0 as a destination is this machine
-    return name == bound or (local and (bound in _ANY_HOST or is_loopback(bound)))
+    if name == bound:
+        return True
+    if name == "localhost" or name.endswith(".localhost"):
+        return bound in _ANY_HOST or is_loopback(bound)
+    address, bound_address = _ip(name), _ip(bound)
+    if address is None or not (address.is_loopback or address.is_unspecified):
+        return False
+    if bound in _ANY_HOST:  # "" binds both families; 0.0.0.0 and :: their own
+        return bound == "" or address.version == (6 if bound == "::" else 4)
+    # 0.0.0.0 as a destination is this machine's loopback of that family
+    return (
+        bound_address is not None
+        and bound_address.is_loopback
+        and address.is_unspecified
+        and address.version == bound_address.version
+    )
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
