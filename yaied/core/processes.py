@@ -4,6 +4,7 @@ the daemon's own priority, and a garbage collector that leaves the loaded model 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -60,6 +61,21 @@ def freeze_loaded_objects() -> None:
     are never walked again; what they hold is still freed by reference counting."""
     gc.collect()
     gc.freeze()
+
+
+def release_unloaded_objects() -> None:
+    """Give back what an engine removed from this process held (its weights, its KV pool):
+    collect its reference cycles now (after ``freeze_loaded_objects`` the collector's next
+    full pass may be far off), and hand the C heap's free pages back to the system, where
+    glibc would keep them in the process's RSS."""
+    gc.unfreeze()
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.model_info import ModelInfo
+from yaied.core.processes import release_unloaded_objects
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.core.stream import EventSink, LostSink, StepObserver
 
@@ -110,6 +111,10 @@ class EngineHandle(abc.ABC):
         """Abort what runs (each stream gets its final event) and release the engine, within
         ``timeout`` seconds (an engine that does not stop in time is killed where it can be)."""
 
+    def released(self) -> None:
+        """Told once the pool has removed this stopped engine for good (its status taken)."""
+        return None  # an engine in another process or machine holds nothing here
+
     @abc.abstractmethod
     def submit(
         self,
@@ -190,6 +195,13 @@ class InProcessHandle(EngineHandle):
         # The daemon froze the loaded objects (core/processes.py): whatever of this engine is
         # held in reference cycles goes back to the collector, or its weights would stay.
         gc.unfreeze()
+
+    def released(self) -> None:
+        # The pool let go of this handle: the engine's last reference goes, and it is collected
+        # now (after a freeze the next full collection may be far off) with the heap trimmed,
+        # or its weights and KV pool would stay in the daemon's memory.
+        del self.engine
+        release_unloaded_objects()
 
     def submit(
         self,

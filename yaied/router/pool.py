@@ -258,6 +258,7 @@ class EnginePool:
             self._lost(call, engine_id, call.num_moves, f"engine {engine_id} ({name}) was removed")
         await handle.stop(ENGINE_STOP_SECONDS)  # events it still sends are dropped (stale)
         self._retire(engine_id)
+        handle.released()
 
     def _retire(self, engine_id: str, error: str | None = None) -> None:
         status = self.get_engine_status(engine_id).as_json()
