@@ -175,7 +175,8 @@ class InProcessHandle(EngineHandle):
 
     @property
     def health(self) -> Health:
-        if self.engine.dead is not None and self._health is Health.UP:
+        engine = getattr(self, "engine", None)  # None once released
+        if engine is not None and engine.dead is not None and self._health is Health.UP:
             return Health.DOWN  # the engine loop crashed; there is nothing to restart in-process
         return self._health
 
