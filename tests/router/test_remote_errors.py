@@ -86,13 +86,7 @@ async def test_a_remote_line_that_never_ends_fails_over_and_marks_the_remote_dow
     one: each call on that remote moves to the other after the token it sent, and the remote,
     which no daemon would be, goes down at once."""
     async with FakeRemote("endless") as bad, FakeRemote("ok") as good:
-        config = RouterConfig(remote_read_timeout_seconds=5.0, health_check_interval_seconds=60)
-        manager = EngineManager(config)
-        for i, url in enumerate((bad.url, good.url)):
-            manager.add_engine(RemoteHandle(str(i), EngineEntry(kind="remote", url=url), config))
-        hf_config = SimpleNamespace(eos_token_id=None)
-        manager.inputs = InputProcessor(None, hf_config, ModelInfo(512, 256))
-        await manager.start()
+        manager = await two_remotes(bad, good, health_check_interval_seconds=60)
         params = SamplingParams(max_tokens=8, temperature=0)
         handles = [
             await manager.submit_request(prompt=[1, 2], sampling_params=params) for _ in range(6)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from yaied.structured.schema_merge import merge_all_of
@@ -41,20 +42,18 @@ def prepare_schema(schema: Any, *, lenient: bool = False) -> Any:
 
 def prepare_schema_source(source: str) -> str:
     """`prepare_schema` over a schema's JSON text; the text as it is when nothing changes."""
-    schema = json.loads(source)
-    prepared = prepare_schema(schema)
-    if prepared == schema:
-        return source
-    return _dumps(prepared)
+    return _prepared_text(source, prepare_schema)
 
 
 def prepare_structural_tag_source(source: str) -> str:
     """A structural tag's JSON text with the schema of each `json_schema` element prepared."""
-    tag = json.loads(source)
-    prepared = _prepare_tag(tag)
-    if prepared == tag:
-        return source
-    return _dumps(prepared)
+    return _prepared_text(source, _prepare_tag)
+
+
+def _prepared_text(source: str, prepare: Callable[[Any], Any]) -> str:
+    value = json.loads(source)
+    prepared = prepare(value)
+    return source if prepared == value else _dumps(prepared)
 
 
 def _prepare_tag(value: Any) -> Any:
