@@ -212,7 +212,7 @@ class LocalProcessHandle(EngineHandle):
             self._ready.set_exception(EngineStartError(f"{reason} while loading"))
         if self._stopping:
             return
-        log.error("%s; %d calls lost", reason, len(lost))
+        log.error("%s; %d calls in flight move to other engines or end", reason, len(lost))
         if was_up:
             self._lost()
             lived = time.monotonic() - self._started_at

@@ -197,7 +197,7 @@ class RayHandle(EngineHandle):
         self.health = Health.DOWN
         self._stats = None
         lost, self._sinks = self._sinks, {}
-        log.error("%s; %d calls lost", reason, len(lost))
+        log.error("%s; %d calls in flight move to other engines or end", reason, len(lost))
         for sink in lost.values():
             sink.lost(reason)
         self._lost()
