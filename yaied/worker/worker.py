@@ -229,8 +229,8 @@ class Worker:
         if page_bytes > gib * 2**30:  # not even one page: never a pool past what was asked for
             raise ValueError(
                 f"cache.page_size = {self.config.cache.page_size}: one KV page takes "
-                f"{page_bytes / 2**20:.1f} MiB, more than cache.kv_cache_gib = {gib:g}; lower "
-                "cache.page_size"
+                f"{page_bytes / 2**20:.1f} MiB, more than cache.kv_cache_gib = {gib:g}; raise "
+                "cache.kv_cache_gib or lower cache.page_size"
             )
         num_pages = int(gib * 2**30 // page_bytes)
         # Zeroing a pool past what the machine has would end in the OOM killer, not a message.
