@@ -34,6 +34,10 @@ TOOLS = [
 ]
 ASK = "What is the weather in Paris tomorrow?"
 
+# Asks the default model answers at length (greedy, past 600 tokens): a cancel finds the call
+# running ("Count from 1 to 500" gets 9 tokens, often done before the cancel came).
+LONG_ASK = "Write a long story about a dragon who learns to bake bread."
+
 
 @pytest.fixture
 def client(live):
@@ -182,7 +186,7 @@ def test_a_background_response_runs_on_and_is_polled(client):
 
 def test_a_background_response_is_cancelled(client, live):
     long = client.responses.create(
-        model=MODEL, input="Count from 1 to 500, one number a line.", background=True,
+        model=MODEL, input=LONG_ASK, background=True,
         max_output_tokens=900, temperature=0,
     )  # fmt: skip
     # a chain cannot continue a response that is still running
@@ -194,7 +198,7 @@ def test_a_background_response_is_cancelled(client, live):
     assert cancelled.usage.output_tokens < 900
     # deleting one that runs cancels it first (its end would otherwise store it again)
     doomed = client.responses.create(
-        model=MODEL, input="Count from 1 to 500.", background=True, max_output_tokens=900
+        model=MODEL, input=LONG_ASK, background=True, max_output_tokens=900
     )
     client.responses.delete(doomed.id)
     with pytest.raises(openai.NotFoundError):
@@ -357,7 +361,7 @@ def test_a_cancelled_foreground_response_ends_failed_not_completed(client, live)
     # it as failed, and its conversation gets none of the cut turn.
     conversation = client.conversations.create()
     body = {
-        "model": MODEL, "input": "Count from 1 to 500, one number a line.", "stream": True,
+        "model": MODEL, "input": LONG_ASK, "stream": True,
         "max_output_tokens": 900, "temperature": 0, "conversation": conversation.id,
     }  # fmt: skip
     headers = {"X-Request-Id": "fg-cancel-me"}
