@@ -177,6 +177,9 @@ def run_server(
         server_config, load_engine, engine_config.model.model, on_load_failure=load_failed
     )
     sockets = listening_sockets(server_config.host, server_config.port)
+    # uvicorn says where it listens only when it binds itself; /health is 503 until the load ends
+    where = ", ".join(_address(sock) for sock in sockets)
+    log.info("listening on %s; the model loads (GET /health is 503 until it is ready)", where)
     try:
         warn_if_exposed(server_config)
         config = uvicorn.Config(
@@ -246,6 +249,11 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     return sockets
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 def warn_if_exposed(config: ServerConfig) -> bool:
