@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import io
@@ -9,6 +10,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -386,3 +388,66 @@ def test_ctrl_c_during_a_local_answer_stops_that_answer_and_the_chat_goes_on(
     assert "yaied: (answer interrupted)" in err
     assert len(answered) == 1 and answered[0].num_tokens > 0  # the second turn answered
     assert len(aborted) == 1  # the cut answer's call, as it was cut
+
+
+# -- the docs -------------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# Flags the README gives to other programs: scripts/ (checked below), lm_eval, pip, ray,
+# systemctl and systemd-analyze, SGLang.
+OTHER_PROGRAMS_FLAGS = {
+    "--tasks",
+    "--include_path",
+    "--model_args",
+    "--no-deps",
+    "--head",
+    "--address",
+    "--resources",
+    "--now",
+    "--offline",
+    "--enable-deterministic-inference",
+}
+
+
+def subcommand_flags(name: str) -> dict[str, argparse.Action]:
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        flag: action
+        for action in commands.choices[name]._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
+
+
+def test_readme_names_every_flag_that_is_not_a_setting():
+    # The generated setting flags are documented as a family ("Every setting of [model] ..."),
+    # the others one by one: a new flag must reach the README too.
+    text = README.read_text()
+    generated = {spec.flag for spec in cli.setting_flags()}
+    generated |= {"--no-" + f.removeprefix("--") for f in generated}
+    for command in ("serve", "chat"):
+        for flag in set(subcommand_flags(command)) - generated:
+            assert re.search(
+                rf"`[^`]*{re.escape(flag)}\b[^`]*`|^yaied.*{re.escape(flag)}\b", text, re.M
+            ), f"README does not name `yaied {command} {flag}`"
+
+
+def test_every_flag_the_readme_names_exists():
+    text = README.read_text()
+    ours = {"--help"} | set(subcommand_flags("serve")) | set(subcommand_flags("chat"))
+    scripts = "\n".join(
+        p.read_text(errors="replace") for p in (README.parent / "scripts").iterdir() if p.is_file()
+    )
+    for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", text)):
+        known = flag in ours or flag in OTHER_PROGRAMS_FLAGS or f'"{flag}"' in scripts
+        assert known, f"README names {flag}, which neither yaied nor scripts/ take"
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_every_flag_has_help_that_gives_its_default(command):
+    for flag, action in subcommand_flags(command).items():
+        assert action.help, f"yaied {command} {flag} has no help"
+        default = action.default
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            assert str(default) in action.help, f"yaied {command} {flag}: default {default}"

@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prompt", type=utf8_text, default=None, help="answer this one prompt and exit"
     )
-    serve.add_argument("--max-tokens", type=int, default=64, metavar="N", help="with --prompt")
+    serve.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="with --prompt (default 64)"
+    )
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=None, help="listen port (default 8000)")
     serve.add_argument(
@@ -137,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--system", type=utf8_text, metavar="TEXT", help="a system message opening the chat"
     )
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=None, help="default: the model's own")
-    chat.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    chat.add_argument("--temperature", type=float, default=0.7, metavar="T", help="default 0.7")
+    chat.add_argument(
+        "--top-p", type=float, default=None, metavar="P", help="default: the model's own"
+    )
+    chat.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default 256")
     chat.add_argument(
         "--url",
         metavar="URL",
