@@ -4,6 +4,7 @@ once), and the loop around it over fake engines with a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -197,3 +198,14 @@ def test_shipped_toml_lists_every_autoscale_setting_at_its_default():
     section = text.split("[autoscale]", 1)[1].split("\n[", 1)[0]
     for name in AutoscaleConfig.__dataclass_fields__:
         assert f"\n{name} = " in section, name
+
+
+def test_readme_table_names_every_autoscale_setting():
+    # The README's "[autoscale] setting" table is where a reader looks for them.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("| `[autoscale]` setting |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(\w+)`", table))
+    missing = [name for name in AutoscaleConfig.__dataclass_fields__ if name not in named]
+    assert not missing, f"README's [autoscale] table lacks {missing}"
