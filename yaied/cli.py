@@ -140,9 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--system", type=utf8_text, metavar="TEXT", help="a system message opening the chat"
     )
     chat.add_argument("--temperature", type=float, default=0.7, metavar="T", help="default 0.7")
-    chat.add_argument(
-        "--top-p", type=float, default=None, metavar="P", help="default: the model's own"
-    )
+    chat.add_argument("--top-p", type=float, default=None, help="default: the model's own")
     chat.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default 256")
     chat.add_argument(
         "--url",
