@@ -451,3 +451,28 @@ def test_every_flag_has_help_that_gives_its_default(command):
         default = action.default
         if isinstance(default, int | float) and not isinstance(default, bool):
             assert str(default) in action.help, f"yaied {command} {flag}: default {default}"
+
+
+def test_readme_names_every_environment_variable_yaied_reads():
+    # YAIED_<SECTION>_<KEY> are the config's (config/yaied.toml lists them); any other YAIED_*
+    # variable the package or the scripts read must be in the README.
+    root = README.parent
+    sources = [p for p in (root / "yaied").rglob("*.py")]
+    sources += [p for p in (root / "scripts").iterdir() if p.is_file()]
+    # os.environ.get("YAIED_X"), os.getenv("YAIED_X"), a constant ENV = "YAIED_X", shell's $YAIED_X
+    read = re.compile(
+        r"""environ(?:\.get)?[(\[]\s*["'](YAIED_\w+)|getenv\(\s*["'](YAIED_\w+)"""
+        r"""|^[A-Z_]+\s*=\s*["'](YAIED_\w+)["']|\$\{?(YAIED_\w+)""",
+        re.M,
+    )
+    names = {
+        n
+        for p in sources
+        for m in read.finditer(p.read_text(errors="replace"))
+        for n in m.groups()
+        if n
+    }
+    text = README.read_text()
+    assert names, "no environment variable found: the pattern is stale"
+    missing = sorted(n for n in names if n not in text)
+    assert not missing, f"README does not name {missing}"
