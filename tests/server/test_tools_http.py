@@ -271,3 +271,27 @@ def test_a_tool_schema_that_cannot_be_enforced_is_a_400_naming_the_tool(live, sc
             assert error.get("param", param) == param, (path, error)
             assert message.startswith(param) and "'get_weather'" in message, message
             assert why in message and "structural tag" not in message, message
+
+
+@pytest.mark.parametrize(("schema", "why"), BAD_SCHEMAS[:2])
+def test_a_bad_output_format_beside_tools_is_a_400_naming_its_field(live, schema, why):
+    """A response_format (Responses: text.format) that cannot be enforced, sent with good tools,
+    was reported as the tools' fault ("the tools cannot be enforced together", param "tools"):
+    the error names the format's field, as it does without tools."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    cases = [
+        ("/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS,
+                               "response_format": fmt}, "response_format.json_schema.schema"),
+        ("/responses", {"model": MODEL, "input": "hi", "tools": [
+            {"type": "function", **t["function"]} for t in TOOLS],
+            "text": {"format": {"type": "json_schema", "name": "out", "schema": schema}}},
+         "text.format.schema"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        response = httpx.post(live.v1 + path, json=body, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and why in error["message"], (path, error)
+        without_tools = {k: v for k, v in body.items() if k != "tools"}
+        alone = httpx.post(live.v1 + path, json=without_tools, timeout=60)
+        assert alone.status_code == 400 and alone.json()["error"] == error, alone.text

@@ -8,7 +8,7 @@ newer name); with tools active, the rest goes through the tool-call parser of th
 same parsers, so they agree on every split of the text.
 
 `ChatSettings` is per server (the format and parser names); `output_grammar` is what a request
-must match once tools or reasoning take part (`tools_refused`: which tool is at fault when that
+must match once tools or reasoning take part (`output_refused`: which part is at fault when that
 does not compile); `ChoiceMessage` is per choice.
 """
 
@@ -83,12 +83,22 @@ def output_grammar(
 _TAG_ERROR = "invalid structural tag: "
 
 
-async def tools_refused(grammars: Any, tools: ToolRequest, exc: StructuredOutputError) -> APIError:
-    """The 400 for the output grammar of a request with tools (output_grammar's, param
-    "tools") that did not compile: the first tool whose arguments' schema (a custom tool's:
-    format) would not compile on its own, named by the API's field and the tool's name, and
-    why; else the grammar's error, as the tools' together. ``grammars``: the engine's."""
-    specs = tools.argument_specs()
+async def output_refused(
+    grammars: Any, parsed: ParsedRequest, exc: StructuredOutputError
+) -> APIError:
+    """The 400 for a chat request's output grammar (output_grammar's structural tag, which
+    holds the request's own constraint, its tools and its reasoning block) that did not
+    compile: the request's own constraint when that would not compile on its own, named by its
+    field with the words it has without tools (response_format, text.format); else the first
+    tool whose arguments' schema (a custom tool's: format) would not, named by the API's field
+    and the tool's name, and why; else the grammar's error, as the tools' together.
+    ``grammars``: the engine's."""
+    own = parsed.own_structured
+    if own is not None and (refused := await grammars.first_refused([own])) is not None:
+        return APIError(400, refused.message, param=refused.param)
+    if not parsed.tools.active or exc.param != "tools":
+        return APIError(400, exc.message, param=exc.param)
+    specs = parsed.tools.argument_specs()
     refused = await grammars.first_refused(spec for _, spec in specs)
     if refused is not None:
         name = next(name for name, spec in specs if spec.param == refused.param)

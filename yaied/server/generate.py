@@ -30,7 +30,7 @@ from yaied.server import responses as R
 from yaied.server.admission import prepare_jobs, request_size
 from yaied.server.auth import api_key_of, may_set_priority
 from yaied.server.body import read_json
-from yaied.server.chat_output import tools_refused
+from yaied.server.chat_output import output_refused
 from yaied.server.chat_protocol import parse_chat
 from yaied.server.errors import (
     APIError,
@@ -174,8 +174,8 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
     if compiling.cancelled():
         return False
     exc = compiling.exception()
-    if isinstance(exc, StructuredOutputError) and parsed.tools.active and exc.param == "tools":
-        raise await tools_refused(grammars, parsed.tools, exc) from None  # which tool's
+    if isinstance(exc, StructuredOutputError) and (parsed.tools.active or parsed.own_structured):
+        raise await output_refused(grammars, parsed, exc) from None  # which part's
     if isinstance(exc, ValueError):  # StructuredOutputError: names the field at fault
         raise from_value_error(exc) from None
     if exc is not None:

@@ -82,6 +82,9 @@ class ParsedRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat
     structured: GrammarSpec | None = None  # the output constraint; None: free text
+    # chat, once output_grammar wraps `structured` in a structural tag (tools, reasoning): the
+    # request's own constraint (response_format), to name it when the tag does not compile
+    own_structured: GrammarSpec | None = None
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools and tool_choice
 
 

@@ -140,7 +140,9 @@ def build_jobs(
     try:
         prompts = _tokenized_prompts(manager, parsed, chat_template, chat)
         if parsed.kind == "chat":
+            own = parsed.structured
             parsed.structured = output_grammar(parsed, chat, prompts[0][1])
+            parsed.own_structured = own if parsed.structured is not own else None
         jobs = []
         for prompt_index, (ids, text) in enumerate(prompts):
             limits.check_prompt(len(ids), aliases["prompt"])
