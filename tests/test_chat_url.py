@@ -307,3 +307,33 @@ def test_a_body_past_the_bound_is_an_error_having_read_no_more():
     assert len(sent) <= 1 + chat_client.MAX_BODY_BYTES // 65536
     with pytest.raises(chat_client.ServerError, match="error body of over"):
         list(client.stream_chat({"messages": []}))
+
+
+def test_a_gzip_bomb_is_bounded_by_what_it_expands_to(monkeypatch):
+    """httpx decompressed each chunk whole before a bound saw it: 16 KiB of gzip became 16 MiB
+    in the client's memory at once. The client asks for identity; a body compressed anyway is
+    decompressed in pieces, so MAX_BODY_BYTES holds on what it expands to."""
+    import functools
+    import tracemalloc
+    import zlib
+
+    bomb = zlib.compress(b'{"data": [{"id": "m"}]}' + b" " * (16 << 20), wbits=zlib.MAX_WBITS | 16)
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("accept-encoding"))
+        sent = iter([bomb])  # as a socket gives it (bytes would be decoded on the spot)
+        return httpx.Response(200, headers={"content-encoding": "gzip"}, content=sent)
+
+    client = functools.partial(httpx.Client, transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(chat_client.httpx, "Client", client)
+    chat = chat_client.ChatClient("http://test")
+    tracemalloc.start()
+    try:
+        with pytest.raises(chat_client.ServerError, match="/v1/models body of over"):
+            chat.first_model()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert asked == ["identity"]
+    assert peak < chat_client.MAX_BODY_BYTES + (2 << 20), f"{peak} bytes held at once"

@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 
-from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
+from yaied.core.bounded import (
+    ACCEPT_IDENTITY,
+    BadEncoding,
+    BodyBuffer,
+    Decoder,
+    LineSplitter,
+    TooLong,
+)
 
 # Connecting should be quick; an answer may pause for long (the server pings idle streams).
 TIMEOUT = httpx.Timeout(10.0, read=300.0)
@@ -45,6 +52,7 @@ class ChatClient:
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.root = api_root(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers |= ACCEPT_IDENTITY  # the bounds below count the bytes as sent
         try:
             self.http = httpx.Client(base_url=self.root, headers=headers, timeout=TIMEOUT)
         except httpx.InvalidURL as exc:  # say "http://[::1": no server to reach there
@@ -111,10 +119,25 @@ class _Translated:
         self.stream.__exit__(*exc_info)
 
 
+def _chunks(response: httpx.Response) -> Iterator[bytes]:
+    """The body, decompressed in pieces (core/bounded.py's Decoder: the bounds hold on what a
+    compressed body expands to); an encoding it does not read raises ServerError. A response
+    built whole (a mock transport's) was read and decoded when it was made: its content is all."""
+    if response.is_stream_consumed:
+        yield response.content
+        return
+    try:
+        decoder = Decoder(response.headers.get("content-encoding"))
+        for raw in response.iter_raw():
+            yield from decoder.feed(raw)
+    except BadEncoding as exc:
+        raise ServerError(f"{response.url} sent {exc}") from None
+
+
 def _lines(response: httpx.Response) -> Iterator[str]:
     """The body's lines, each of at most MAX_LINE_BYTES (past that, TooLong)."""
     lines = LineSplitter(MAX_LINE_BYTES)
-    for chunk in response.iter_bytes():
+    for chunk in _chunks(response):
         yield from lines.feed(chunk)
     yield from lines.end()
 
@@ -150,7 +173,7 @@ def _json_body(response: httpx.Response, what: str = "") -> Any:
     name = f"a {what} body" if response.status_code == 200 else "an error body"
     content = BodyBuffer(MAX_BODY_BYTES)
     try:
-        for chunk in response.iter_bytes():
+        for chunk in _chunks(response):
             content.feed(chunk)
     except TooLong:
         raise ServerError(f"{response.url} sent {name} of over {MAX_BODY_BYTES} bytes") from None

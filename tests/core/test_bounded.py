@@ -1,10 +1,19 @@
-"""Reading a peer's lines and bodies within a bound (core/bounded.py)."""
+"""Reading a peer's lines and bodies within a bound, compressed or not (core/bounded.py)."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
-from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
+from yaied.core.bounded import (
+    PIECE_BYTES,
+    BadEncoding,
+    BodyBuffer,
+    Decoder,
+    LineSplitter,
+    TooLong,
+)
 
 
 def split(chunks: list[bytes], limit: int = 64) -> list[str]:
@@ -45,3 +54,29 @@ def test_a_body_past_the_bound_raises_having_held_no_more():
     with pytest.raises(TooLong, match="over 10 bytes"):
         body.feed(b"x")
     assert body.value() == b"1234567890"
+
+
+def decode(encoding: str | None, body: bytes, split: int = 1000) -> list[bytes]:
+    decoder = Decoder(encoding)
+    return [p for i in range(0, len(body), split) for p in decoder.feed(body[i : i + split])]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "wbits"),
+    [("gzip", zlib.MAX_WBITS | 16), ("x-gzip", zlib.MAX_WBITS | 16), ("deflate", zlib.MAX_WBITS),
+     ("Deflate", -zlib.MAX_WBITS), ("identity, gzip", zlib.MAX_WBITS | 16)],
+)  # fmt: skip
+def test_a_compressed_body_comes_out_whole_in_bounded_pieces(encoding, wbits):
+    body = bytes(range(256)) * 4096 + b"x" * (1 << 20)  # 2 MiB, the second half 1000:1
+    sent = zlib.compressobj(wbits=wbits)
+    pieces = decode(encoding, sent.compress(body) + sent.flush())
+    assert b"".join(pieces) == body and max(map(len, pieces)) <= PIECE_BYTES
+
+
+def test_an_uncompressed_body_passes_as_it_is_and_others_are_refused():
+    assert decode(None, b"abc", 2) == [b"ab", b"c"] == decode("identity", b"abc", 2)
+    for encoding in ("br", "zstd", "gzip, gzip"):
+        with pytest.raises(BadEncoding, match="Content-Encoding"):
+            Decoder(encoding)
+    with pytest.raises(BadEncoding, match="not valid gzip"):
+        decode("gzip", b"not gzip at all")

@@ -13,7 +13,10 @@ daemon does, and POST /v1/completions streams SSE in one of these modes:
   (``ERROR_MESSAGE``, prefixed as the daemon's server prefixes it), ``[DONE]``;
 - ``huge_error``: a 400 whose OpenAI error body is HUGE_BYTES long (its message padded);
 - ``huge_models``, ``huge_metrics``: streams as ``ok``, but /v1/models (valid JSON, padded) or
-  /metrics (valid Prometheus text, padded) is HUGE_BYTES long, above any bound on a body.
+  /metrics (valid Prometheus text, padded) is HUGE_BYTES long, above any bound on a body;
+- ``gzip_metrics``, ``gzip_stream``: a gzip bomb, sent whatever the client's Accept-Encoding:
+  /metrics as ``huge_metrics``, or the stream's second line (one that never ends, HUGE_BYTES),
+  gzipped to a few kilobytes (``content-encoding: gzip``).
 
 In-process (``async with FakeRemote(mode) as remote``) or as a process of its own, which prints
 its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
@@ -22,7 +25,9 @@ its port and serves until killed: ``python -m tests.router.fake_remote MODE``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
+import zlib
 
 import orjson
 
@@ -38,6 +43,8 @@ _MODES = (
     "huge_error",
     "huge_models",
     "huge_metrics",
+    "gzip_metrics",
+    "gzip_stream",
 )
 ERROR_MESSAGE = "the engine ran out of KV pages"  # what mode ``error``'s engine says
 HUGE_BYTES = 16 << 20  # what the huge_* modes send: finite (a test without a bound ends)
@@ -52,6 +59,17 @@ def _padded(body: bytes, comment: bytes = b"") -> bytes:
     """``body`` and then blanks (a comment, given its start) up to HUGE_BYTES: still valid."""
     pad = HUGE_BYTES - len(body) - len(comment) - 1
     return body + b"\n" + comment + b" " * pad if comment else body + b" " * (pad + 1)
+
+
+@functools.cache
+def gzip_bomb(what: str) -> bytes:
+    """The gzip_* modes' bodies (``what``: "metrics" or "stream"), HUGE_BYTES once decompressed,
+    a few kilobytes as sent; built once (a test that measures memory builds them first)."""
+    if what == "metrics":
+        body = _padded(b'yaied:num_requests_waiting{engine="0"} 0\n', b"# ")
+    else:
+        body = _chunk() + b"data: " + b"a" * HUGE_BYTES
+    return zlib.compress(body, wbits=zlib.MAX_WBITS | 16)
 
 
 _USAGE = b"data: " + orjson.dumps({"choices": [], "usage": {"prompt_tokens": 2}}) + b"\n\n"
@@ -107,13 +125,18 @@ class FakeRemote:
             "/v1/models": orjson.dumps({"data": [{"id": "m", "max_model_len": 512}]}),
             "/metrics": b'yaied:num_requests_waiting{engine="0"} 0\n',
         }
+        encoding = b""
         if self.mode == "huge_models":
             bodies["/v1/models"] = _padded(bodies["/v1/models"])
         elif self.mode == "huge_metrics":
             bodies["/metrics"] = _padded(bodies["/metrics"], b"# ")
+        elif self.mode == "gzip_metrics":
+            bodies["/metrics"] = gzip_bomb("metrics")
+            encoding = b"content-encoding: gzip\r\n" if path == "/metrics" else b""
         body = bodies.get(path, b"")
         status = "200 OK" if path in bodies else "404 Not Found"
-        writer.write(f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        head = f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n".encode() + encoding
+        writer.write(head + b"\r\n" + body)
         await writer.drain()
 
     async def _stream(self, writer: asyncio.StreamWriter) -> None:
@@ -132,6 +155,11 @@ class FakeRemote:
                 await writer.drain()
                 return
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+            if self.mode == "gzip_stream":
+                writer.write(b"content-encoding: gzip\r\nconnection: close\r\n\r\n")
+                writer.write(gzip_bomb("stream"))
+                await writer.drain()
+                return
             writer.write(b"connection: close\r\n\r\n" + _chunk())
             await writer.drain()
             await asyncio.sleep(self.hold)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,11 +15,12 @@ import httpx
 import orjson
 import pytest
 
-from tests.router.fake_remote import ERROR_MESSAGE, FakeRemote
+from tests.router.fake_remote import ERROR_MESSAGE, HUGE_BYTES, FakeRemote, gzip_bomb
 from tests.server.conftest import LiveServer, start_server, stop_server
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason, SamplingParams
 from yaied.engine.inputs import InputProcessor
+from yaied.router import remote
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import Health
 from yaied.router.manager import EngineManager
@@ -152,3 +154,33 @@ async def test_a_probe_body_past_the_bound_is_a_failed_probe_said_once(mode, wha
         assert (await asyncio.wait_for(call.result(), 10)).finish_reason is FinishReason.STOP
         assert not bad.headers
         await manager.stop()
+
+
+@pytest.mark.parametrize("mode", ["gzip_metrics", "gzip_stream"])
+async def test_a_gzip_bomb_is_bounded_by_what_it_expands_to(mode, monkeypatch, caplog):
+    """httpx decompressed each chunk whole before a bound saw it: a few kilobytes of gzip from a
+    remote (a probe's body, a line of the stream) became HUGE_BYTES in the router's memory at
+    once. The router asks remotes for identity; one that compresses anyway is decompressed in
+    pieces, so its bounds hold on what it expands to: the remote is down, its calls move."""
+    monkeypatch.setattr(remote, "MAX_PROBE_BYTES", 1 << 20)  # the stream's lines: 1 MiB too
+    gzip_bomb("metrics"), gzip_bomb("stream")  # the fake's own bytes, before the count starts
+    tracemalloc.start()
+    try:
+        async with FakeRemote(mode) as bad, FakeRemote("ok") as good:
+            manager = await two_remotes(bad, good, health_check_interval_seconds=0.05)
+            params = SamplingParams(max_tokens=8, temperature=0)
+            calls = [await manager.submit_request(prompt=[1, 2], sampling_params=params)]
+            output = await asyncio.wait_for(calls[0].result(), 20)
+            for _ in range(500):
+                if manager.handles["0"].health is Health.DOWN:
+                    break
+                await asyncio.sleep(0.01)
+            peak, health = tracemalloc.get_traced_memory()[1], manager.handles["0"].health
+            await manager.stop()
+    finally:
+        tracemalloc.stop()
+    assert output.finish_reason is FinishReason.STOP and health is Health.DOWN
+    assert peak < HUGE_BYTES // 4, f"{peak} bytes held at once"
+    assert all(h["accept-encoding"] == "identity" for h in bad.headers + good.headers)
+    lines = [r.getMessage() for r in caplog.records if r.name == "yaied.router.remote"]
+    assert any("bytes" in line for line in lines), lines

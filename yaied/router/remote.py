@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 import orjson
 
+from yaied.core.bounded import ACCEPT_IDENTITY
 from yaied.core.forwarding import INSTANCE_HEADER, LOOP_CODE, VIA_HEADER
 from yaied.core.ids import header_safe
 from yaied.core.model_info import ModelInfo
@@ -151,6 +152,7 @@ class RemoteHandle(EngineHandle):
         """Connect and learn the model's limits; an unreachable daemon starts down and is probed
         (it may come up after the router)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers |= ACCEPT_IDENTITY  # what is read is bounded as sent (remote_stream.py)
         # Between tokens a stream may idle, but the remote sends an SSE ping every
         # sse_ping_seconds: silence past the read timeout is a dead remote. No pool timeout:
         # a call waiting for a connection is queued, as it would be in the remote's queue.
@@ -194,7 +196,7 @@ class RemoteHandle(EngineHandle):
                 metrics, text = await self._get("/metrics")
                 ok = metrics.status_code == 200
                 self._stats = stats_from_metrics(text.decode(errors="replace")) if ok else None
-        except Oversized as exc:
+        except RemoteStreamError as exc:  # Oversized, or a body in an encoding not read
             reason = f"remote engine {self.engine_id} ({self.url}) sent {exc}; down until it stops"
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return False
@@ -383,9 +385,11 @@ async def instance_at(url: str, api_key: str = "", timeout: float = 3.0) -> str 
     """The instance id the daemon at ``url`` answers with; None when it does not answer in
     ``timeout`` seconds or sends none (not a yaied daemon, or an older one)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
-            response = await client.get(url.rstrip("/") + "/health")
+    try:  # the headers only: the body, whatever its size, is never read
+        async with (
+            httpx.AsyncClient(timeout=timeout, headers=headers) as client,
+            client.stream("GET", url.rstrip("/") + "/health") as response,
+        ):
+            return response.headers.get(INSTANCE_HEADER)
     except httpx.HTTPError:
         return None
-    return response.headers.get(INSTANCE_HEADER)

@@ -8,7 +8,9 @@ RemoteStreamError, which the handle counts against the remote, never leaving the
 A line is read up to MAX_LINE_BYTES, far above any event a daemon sends; a longer one (a line
 that never ends) raises LineTooLong, and the handle marks the remote down at once. A whole body
 (a probe's answer, an error) is read up to the bound its caller gives: past it, BodyTooLarge.
-Both are Oversized, and both hold no more than their bound and one chunk (core/bounded.py).
+Both are Oversized, and both hold no more than their bound and one chunk (core/bounded.py), on
+what a compressed body expands to: the handle asks for identity, and decompresses in pieces a
+body sent compressed anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import httpx
 import orjson
 
 from yaied.core import sampling_fields
-from yaied.core.bounded import BodyBuffer, LineSplitter, TooLong
+from yaied.core.bounded import BadEncoding, BodyBuffer, Decoder, LineSplitter, TooLong
 from yaied.core.grammar_spec import request_field
 from yaied.core.request import FinishReason, SamplingParams, TokenEvent
 from yaied.router.handle import EngineUnavailable
@@ -103,12 +105,29 @@ async def sse_events(
     yield stream.final
 
 
+async def _chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body, decompressed in pieces of at most PIECE_BYTES (core/bounded.py's Decoder: a
+    bound holds on what a compressed body expands to); an encoding it does not read, or a body
+    not valid in its own, raises RemoteStreamError. A response built whole (a mock transport's)
+    was read and decoded when it was made: its content is all there is."""
+    if response.is_stream_consumed:
+        yield response.content
+        return
+    try:
+        decoder = Decoder(response.headers.get("content-encoding"))
+        async for raw in response.aiter_raw():
+            for piece in decoder.feed(raw):
+                yield piece
+    except BadEncoding as exc:
+        raise RemoteStreamError(str(exc)) from None
+
+
 async def _lines(response: httpx.Response) -> AsyncIterator[str]:
     """The body's lines (core/bounded.py's LineSplitter), each of at most MAX_LINE_BYTES: past
     that, LineTooLong, having held no more than that and one chunk."""
     lines = LineSplitter(MAX_LINE_BYTES)
     try:
-        async for chunk in response.aiter_bytes():
+        async for chunk in _chunks(response):
             for line in lines.feed(chunk):
                 yield line
         for line in lines.end():
@@ -122,7 +141,7 @@ async def read_body(response: httpx.Response, limit: int, what: str) -> bytes:
     "a /metrics body", names it), having held no more than that and one chunk."""
     body = BodyBuffer(limit)
     try:
-        async for chunk in response.aiter_bytes():
+        async for chunk in _chunks(response):
             body.feed(chunk)
     except TooLong:
         raise BodyTooLarge(f"{what} of over {limit} bytes") from None
