@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from yaied.router.autoscale import AutoscaleConfig, Autoscaler
 from yaied.router.config import EngineEntry
-from yaied.router.handle import EngineHandle, Health
+from yaied.router.handle import EngineHandle, Health, Stats
 
 if TYPE_CHECKING:
     from yaied.core.config import EngineConfig
@@ -256,13 +256,17 @@ class EnginePool:
             )
         for call in left:  # the same path as an engine lost: move it, else an error event
             self._lost(call, engine_id, call.num_moves, f"engine {engine_id} ({name}) was removed")
+        last = handle.stats()  # a stopped process reports none: its counters stay on /metrics
         await handle.stop(ENGINE_STOP_SECONDS)  # events it still sends are dropped (stale)
-        self._retire(engine_id)
+        self._retire(engine_id, last_stats=last)
         handle.released()
 
-    def _retire(self, engine_id: str, error: str | None = None) -> None:
+    def _retire(
+        self, engine_id: str, error: str | None = None, last_stats: Stats | None = None
+    ) -> None:
         status = self.get_engine_status(engine_id).as_json()
         status["state"] = "removed"
+        status["stats"] = status["stats"] or last_stats
         if error is not None:
             status["error"] = error
         entry = self.pool.pop(engine_id)

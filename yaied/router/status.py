@@ -1,5 +1,6 @@
 """The router's status reports: per engine (``GET /v1/engines``), in all (``GET /v1/router``),
-and the engines' counters summed (what /metrics and the queue check read).
+and the engines' counters summed (what /metrics and the queue check read), with what removed
+engines counted (``removed_engine_counters``).
 
 A mixin of `EngineManager`, kept apart so that the manager's file is about calls; it reads only
 the manager's tables, never changes them.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from yaied.core.metric_names import ENGINE_COUNTERS, RESTARTS_PREFIX
 from yaied.router.handle import EngineHandle, EngineStatus, Stats
 from yaied.router.lifecycle import CallState
 
@@ -94,6 +96,23 @@ class ManagerStatus:
         stats = {engine_id: handle.stats() for engine_id, handle in self.handles.items()}
         return {engine_id: s for engine_id, s in stats.items() if s is not None}
 
+    def removed_engine_counters(self) -> dict[str, Stats]:
+        """Engine id -> the counters a removed engine reported last (its own, ENGINE_COUNTERS,
+        and its restarts), for the removed engines still listed: /metrics keeps them, frozen, as
+        it keeps the server's counters of that engine, so a sum over engines never drops. One
+        no longer listed (pool.py keeps the last _REMOVED_KEPT) leaves /metrics altogether."""
+        kept = {}
+        for engine_id, status in self.removed.items():
+            stats = status.get("stats") or {}
+            counters = {k: v for k, v in stats.items() if _is_counter(k)}
+            if counters:
+                kept[engine_id] = counters
+        return kept
+
+    def listed_engines(self) -> set[str]:
+        """The engines GET /v1/engines lists: live, and recently removed."""
+        return {*self.handles, *self.removed}
+
     def stats(self) -> Stats:
         """Every engine's counters summed (what a single engine's stats() said)."""
         total: Stats = {}
@@ -102,3 +121,7 @@ class ManagerStatus:
                 total[key] = total.get(key, 0) + value
         total.setdefault("num_requests_waiting", 0)
         return total
+
+
+def _is_counter(key: str) -> bool:
+    return key in ENGINE_COUNTERS or key.startswith(RESTARTS_PREFIX)

@@ -35,6 +35,9 @@ from yaied.core.request import TokenEvent
 
 # Engine id -> that engine's stats() (the engines that report them); None while none is loaded.
 StatsFn = Callable[[], dict[str, dict[str, int | float]] | None]
+# The engines GET /v1/engines lists (live and recently removed), and the removed ones' last
+# counters (router/status.py); None while none is loaded.
+ListedFn = Callable[[], tuple[set[str], dict[str, dict[str, int | float]]] | None]
 # The front end's grammar compile cache counters (engine/grammar.py Grammars.stats); None before
 # the first constrained request.
 GrammarStatsFn = Callable[[], dict[str, int | float] | None]
@@ -57,16 +60,21 @@ PoolStatsFn = Callable[[], tuple[dict[str, int], dict[str, int], dict[str, int]]
 
 
 class EngineStatsCollector:
-    """Gauges and engine counters from one ``stats()`` call per engine per scrape."""
+    """Gauges and engine counters from one ``stats()`` call per engine per scrape; a removed
+    engine's counters as it reported them last, while it is listed (``listed``), frozen: they
+    count what happened, and a sum over engines must not drop when one goes."""
 
-    def __init__(self, stats: StatsFn, model_name: str) -> None:
+    def __init__(self, stats: StatsFn, model_name: str, listed: ListedFn | None = None) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._listed = listed or (lambda: None)
 
     def collect(self) -> Iterator[Metric]:
         per_engine = self._stats()
         if not per_engine:
             return
+        listed = self._listed()
+        per_engine = {**(listed[1] if listed else {}), **per_engine}  # no gauges in the former
         names = ["model_name", "engine"]
         families: dict[str, Metric] = {}
         # The table in core/metric_names.py; prometheus adds the counters' _total suffix.
@@ -198,8 +206,11 @@ class ServerMetrics:
         stats: StatsFn,
         grammar_stats: GrammarStatsFn | None = None,
         pool_stats: PoolStatsFn | None = None,
+        listed: ListedFn | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._listed = listed or (lambda: None)
+        self._engines_seen: set[str] = set()  # the engine labels the series below carry
         self.labels = {"model_name": model_name, "engine": "0"}
         names = list(self.labels)
         reg = self.registry
@@ -233,16 +244,41 @@ class ServerMetrics:
             "Seconds to compile a structured-output spec (cache misses only).",
             _COMPILE_BUCKETS,
         )
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(stats, model_name, self._listed))
         self.registry.register(InferenceExtensionCollector(stats, model_name))
         self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), self.labels))
         self.registry.register(PoolCollector(pool_stats or (lambda: None), model_name))
+        # The series of each engine (compile_seconds is the front end's, under engine "0").
+        self._per_engine = (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.request_success,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.iteration_tokens,
+        )
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.iteration_tokens, self.compile_seconds):  # fmt: skip
             metric.labels(**self.labels)  # present (at 0) before the first request
+        self._engines_seen.add(self.labels["engine"])
 
     def engine_labels(self, engine_id: str) -> dict[str, str]:
+        self._engines_seen.add(engine_id)
         return {**self.labels, "engine": engine_id}
+
+    def _forget_unlisted(self) -> None:
+        """Every series of an engine no longer listed (removed long enough ago: router/pool.py
+        keeps the last _REMOVED_KEPT) goes, so an autoscaler's churn of engines does not grow
+        /metrics without bound; a removed engine still listed keeps its counters, frozen."""
+        listed = self._listed()
+        if listed is None:
+            return
+        for engine_id in self._engines_seen - listed[0]:
+            for metric in self._per_engine:
+                metric.remove_by_labels({"engine": engine_id})
+            self._engines_seen.discard(engine_id)
 
     def observe_step(self, engine_id: str, num_tokens: int) -> None:
         """One engine step's size (the engine task calls it: cheap, never raises)."""
@@ -254,6 +290,7 @@ class ServerMetrics:
         self.compile_seconds.labels(**self.labels).observe(seconds)
 
     def render(self) -> bytes:
+        self._forget_unlisted()
         return generate_latest(self.registry)
 
     def timer(self) -> RequestTimer:

@@ -73,11 +73,17 @@ class ServerState:
             config.responses_store_max, config.responses_store_max_bytes
         )
         self.metrics = ServerMetrics(
-            self.model_name, self._stats, self._grammar_stats, self._pool_stats
+            self.model_name, self._stats, self._grammar_stats, self._pool_stats, self._listed
         )
 
     def _stats(self) -> dict[str, dict[str, int | float]] | None:
         return None if self.manager is None else self.manager.engine_stats()
+
+    def _listed(self) -> tuple[set[str], dict[str, dict[str, int | float]]] | None:
+        manager = self.manager
+        if manager is None:
+            return None
+        return manager.listed_engines(), manager.removed_engine_counters()
 
     def _pool_stats(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]] | None:
         manager = self.manager
