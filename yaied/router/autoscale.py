@@ -204,27 +204,31 @@ class Autoscaler:
         return PoolSample(self.clock(), manager.num_calls_waiting, serving, local)
 
     def tick(self) -> Decision | None:
-        """One sample, one decision, applied (a ray engine's Ray joined here: see ``step``)."""
-        decision, self.memory = decide(self.config, self.sample(), self.memory)
-        if decision is not None:
-            self._apply(decision, self.new_engine() if decision.direction == "up" else None)
-        return decision
+        """One sample, one decision, applied: ``step`` without the Ray join (an engine that
+        needs none: a local one, a test's fake)."""
+        return self._apply(*self._decide())
 
     async def step(self) -> Decision | None:
         """``tick`` for the loop: a ray engine's cluster is joined (the first time, Ray starts:
         seconds) in a thread before it is added, so the streams go on meanwhile. One that
         cannot join is a ValueError, and the cooldown holds the next try back."""
-        decision, self.memory = decide(self.config, self.sample(), self.memory)
-        if decision is None:
-            return None
-        engine = self.new_engine() if decision.direction == "up" else None
+        decision, engine = self._decide()
         if isinstance(engine, EngineEntry) and self.manager.engine_config is not None:
             size = self.manager.engine_config.engine.tensor_parallel_size
             await join_for(self.manager.config.ray_address, [engine], size)
-        self._apply(decision, engine)
-        return decision
+        return self._apply(decision, engine)
 
-    def _apply(self, decision: Decision, engine: EngineEntry | EngineHandle | None) -> None:
+    def _decide(self) -> tuple[Decision | None, EngineEntry | EngineHandle | None]:
+        """One sample's decision (the memory carried on), and the engine an up adds."""
+        decision, self.memory = decide(self.config, self.sample(), self.memory)
+        up = decision is not None and decision.direction == "up"
+        return decision, self.new_engine() if up else None
+
+    def _apply(
+        self, decision: Decision | None, engine: EngineEntry | EngineHandle | None
+    ) -> Decision | None:
+        if decision is None:
+            return None
         self.events[decision.direction] += 1
         if engine is not None:
             self._added += 1
@@ -236,6 +240,7 @@ class Autoscaler:
             assert decision.engine_id is not None
             self.manager.start_removal(decision.engine_id)
             log.info("autoscale down: engine %s removed (%s)", decision.engine_id, decision.reason)
+        return decision
 
     async def run(self) -> None:
         while True:
