@@ -75,10 +75,11 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     s = shape
     writer = gguf.GGUFWriter(str(path), s.arch)
-    meta = dict(head_count=s.heads, head_count_kv=s.kv_heads, block_count=s.layers) | s.lie
+    meta = dict(head_count=s.heads, head_count_kv=s.kv_heads, block_count=s.layers)
+    meta = meta | {"embedding_length": s.hidden} | s.lie
     writer.add_block_count(meta["block_count"])
     writer.add_context_length(512)
-    writer.add_embedding_length(s.hidden)
+    writer.add_embedding_length(meta["embedding_length"])
     writer.add_feed_forward_length(s.ffn)
     writer.add_head_count(meta["head_count"])
     writer.add_head_count_kv(meta["head_count_kv"])

@@ -397,3 +397,41 @@ def test_metadata_that_disagrees_with_the_tensors_names_the_field(
         convert_gguf_to_hf_folder(path, tmp_path / "out", show_progress=False)
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()
+
+
+Shape = gguf_files.Shape
+
+
+@pytest.mark.parametrize(
+    ("shape", "named"),
+    [
+        # the tensors agree with the counts, but 3 KV heads cannot serve 4 query heads in groups
+        (Shape(heads=4, kv_heads=3),
+         r"llama\.attention\.head_count_kv = 3 does not divide llama\.attention\.head_count = 4"),
+        # no key_length: llama.cpp's head size is embedding_length / head_count (64 / 2 = 32),
+        # which the q weight's 32 rows do not fit, though 2 heads of 16 would
+        (Shape(heads=2, kv_heads=1),
+         r"llama\.attention\.head_count = 2 .*llama\.embedding_length = 64.*blk\.0\.attn_q"),
+        # counts and head size consistently wrong (8 x 8 = 4 x 16): the per-head norms tell
+        (Shape(arch="qwen3", lie={"head_count": 8, "head_count_kv": 4, "key_length": 8}),
+         r"qwen3\.attention\.key_length = 8.*blk\.0\.attn_q_norm\.weight has 16"),
+        (Shape(lie={"embedding_length": 32}),
+         r"llama\.embedding_length = 32.*token_embd\.weight has 64"),
+        # an odd head size: RoPE turns pairs of dimensions
+        (Shape(arch="qwen2", heads=4, kv_heads=2, head_dim=15, lie={"key_length": 15}),
+         r"qwen2\.attention\.key_length = 15.*even"),
+    ],
+    ids=["kv-groups", "implied-head-size", "per-head-norms", "embedding-length", "odd-head"],
+)  # fmt: skip
+def test_head_counts_that_fit_the_tensors_but_not_the_model_name_the_field(
+    tmp_path: Path, shape: gguf_files.Shape, named: str
+) -> None:
+    """Head counts that agree with the q and k weights were taken as they were, though no model
+    has them: they converted (and were cached), then every call failed ("q and cache shapes
+    disagree": KV heads in no whole groups), the load failed on a norm's shape, or the model
+    ran on a head size its own metadata contradicts (which llama.cpp refuses)."""
+    path = gguf_files.write_gguf(tmp_path / "m.gguf", shape, gguf_files.every(gguf_files.T.F32))
+    with pytest.raises(ValueError, match=named) as exc:
+        convert_gguf_to_hf_folder(path, tmp_path / "out", show_progress=False)
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()

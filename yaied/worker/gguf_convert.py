@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from yaied.worker import model_cache
+from yaied.worker.gguf_heads import count, read_heads
 from yaied.worker.gguf_reader import metadata, open_gguf, required_metadata
 
 logger = logging.getLogger(__name__)
@@ -118,15 +119,6 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (only linear and yarn)")
 
 
-def _count(reader: gguf.GGUFReader, key: str, default: int) -> int:
-    """Metadata ``key`` (``default`` where absent) as a count of at least 1; a ValueError naming
-    the field for anything else (0, a negative number, a list of per-layer counts)."""
-    value = metadata(reader, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"GGUF metadata {key} = {value!r}: yaied needs one count of at least 1")
-    return value
-
-
 def _build_config(
     reader: gguf.GGUFReader, arch: str, shapes: dict[str, list[int]]
 ) -> dict[str, Any]:
@@ -140,20 +132,9 @@ def _build_config(
     missing = [name for name in needed if name not in shapes]
     if missing:
         raise ValueError(f"GGUF file lacks tensors {missing}; is it a complete {arch} model?")
-    q_rows, k_rows = shapes["blk.0.attn_q.weight"][0], shapes["blk.0.attn_k.weight"][0]
-    heads_key = f"{arch}.attention.head_count"
-    num_heads = _count(reader, heads_key, required_metadata(reader, heads_key))
-    num_kv_heads = _count(reader, f"{arch}.attention.head_count_kv", num_heads)
-    # key_length is the only reliable head size (Qwen3 has head_dim != hidden / heads).
-    head_dim = _count(reader, f"{arch}.attention.key_length", max(1, q_rows // num_heads))
-    if num_heads * head_dim != q_rows or num_kv_heads * head_dim != k_rows:
-        raise ValueError(
-            f"GGUF metadata {heads_key} = {num_heads}, head_count_kv = {num_kv_heads} and "
-            f"key_length = {head_dim} (given or implied) make q {num_heads * head_dim} and k "
-            f"{num_kv_heads * head_dim} rows, but blk.0.attn_q.weight has {q_rows} and "
-            f"blk.0.attn_k.weight {k_rows}: corrupt metadata or tensors"
-        )
-    num_layers = _count(
+    heads = read_heads(reader, arch, shapes)  # checked against each other and the tensors
+    num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    num_layers = count(
         reader, f"{arch}.block_count", required_metadata(reader, f"{arch}.block_count")
     )
     present = {int(m.group(1)) for m in map(_LAYER_TENSOR_RE.match, shapes) if m is not None}
@@ -165,7 +146,10 @@ def _build_config(
         )
     rope_dim = metadata(reader, f"{arch}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(f"partial rotary (rope dim {rope_dim} of head dim {head_dim}) unsupported")
+        raise ValueError(
+            f"GGUF metadata {arch}.rope.dimension_count = {rope_dim}, but heads are {head_dim} "
+            "wide: wrong head counts, or partial rotary, which yaied does not support"
+        )
     hf_arch, model_type = _HF_ARCHS[arch]
     config: dict[str, Any] = {
         "architectures": [hf_arch],
