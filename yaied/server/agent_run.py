@@ -23,7 +23,7 @@ from yaied.router.manager import EngineManager
 from yaied.server.admission import prepare_jobs, request_size
 from yaied.server.auth import api_key_of, may_set_priority
 from yaied.server.errors import APIError, public_error
-from yaied.server.generate import _compile_grammar, _wait_for_disconnect
+from yaied.server.generate import _compile_grammar, unless_gone
 from yaied.server.keys import scoped_id
 from yaied.server.limits import RequestLimits
 from yaied.server.protocol import ParsedRequest
@@ -147,15 +147,9 @@ async def collect(request: Request, started: Submitted, work: Callable[[], Await
     """``work()`` (which reads the calls' events) unless the client leaves first: then the calls
     are cancelled within one engine step and ClientGone raised."""
     task = asyncio.ensure_future(work())
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await unless_gone(request, task)
     finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await started.cancel_unfinished()
     if task.cancelled():
         raise ClientGone

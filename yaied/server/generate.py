@@ -162,15 +162,7 @@ async def _compile_grammar(manager: EngineManager, parsed: ParsedRequest, reques
         _check_resumed(manager, parsed)
         return True
     compiling = asyncio.ensure_future(grammars.compile(spec))
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({compiling, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not compiling.done():
-            compiling.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await compiling
+    await unless_gone(request, compiling)
     if compiling.cancelled():
         return False
     exc = compiling.exception()
@@ -197,6 +189,20 @@ def _check_resumed(manager: EngineManager, parsed: ParsedRequest) -> None:
     matcher = grammars.matcher_of(compiled)
     if not matcher.accept_tokens(parsed.resume_token_ids):
         raise APIError(400, f"resume_token_ids: {matcher.error}", param="resume_token_ids")
+
+
+async def unless_gone(request: Request, task: asyncio.Future) -> None:
+    """Wait for ``task`` unless the client leaves first: then it is cancelled (and waited for,
+    so nothing it holds outlives this)."""
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _wait_for_disconnect(request: Request) -> None:
