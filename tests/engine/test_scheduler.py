@@ -203,3 +203,22 @@ def test_preempted_request_resumes_from_its_cached_pages():
     assert scheduler.num_preemptions >= 1
     assert resumed_from and resumed_from >= 8  # its prompt pages came back from the cache
     assert pool.num_free + scheduler.cache.tree.num_cached_pages == pool.num_pages
+
+
+def test_prompts_that_do_not_fit_together_are_not_prefilled_over_and_over():
+    """Two waiting long prompts while a running call's decodes hold most of the pool: each
+    fits alone, not together. Admitting one for its first chunk only to run out of pages
+    part-way preempted it, and through the cache's eviction the other's work too, every few
+    steps: about 27x the prefill work. A prompt now starts once the pool holds its rest."""
+    scheduler, pool = make(num_pages=512, page_size=16, budget=512, max_len=8192, caching=True)
+    specs = [(6000, 1000), (5000, 16), (7000, 200)]
+    for i, (prompt_len, max_tokens) in enumerate(specs):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        scheduler.add(Request(str(i), [i * 10_000 + t for t in range(prompt_len)], params))
+    computed = 0
+    while scheduler.has_work:
+        batch, _ = step(scheduler)
+        computed += batch.num_tokens
+    needed = sum(prompt_len + max_tokens - 1 for prompt_len, max_tokens in specs)
+    assert computed <= needed * 1.1
+    assert pool.num_free + scheduler.cache.tree.num_cached_pages == pool.num_pages

@@ -9,10 +9,12 @@ Each step walks the running and waiting requests in the queue policy's order (``
 the default fcfs: decodes of running requests first, then their unfinished prefills, then waiting
 requests in arrival order) while the token budget, the running-request limit and free pages allow
 (cached pages nobody uses count as free; they are evicted on demand). A waiting request first takes
-the longest cached prefix of its tokens and prefills only the rest; one that cannot get its pages
-stops admission (no overtaking), unless the policy lets it preempt running requests of a worse
-rank. One exception: a waiting request whose prompt shares more full pages with a running request
-that is still prefilling them than the cache holds yet waits for that prefill instead of computing
+the longest cached prefix of its tokens and prefills only the rest; it starts only when the pages
+for all of that rest are free, not just its first chunk's (else two long prompts that do not fit
+together preempt each other part-way, over and over); one that cannot get them stops admission
+(no overtaking), unless the policy lets it preempt running requests of a worse rank. One
+exception: a waiting request whose prompt shares more full pages with a running request that is
+still prefilling them than the cache holds yet waits for that prefill instead of computing
 the same pages again (as SGLang does for prefixes shared within a batch); requests behind it that
 share nothing are admitted meanwhile. A running request that cannot get a page preempts the
 worst-ranked (then smallest, then newest) running request not yet in the step (recompute: its
@@ -175,7 +177,9 @@ class Scheduler:
             self._unmatch(request)
             return _DEFERRED
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self._reserve_pages(request, n, scheduled, ranks):
+        if not self._room_for_rest(request, scheduled, ranks) or not self._reserve_pages(
+            request, n, scheduled, ranks
+        ):
             self._unmatch(request)
             return 0
         self.cache.count_prefix_hit(request)
@@ -247,6 +251,25 @@ class Scheduler:
             seq.prompt_logprob_targets = request.prompt_token_ids[start + 1 : start + n + 1]
         return seq
 
+    def _room_for_rest(self, request: Request, scheduled: set[str], ranks: dict[str, Rank]) -> bool:
+        """Whether the pages free now (and those of the running requests a waiting request may
+        preempt) hold all its tokens still to compute. Admitted for its first chunk alone, a
+        prompt that cannot finish its prefill is preempted part-way, and its cached pages are
+        evicted to admit the next such prompt, which in turn... (two 5k-token prompts beside a
+        long decode in an 8k pool computed 27 times their tokens)."""
+        need = self.pool.pages_for(request.num_tokens) - len(request.page_ids)
+        victims = self._preemptible_by(request, scheduled, ranks) if self.policy.preemptive else []
+        return need <= self.cache.num_free_pages + sum(len(r.page_ids) for r in victims)
+
+    def _preemptible_by(
+        self, request: Request, scheduled: set[str], ranks: dict[str, Rank]
+    ) -> list[Request]:
+        """The running requests not yet in this step that waiting ``request`` may preempt:
+        those ranked strictly worse, newest first."""
+        mine, preemptible = ranks[request.request_id], self.policy.preemptible
+        running = [r for r in reversed(self.running) if r.request_id not in scheduled]
+        return [r for r in running if ranks[r.request_id] > mine and preemptible(r)]
+
     def _reserve_pages(
         self, request: Request, n: int, scheduled: set[str], ranks: dict[str, Rank]
     ) -> bool:
@@ -259,17 +282,8 @@ class Scheduler:
             if waiting and not self.policy.preemptive:
                 return False
             candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
-            if waiting:
-                mine = ranks[request.request_id]
-                candidates = [
-                    r
-                    for r in candidates
-                    if ranks[r.request_id] > mine and self.policy.preemptible(r)
-                ]
-                # Preempt nobody unless preempting all of them could make room.
-                need = self.pool.pages_for(request.num_computed_tokens + n) - len(request.page_ids)
-                if need > self.cache.num_free_pages + sum(len(r.page_ids) for r in candidates):
-                    return False
+            if waiting:  # _room_for_rest found that preempting all of these makes room
+                candidates = self._preemptible_by(request, scheduled, ranks)
             victim = max(candidates, key=lambda r: self._victim_key(r, ranks), default=None)
             if victim is None:
                 return False
