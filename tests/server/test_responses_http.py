@@ -393,6 +393,15 @@ def test_a_bad_max_output_tokens_is_named_as_the_client_sent_it(live):
             assert error["param"] == "max_output_tokens"
 
 
+def test_an_input_past_the_context_is_named_input(live):
+    """Responses runs as chat, whose context check names messages; its client sent input."""
+    too_long = {"model": MODEL, "input": "the cat sat on the mat " * 300, "max_output_tokens": 8}
+    response = httpx.post(live.v1 + "/responses", json=too_long)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input"), error
+
+
 def test_retrieving_a_response_as_a_stream_is_refused(client):
     """The client's responses.retrieve(id, stream=True) asks for the events again (OpenAI
     replays a background response's): not kept here, so a 400, never JSON that the client's

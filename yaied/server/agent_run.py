@@ -102,9 +102,11 @@ async def start_chat(
     *,
     session_id: str | None,
     max_tokens_name: str,
+    prompt_name: str = "messages",
 ) -> AgentRun:
     """Check, tokenize, compile and submit one chat choice; ``session_id`` is the client's (it is
-    put in the caller's key's namespace here). ``max_tokens_name``: the API's name for it."""
+    put in the caller's key's namespace here). ``max_tokens_name``, ``prompt_name``: the API's
+    names for max_tokens and for the messages."""
     limits = RequestLimits.from_config(server.config)
     asked = {"max_tokens": parsed.max_tokens} if parsed.max_tokens is not None else {}
     chat = server.chat_settings(manager)
@@ -116,7 +118,7 @@ async def start_chat(
             size, prepare_jobs, manager, parsed, key, template, limits, chat
         )
     except APIError as exc:
-        raise _named(exc, max_tokens_name) from None
+        raise _named(exc, max_tokens_name, prompt_name) from None
     if not await _compile_grammar(manager, parsed, request):
         raise ClientGone
     server.check_queue(manager, len(jobs))
@@ -133,11 +135,14 @@ async def start_chat(
     return AgentRun(choice, started, request_id)
 
 
-def _named(exc: APIError, max_tokens_name: str) -> APIError:
+def _named(exc: APIError, max_tokens_name: str, prompt_name: str) -> APIError:
     """``exc`` in the API's words: the limits and the engine's checks speak chat's max_tokens
-    (param max_completion_tokens or max_tokens), the client sent ``max_tokens_name``."""
+    (param max_completion_tokens or max_tokens) and messages, the client sent
+    ``max_tokens_name`` and ``prompt_name``."""
     if exc.param in ("max_tokens", "max_completion_tokens"):
         exc.param = max_tokens_name
+    elif exc.param == "messages":
+        exc.param = prompt_name
     if exc.param == max_tokens_name or exc.code == "context_length_exceeded":
         exc.message = exc.message.replace("max_tokens", max_tokens_name)
     return exc

@@ -204,7 +204,7 @@ async def create_response(request: Request) -> Response:
         try:
             run = await start_chat(
                 request, server, manager, req.parsed, request_id,
-                session_id=session, max_tokens_name="max_output_tokens",
+                session_id=session, max_tokens_name="max_output_tokens", prompt_name="input",
             )  # fmt: skip
             break
         except ClientGone:
