@@ -222,3 +222,39 @@ def test_prompts_that_do_not_fit_together_are_not_prefilled_over_and_over():
     needed = sum(prompt_len + max_tokens - 1 for prompt_len, max_tokens in specs)
     assert computed <= needed * 1.1
     assert pool.num_free + scheduler.cache.tree.num_cached_pages == pool.num_pages
+
+
+def test_a_request_that_preempts_itself_is_not_overtaken_by_the_queue():
+    """A running request whose pages are taken by a growing decode (or that preempts itself,
+    nobody else being left) re-queues at the front; the waiting request behind it must not take
+    the pages it just gave back in the same step. It used to: two long prompts that did not
+    fit beside a long decode took turns, each step evicting the other's cached chunks and
+    computing one of its own again, so every step's prefill was wasted until the decode ended
+    (2040- and 780-token prompts over HTTP: one preemption a step, minutes without a finish)."""
+    scheduler, pool = make(num_pages=16, page_size=4, budget=8, caching=True)
+
+    def tokens(start: int, n: int) -> list[int]:
+        return list(range(start, start + n))
+
+    def add(rid: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        scheduler.add(Request(rid, prompt, params))
+
+    add("decode", tokens(1000, 24), max_tokens=12)  # 6 pages, then 9: a cannot keep its 8
+    while not scheduler.requests["decode"].output_token_ids:
+        step(scheduler)
+    add("a", tokens(2000, 32), max_tokens=2)  # 8 pages: room for all of it when it starts
+    add("b", tokens(3000, 16), max_tokens=2)  # 4 pages
+    a, b = scheduler.requests["a"], scheduler.requests["b"]
+    overtaken = 0
+    while "decode" in scheduler.requests:
+        b_waited = b.status is RequestStatus.WAITING
+        step(scheduler)
+        # a is ahead of b in the queue whenever both wait (a preempted one goes to the front).
+        now_b, now_a = b.status, a.status
+        overtaken += b_waited and now_b is RequestStatus.RUNNING and now_a is RequestStatus.WAITING
+    assert scheduler.num_preemptions >= 1  # the decode's growth did take a's pages
+    assert not overtaken, "b overtook a, which was ahead of it in the queue"
+    while scheduler.has_work:
+        step(scheduler)
+    assert pool.num_free + scheduler.cache.tree.num_evictable_pages == pool.num_pages

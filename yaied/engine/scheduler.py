@@ -18,7 +18,8 @@ still prefilling them than the cache holds yet waits for that prefill instead of
 the same pages again (as SGLang does for prefixes shared within a batch); requests behind it that
 share nothing are admitted meanwhile. A running request that cannot get a page preempts the
 worst-ranked (then smallest, then newest) running request not yet in the step (recompute: its
-pages go to the prefix cache, and it re-queues at the front with its output kept).
+pages go to the prefix cache, and it re-queues at the front with its output kept); no waiting
+request is admitted in that step, since it would overtake the preempted one with its pages.
 
 With speculative decoding on (yaied/engine/speculative.py), a decode may carry draft tokens after
 its last token, when pages for them are free (drafts never preempt anyone); update() then appends
@@ -109,7 +110,11 @@ class Scheduler:
                     continue  # preempted earlier in this pass
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
                 drafts = self._drafts(request, budget) if speculating and n == 1 else []
-                if not self._reserve_pages(request, n, scheduled, ranks):
+                preempted = self.num_preemptions
+                reserved = self._reserve_pages(request, n, scheduled, ranks)
+                if self.num_preemptions != preempted:  # the preempted wait at the queue's front:
+                    admitting = False  # admitting others now would overtake them with their pages
+                if not reserved:
                     continue  # the request preempted itself
                 if drafts:
                     prefills.append(self._slice(request, 1, drafts))  # a multi-token chunk
@@ -252,11 +257,9 @@ class Scheduler:
         return seq
 
     def _room_for_rest(self, request: Request, scheduled: set[str], ranks: dict[str, Rank]) -> bool:
-        """Whether the pages free now (and those of the running requests a waiting request may
-        preempt) hold all its tokens still to compute. Admitted for its first chunk alone, a
-        prompt that cannot finish its prefill is preempted part-way, and its cached pages are
-        evicted to admit the next such prompt, which in turn... (two 5k-token prompts beside a
-        long decode in an 8k pool computed 27 times their tokens)."""
+        """Whether the pages free now (and those it may preempt) hold all its tokens still to
+        compute. Admitted for its first chunk alone, a prompt could be preempted part-way and
+        evicted by the next (two 5k-token prompts beside a decode: 27x their tokens computed)."""
         need = self.pool.pages_for(request.num_tokens) - len(request.page_ids)
         victims = self._preemptible_by(request, scheduled, ranks) if self.policy.preemptive else []
         return need <= self.cache.num_free_pages + sum(len(r.page_ids) for r in victims)
