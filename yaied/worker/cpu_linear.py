@@ -40,6 +40,7 @@ from torch import nn
 from yaied.kernels.cpu_gemv import MAX_ROWS, CpuGemv, unpack_weight
 from yaied.kernels.cpu_isa import level_rank
 from yaied.kernels.cpu_matmul import CpuMatmul
+from yaied.worker.onednn_rows import linear_pointwise
 
 # The plain weights' second copy (bf16 math) may take at most this share of physical memory,
 # and so may the fp32 copies (fp32 math over bf16 weights).
@@ -81,7 +82,7 @@ class PackedLinear(nn.Module):
             if self.weight is None:
                 raise ValueError("this layer keeps only its few-row kernel: x is [rows, in]")
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return linear_pointwise(x, self.packed, self.bias)  # at a bounded set of row counts
 
     def drop_matmul_weights(self) -> None:
         """Forward takes the few-row kernel for every input (engine.batch_invariant): its
@@ -146,7 +147,7 @@ class Bf16StoredLinear(nn.Module):
             out = self.panels(x.reshape(-1, self.in_features))
             return out.view(*x.shape[:-1], self.out_features)
         if self.packed_f32 is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_f32, self.bias, "none", [], "")
+            return linear_pointwise(x, self.packed_f32, self.bias)
         weight = self.weight_f32 if self.weight_f32 is not None else self.bf16_weight().float()
         return F.linear(x, weight, self.bias)
 
