@@ -10,16 +10,16 @@ the default fcfs: decodes of running requests first, then their unfinished prefi
 requests in arrival order) while the token budget, the running-request limit and free pages allow
 (cached pages nobody uses count as free; they are evicted on demand). A waiting request first takes
 the longest cached prefix of its tokens and prefills only the rest; it starts only when the pages
-for all of that rest are free, not just its first chunk's (else two long prompts that do not fit
-together preempt each other part-way, over and over); one that cannot get them stops admission
-(no overtaking), unless the policy lets it preempt running requests of a worse rank. One
-exception: a waiting request whose prompt shares more full pages with a running request that is
-still prefilling them than the cache holds yet waits for that prefill instead of computing
-the same pages again (as SGLang does for prefixes shared within a batch); requests behind it that
-share nothing are admitted meanwhile. A running request that cannot get a page preempts the
-worst-ranked (then smallest, then newest) running request not yet in the step (recompute: its
-pages go to the prefix cache, and it re-queues at the front with its output kept); no waiting
-request is admitted in that step, since it would overtake the preempted one with its pages.
+for all of that rest are free, not just its first chunk's (admission.py); one that cannot get them
+stops admission (no overtaking), unless the policy lets it preempt running requests of a worse
+rank, and then nobody behind it is admitted in that step. One exception: a waiting request
+whose prompt shares more full pages with a running request that is still prefilling them than the
+cache holds yet waits for that prefill instead of computing the same pages again (as SGLang does
+for prefixes shared within a batch); requests behind it that share nothing are admitted meanwhile.
+A running request that cannot get a page preempts the worst-ranked (then smallest, then newest)
+running request not yet in the step (recompute: its pages go to the prefix cache, and it
+re-queues at the front with its output kept); no waiting request is admitted in that step, since
+it would overtake the preempted one with its pages.
 
 With speculative decoding on (yaied/engine/speculative.py), a decode may carry draft tokens after
 its last token, when pages for them are free (drafts never preempt anyone); update() then appends
@@ -37,6 +37,7 @@ from yaied.cache.cache_manager import KVCacheManager
 from yaied.core.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from yaied.core.request import FinishReason, Request, RequestStatus
 from yaied.core.step import Batch, ScheduledSeq, StepOutput
+from yaied.engine.admission import preemptible_by, room_for_rest
 from yaied.engine.policy import QueuePolicy, Rank, make_policy
 from yaied.engine.speculative import NgramProposer, SpecCounters
 from yaied.engine.stops import stop_reason
@@ -122,7 +123,9 @@ class Scheduler:
                     budget -= 1 + len(drafts)
                     continue
             else:
+                preempted = self.num_preemptions  # a waiting request's victims wait too:
                 n = self._admit(request, budget, scheduled, ranks) if admitting else 0
+                admitting = admitting and self.num_preemptions == preempted  # none overtakes them
                 if n == _DEFERRED:
                     continue
                 if n == 0:
@@ -182,7 +185,7 @@ class Scheduler:
             self._unmatch(request)
             return _DEFERRED
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self._room_for_rest(request, scheduled, ranks) or not self._reserve_pages(
+        if not room_for_rest(self, request, scheduled, ranks) or not self._reserve_pages(
             request, n, scheduled, ranks
         ):
             self._unmatch(request)
@@ -256,23 +259,6 @@ class Scheduler:
             seq.prompt_logprob_targets = request.prompt_token_ids[start + 1 : start + n + 1]
         return seq
 
-    def _room_for_rest(self, request: Request, scheduled: set[str], ranks: dict[str, Rank]) -> bool:
-        """Whether the pages free now (and those it may preempt) hold all its tokens still to
-        compute. Admitted for its first chunk alone, a prompt could be preempted part-way and
-        evicted by the next (two 5k-token prompts beside a decode: 27x their tokens computed)."""
-        need = self.pool.pages_for(request.num_tokens) - len(request.page_ids)
-        victims = self._preemptible_by(request, scheduled, ranks) if self.policy.preemptive else []
-        return need <= self.cache.num_free_pages + sum(len(r.page_ids) for r in victims)
-
-    def _preemptible_by(
-        self, request: Request, scheduled: set[str], ranks: dict[str, Rank]
-    ) -> list[Request]:
-        """The running requests not yet in this step that waiting ``request`` may preempt:
-        those ranked strictly worse, newest first."""
-        mine, preemptible = ranks[request.request_id], self.policy.preemptible
-        running = [r for r in reversed(self.running) if r.request_id not in scheduled]
-        return [r for r in running if ranks[r.request_id] > mine and preemptible(r)]
-
     def _reserve_pages(
         self, request: Request, n: int, scheduled: set[str], ranks: dict[str, Rank]
     ) -> bool:
@@ -285,8 +271,8 @@ class Scheduler:
             if waiting and not self.policy.preemptive:
                 return False
             candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
-            if waiting:  # _room_for_rest found that preempting all of these makes room
-                candidates = self._preemptible_by(request, scheduled, ranks)
+            if waiting:  # room_for_rest found that preempting all of these makes room
+                candidates = preemptible_by(self, request, scheduled, ranks)
             victim = max(candidates, key=lambda r: self._victim_key(r, ranks), default=None)
             if victim is None:
                 return False
