@@ -70,11 +70,11 @@ class EngineStatsCollector:
         self._listed = listed or (lambda: None)
 
     def collect(self) -> Iterator[Metric]:
-        per_engine = self._stats()
-        if not per_engine:
-            return
+        live = self._stats() or {}
         listed = self._listed()
-        per_engine = {**(listed[1] if listed else {}), **per_engine}  # no gauges in the former
+        removed = {k: v for k, v in (listed[1] if listed else {}).items() if k not in live}
+        if not live and not removed:  # while no engine reports, the removed' counters stay
+            return
         names = ["model_name", "engine"]
         families: dict[str, Metric] = {}
         # The table in core/metric_names.py; prometheus adds the counters' _total suffix.
@@ -85,8 +85,13 @@ class EngineStatsCollector:
         restarts = CounterMetricFamily(
             f"{PREFIX}{RESTARTS}", RESTARTS_DOC, labels=[*names, "reason"]
         )
-        for engine_id, stats in per_engine.items():
-            values = {**stats, "kv_cache_usage_perc": _kv_usage(stats)}
+        for engine_id, stats in [*removed.items(), *live.items()]:
+            # A removed engine's entry holds counters only: no gauge, KV usage included.
+            values = (
+                stats
+                if engine_id in removed
+                else {**stats, "kv_cache_usage_perc": _kv_usage(stats)}
+            )
             for name, family in families.items():
                 if name in values:
                     family.add_metric([self._model_name, engine_id], values[name])
