@@ -80,3 +80,10 @@ def test_an_uncompressed_body_passes_as_it_is_and_others_are_refused():
             Decoder(encoding)
     with pytest.raises(BadEncoding, match="not valid gzip"):
         decode("gzip", b"not gzip at all")
+
+
+@pytest.mark.parametrize("wbits", [zlib.MAX_WBITS, -zlib.MAX_WBITS])
+def test_a_deflate_body_sent_a_byte_at_a_time_is_read_in_its_own_form(wbits):
+    body = b"hello, " * 1000
+    sent = zlib.compressobj(wbits=wbits)
+    assert b"".join(decode("deflate", sent.compress(body) + sent.flush(), 1)) == body

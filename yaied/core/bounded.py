@@ -46,16 +46,20 @@ class Decoder:
         self.encoding = names[0] if names else None
         self._inflater = None if self.encoding is None else zlib.decompressobj(_WBITS[names[0]])
         self._started = False  # deflate: the first bytes say which of its two forms it is
+        self._head = b""  # deflate: what came before those two bytes had
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         if self._inflater is None:
             if chunk:
                 yield chunk
             return
+        if self.encoding == "deflate" and not self._started:
+            self._head += chunk  # its first two bytes tell its form: wait for both
+            if len(self._head) < 2:
+                return
+            chunk, self._head, self._started = self._head, b"", True
+            self._inflater = _deflate_inflater(chunk)
         try:
-            if self.encoding == "deflate" and not self._started and chunk:
-                self._inflater = _deflate_inflater(chunk)
-            self._started = self._started or bool(chunk)
             piece = self._inflater.decompress(chunk, PIECE_BYTES)
             while piece:
                 yield piece
@@ -67,7 +71,7 @@ class Decoder:
 def _deflate_inflater(first: bytes) -> zlib._Decompress:
     """The "deflate" encoding is zlib-wrapped by the standard and raw from some servers: the first
     bytes tell (a zlib header is a multiple of 31 as a big-endian 16-bit number, method 8)."""
-    wrapped = len(first) >= 2 and first[0] & 0x0F == 8 and int.from_bytes(first[:2]) % 31 == 0
+    wrapped = first[0] & 0x0F == 8 and int.from_bytes(first[:2]) % 31 == 0
     return zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
 
 
