@@ -42,8 +42,9 @@ def linear_pointwise(
     rows = flat.shape[0]
     padded = padded_rows(rows)
     if padded != rows:
-        grown = flat.new_zeros((padded, in_features))
+        grown = flat.new_empty((padded, in_features))  # each byte written once
         grown[:rows] = flat
+        grown[rows:] = 0
         flat = grown
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
