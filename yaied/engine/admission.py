@@ -43,9 +43,11 @@ def room_for_rest(
     ``request``'s tokens. A page that the request itself or a request kept running also holds
     (a shared system prompt's) is not freed by preempting, so it is not counted."""
     need = scheduler.pool.pages_for(request.num_tokens) - len(request.page_ids)
-    preemptive = scheduler.policy.preemptive
-    victims = preemptible_by(scheduler, request, scheduled, ranks) if preemptive else []
+    free = scheduler.cache.num_free_pages
+    if need <= free or not scheduler.policy.preemptive:  # no walk over the running requests
+        return need <= free
+    victims = preemptible_by(scheduler, request, scheduled, ranks)
     ids = {r.request_id for r in victims}
     kept = [r.page_ids for r in scheduler.running if r.request_id not in ids]
     freed = {p for r in victims for p in r.page_ids}.difference(request.page_ids, *kept)
-    return need <= scheduler.cache.num_free_pages + len(freed)
+    return need <= free + len(freed)
