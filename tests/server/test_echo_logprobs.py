@@ -86,3 +86,19 @@ def test_echo_logprobs_beside_requests_sharing_the_prefix(tiny, length):
         assert result[: len(prompt)] == pytest.approx(alone[: len(prompt)], abs=1e-4)
     assert httpx.get(tiny.url + "/health").status_code == 200
     wait_idle(tiny.url)
+
+
+@pytest.mark.timeout(120)
+def test_scoring_a_prompt_that_fills_the_context_names_what_the_client_sent(tiny):
+    """max_tokens 0 runs one token past the prompt: at the context's end the 400 says so, and
+    does not blame a max_tokens of 1 the client never sent."""
+    limit = httpx.get(tiny.url + "/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": "tiny", "max_tokens": 0, "echo": True, "logprobs": 1}
+    full = httpx.post(tiny.url + "/v1/completions", json={**body, "prompt": prompt_of(limit)})
+    assert full.status_code == 400, full.text
+    message = full.json()["error"]["message"]
+    assert "max_tokens (1)" not in message
+    assert f"{limit - 1} tokens" in message and "max_tokens 0" in message
+    fits = httpx.post(tiny.url + "/v1/completions", json={**body, "prompt": prompt_of(limit - 1)})
+    assert fits.status_code == 200, fits.text
+    assert len(fits.json()["choices"][0]["logprobs"]["token_logprobs"]) == limit - 1

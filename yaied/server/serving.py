@@ -147,6 +147,13 @@ def build_jobs(
         for prompt_index, (ids, text) in enumerate(prompts):
             limits.check_prompt(len(ids), aliases["prompt"])
             params, drop = _params_for(manager, parsed, len(ids), limits)
+            if drop and len(ids) >= manager.info.max_model_len:
+                raise ContextLengthError(
+                    f"prompt ({len(ids)} tokens) fills the model's context length of "
+                    f"{manager.info.max_model_len} tokens: with max_tokens 0 the prompt is scored "
+                    f"by running one token past it, so it may hold at most "
+                    f"{manager.info.max_model_len - 1} tokens"
+                )
             manager.inputs.check_fits(len(ids), params.max_tokens)
             for k in range(parsed.n):
                 index = len(jobs)
@@ -196,8 +203,12 @@ def _tokenized_prompts(
         return [(ids, text)]
     out = []
     # The real max_tokens is checked once params exist; the probe's names the client's in the
-    # message of a prompt that cannot fit (max_tokens 0 runs one token).
-    probe = SamplingParams(max_tokens=max(parsed.max_tokens or 1, 1))
+    # message of a prompt that cannot fit. With max_tokens 0 it checks the prompt alone (as an
+    # embedding's is): the room for the one token scoring runs is checked with the params.
+    if parsed.max_tokens == 0:
+        probe = SamplingParams(max_tokens=1, pooling="last")
+    else:
+        probe = SamplingParams(max_tokens=max(parsed.max_tokens or 1, 1))
     names = TokenText.of(tokenizer)
     for prompt in parsed.prompts:
         ids = manager.inputs.prompt_token_ids(prompt, probe)
