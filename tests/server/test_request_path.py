@@ -284,6 +284,30 @@ def test_cancel_reaches_every_request_with_that_client_id(live):
         assert [_finish_reasons(f.result(timeout=30)) for f in futures] == [{0: "abort"}] * 2
 
 
+def test_cancel_works_while_the_server_drains(live):
+    """A stop lets in-flight calls run out their grace: a client or operator who gives up on one
+    then must still be able to cancel it (and its session), not meet the drain's 503."""
+    manager = manager_of(live)
+    state = live.server.config.app.state.server
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream_until_cancelled, live, "in-drain")
+        deadline = time.monotonic() + 20
+        while manager.num_requests_in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        state.draining = True
+        try:
+            refused = httpx.post(live.v1 + "/completions", json={"prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 503  # new work is refused
+            cancelled = httpx.post(live.v1 + "/requests/in-drain/cancel", timeout=10)
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["cancelled"] == 1
+            session = httpx.post(live.v1 + "/sessions/nobody/cancel", timeout=10)
+            assert session.status_code == 200 and session.json()["cancelled"] == 0
+        finally:
+            state.draining = False
+        assert _finish_reasons(running.result(timeout=30)) == {0: "abort"}
+
+
 # -- request fields --
 
 UNKNOWN = [

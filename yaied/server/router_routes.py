@@ -33,7 +33,7 @@ def _client_id(request: Request, name: str) -> str:
 
 async def cancel_request(request: Request) -> Response:
     server: ServerState = request.state.server
-    manager = server.ready_manager()
+    manager = server.loaded_manager()
     request_id = request.path_params["request_id"]
     cancelled = await manager.cancel_client_request(_client_id(request, "request_id"))
     if not cancelled:
@@ -43,7 +43,7 @@ async def cancel_request(request: Request) -> Response:
 
 async def cancel_session(request: Request) -> Response:
     server: ServerState = request.state.server
-    manager = server.ready_manager()
+    manager = server.loaded_manager()
     session_id = request.path_params["session_id"]
     cancelled = await manager.cancel_session(_client_id(request, "session_id"))
     return json_response({"id": session_id, "object": "session.cancel", "cancelled": cancelled})

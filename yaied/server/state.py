@@ -137,12 +137,18 @@ class ServerState:
     def ready(self) -> bool:
         return self.manager is not None and self.manager.dead is None and not self.draining
 
-    def ready_manager(self) -> EngineManager:
-        """The engine manager, or a 503 saying why it cannot serve."""
+    def loaded_manager(self) -> EngineManager:
+        """The engine manager even while it drains or no engine is up: what acts on the calls
+        already running (cancels) must reach them then too. A 503 only while loading."""
         if self.manager is None:
             reason = "failed to load" if self.load_error is not None else "is still loading"
             raise APIError(503, f"the model {reason}", code="engine_not_ready")
-        dead = self.manager.dead
+        return self.manager
+
+    def ready_manager(self) -> EngineManager:
+        """The engine manager, or a 503 saying why it cannot serve."""
+        manager = self.loaded_manager()
+        dead = manager.dead
         if dead is not None:
             # An engine may come back (a process restarted, a Ray actor placed again when a node
             # returns, one probed or added): retry.
@@ -160,7 +166,7 @@ class ServerState:
                 code="draining",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
-        return self.manager
+        return manager
 
     async def drain(self, timeout: float, abort_wait: float = 10.0) -> None:
         """Refuse new work, let in-flight requests finish for up to timeout seconds, then abort
