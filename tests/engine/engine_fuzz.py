@@ -1158,5 +1158,158 @@ def fuzz_settings(**overrides) -> settings:
 
 
 def run(world: FuzzWorld, fuzz: settings) -> None:
-    """One hypothesis run of the machine over ``world``; raises on the first failure."""
-    run_state_machine_as_test(machine_class(world), settings=fuzz)
+    """One hypothesis run of the machine over ``world``; raises on the first failure. A
+    derandomized run draws without the constants of the modules imported so far (see
+    ``without_local_constants``), so it draws the same examples whatever ran before it."""
+    run_machine(machine_class(world), fuzz)
+
+
+def run_machine(machine: type[RuleBasedStateMachine], fuzz: settings) -> None:
+    pin = without_local_constants() if fuzz.derandomize else contextlib.nullcontext()
+    with pin:
+        run_state_machine_as_test(machine, settings=fuzz)
+
+
+@contextlib.contextmanager
+def without_local_constants() -> Iterator[None]:
+    """Hypothesis (6.131 on) now and then draws, instead of a random value, a literal constant
+    of any local module (not stdlib, not site-packages, not a test file) in ``sys.modules`` at
+    the time of the draw. A derandomized run's seed is fixed, but that pool is not: a test that
+    imported yaied.engine.sim_workloads earlier in the process adds its floats and ints, and the
+    fuzzer drew other stop positions, other runs of rules, and (2026-11-29, fuzzer after
+    tests/engine/test_simulator.py) 122 examples instead of 115, none of which aborted a waiting
+    request. Within this context the pool is empty. It reaches into Hypothesis' internals: a
+    Hypothesis without them has nothing to pin, and tests/engine/test_engine_fuzz.py checks that
+    the draws stay the same after a new module's import."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:
+        providers = None
+    if providers is None or not hasattr(providers, "_get_local_constants"):
+        yield
+        return
+    empty = Constants()
+    saved = providers._get_local_constants
+    # The cache keeps, per kind of draw, the local constants it may pick: drop what it took
+    # from the full pool before, and what it takes from the empty one after.
+    providers.CONSTANTS_CACHE.cache.clear()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = saved
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+# -- a scripted example: every kind of event the checks need, whatever hypothesis draws ----------
+
+# What the derandomized profile must exercise for its checks to check anything. Generation reaches
+# most of these often and some rarely (an abort lands on a waiting request in ~1 of 30 aborts):
+# `scripted_example` makes each happen at least once, through the same rules and checks.
+COVERAGE = (
+    "alone_checked_preempted",
+    "alone_checked_chunked",
+    "alone_checked_prefix_hit",
+    "prompt_logprobs_checked",
+    "logprobs_checked",
+    "aborts_queued",
+    "aborts_waiting",
+    "aborts_running",
+    "stopped_by_string",
+    "stopped_by_token",
+    "bad_requests",
+    "echo_scored",
+)
+
+
+def plain_spec(**changes) -> Spec:
+    """A greedy request of 33 tokens that ignores EOS (its length is known), with ``changes``."""
+    values = dict(
+        temperature=0.0,
+        seed=None,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        max_tokens=33,
+        ignore_eos=True,
+        min_tokens=0,
+        logprobs=None,
+        prompt_logprobs=None,
+        stop_ids=(),
+        stop_strs=(),
+        include_stop=False,
+        skip_special=True,
+        penalties=False,
+        bias=None,
+        n=1,
+        priority=0,
+    )
+    values.update(changes)
+    return Spec(**values)
+
+
+def scripted_example(world: FuzzWorld, max_steps: int = 400) -> None:
+    """One example of the state machine driven by hand, not by hypothesis, that makes every event
+    of COVERAGE happen (a step count that runs out fails it): requests of several pages that
+    share a prefix and outgrow the KV pool (chunked, prefix hits, preemption) with logprobs and
+    prompt logprobs, stop ids and stop strings taken from their own output, echo scoring, a bad
+    request, and aborts of a queued, a waiting and a running request. Every rule, step check and
+    end-of-request check is the generated examples' own."""
+    machine = machine_class(world)()
+    stats = world.stats
+
+    def submit(runs: list[int], loose: list[int], spec: Spec) -> list[str]:
+        ids = list(machine.submit(runs, loose, spec).values)
+        machine.consistent()
+        return ids
+
+    def step_until(done, what: str) -> None:
+        for _ in range(max_steps):
+            if done():
+                return
+            machine.step(1)
+        machine.fail(f"the scripted example did not reach {what} in {max_steps} steps")
+
+    def with_status(status: RequestStatus) -> str | None:
+        """The latest open request in ``status`` (the special ones above go first)."""
+        for rid, tracked in reversed(machine.open.items()):
+            if tracked.live.request.status is status and tracked.live not in machine.engine._inbox:
+                return rid
+        return None
+
+    def abort(rid: str | None, kind: str) -> None:
+        assert rid is not None
+        before = stats[f"aborts_{kind}"]
+        machine.abort(rid, False)
+        machine.consistent()
+        if stats[f"aborts_{kind}"] != before + 1:
+            machine.fail(f"the scripted abort of {rid} was not of a {kind} request")
+
+    try:
+        # A prompt of 72 tokens (chunked), with logprobs; then, once it is cached, one that
+        # starts with it (a prefix hit).
+        first = submit([4, 5], [], plain_spec(logprobs=2, prompt_logprobs=1))[0]
+        step_until(lambda: machine.open[first].tokens, "the first request's first token")
+        submit([4, 5, 0], [9], plain_spec(prompt_logprobs=0))
+        # Stop ids and strings picked from the request's own output, and echo scoring.
+        submit([2], [], plain_spec(stop_ids=(0.5,)))
+        submit([6], [], plain_spec(stop_strs=((0.1, 1), (0.4, 1), (0.7, 1))))
+        submit([3], [], plain_spec(max_tokens=0, logprobs=2))
+        machine.bad_request("empty", first)
+        # More than max_num_seqs long requests: some wait, the pool runs out, some are preempted.
+        for runs in ([0, 6, 2], [1, 4, 6], [5, 3, 1], [6, 0, 3], [2, 5], [3, 6, 6]):
+            submit(runs, [], plain_spec())
+        queued = submit([0, 1], [], plain_spec())[0]
+        abort(queued, "queued")
+        step_until(lambda: with_status(RequestStatus.WAITING), "a waiting request")
+        abort(with_status(RequestStatus.WAITING), "waiting")
+        step_until(lambda: with_status(RequestStatus.RUNNING), "a running request")
+        abort(with_status(RequestStatus.RUNNING), "running")
+        machine.run_until_idle()
+        machine.consistent()
+    except BaseException:
+        machine.broken = True
+        raise
+    finally:
+        machine.teardown()
