@@ -4,6 +4,9 @@ compiler errors, the byte-bounded cache, timeouts and deduplicated concurrent co
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
 import json
 import threading
 from collections.abc import Callable
@@ -216,6 +219,62 @@ async def test_cache_hits_misses_and_byte_bound(make_compiler: Callable) -> None
     tiny = make_compiler(cache_limit_bytes=16)
     assert tiny.compile(a).grammar is not None
     assert tiny.cached(a) is None and tiny.stats.cache_bytes == 0
+
+
+_MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+_MALLINFO2_FIELDS += ("uordblks", "fordblks", "keepcost")
+
+
+def _heap_in_use() -> int | None:
+    """glibc's bytes in use by malloc, every arena (mallinfo2); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd  # small chunks in use plus mmapped ones
+
+
+def _schema_of_ten(i: int) -> dict[str, Any]:
+    kinds = [
+        {"type": "string"},
+        {"type": "integer"},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"enum": [f"red{i}", f"green{i}", f"blue{i}"]},
+        {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        {"type": "object", "properties": {f"x{i}": {"type": "integer"}}, "required": []},
+    ]
+    props = {f"field{i}_{k}": kinds[(i + k) % len(kinds)] for k in range(10)}
+    return {"type": "object", "properties": props, "required": list(props)[:5]}
+
+
+def test_the_cache_accounts_for_the_heap_its_entries_hold(make_compiler: Callable) -> None:
+    """The byte bound holds in memory: xgrammar's memory_size_bytes counts its containers'
+    sizes, not their capacity nor malloc's headers, and a held schema of ten properties took
+    1.26x that (glibc in-use bytes), past a bound that counted only it."""
+    if _heap_in_use() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    comp: GrammarCompiler = make_compiler()
+    specs = [make_spec("json_schema", _schema_of_ten(i), "guided_json") for i in range(25)]
+    comp.compile(specs[0])  # the pool thread, its arena and xgrammar's first-use state
+    comp.clear_cache()
+    gc.collect()
+    before = _heap_in_use()
+    for spec in specs[1:]:
+        comp.compile(spec)
+    gc.collect()
+    held = _heap_in_use() - before
+    assert comp.stats.cache_entries == 24
+    assert held <= comp.stats.cache_bytes, (held, comp.stats.cache_bytes)
+    # ... and not wildly more: the bound still lets the cache hold what it is sized for.
+    assert comp.stats.cache_bytes < 2 * held
 
 
 def _blocking_compiles(comp: GrammarCompiler, monkeypatch: pytest.MonkeyPatch):
