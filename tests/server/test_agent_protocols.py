@@ -9,7 +9,7 @@ import pytest
 from yaied.server.agent_output import Blocks, finish_kind
 from yaied.server.errors import APIError
 from yaied.server.messages_protocol import parse_anthropic
-from yaied.server.responses_protocol import parse_responses
+from yaied.server.responses_protocol import check_call_outputs, parse_responses
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
@@ -150,6 +150,26 @@ def test_responses_item_references_take_the_stored_items():
         with pytest.raises(APIError) as caught:
             parse_responses({"input": [{"type": "item_reference", "id": "fc_r9_0"}]}, resolve)
         assert caught.value.status == 404 and caught.value.param == "input[0]"
+
+
+def test_a_call_output_must_answer_a_call_of_the_conversation():
+    """OpenAI refuses a function_call_output whose call_id no function_call of the conversation
+    (the stored history, or this input) carries: 400, param input, its message."""
+    call = {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    stray = {"type": "custom_tool_call_output", "call_id": "c9", "output": "?"}
+    ask = {"role": "user", "content": "Weather?"}
+    check_call_outputs([], parse_responses({"input": [ask, call, answer]}).new_messages)
+    history = parse_responses({"input": [ask, call]}).new_messages  # a stored turn's calls
+    check_call_outputs(history, parse_responses({"input": [answer]}).new_messages)
+    for earlier, now in (([], [ask, answer]), (history, [answer, stray]), ([], [call, stray])):
+        with pytest.raises(APIError) as caught:
+            check_call_outputs(earlier, parse_responses({"input": now}).new_messages)
+        error = caught.value
+        assert error.status == 400 and error.param == "input", error
+        missing = "c1" if now == [ask, answer] else "c9"
+        text = f"No tool call found for function call output with call_id {missing}."
+        assert error.message == text
 
 
 def test_anthropic_blocks_become_chat_messages():

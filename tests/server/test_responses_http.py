@@ -355,6 +355,25 @@ def test_bad_requests_get_4xx(live):
     assert httpx.get(f"{url}/resp_nope/input_items").status_code == 404
 
 
+def test_a_call_output_that_answers_no_call_is_refused(client):
+    """OpenAI's 400 for a function_call_output whose call_id no call of the conversation has:
+    in a replayed input, after a previous_response_id, and in a conversation."""
+    stray = {"type": "function_call_output", "call_id": "call_nope", "output": "sunny"}
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, temperature=0)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hi"}])
+    for extra in ({"input": [{"role": "user", "content": ASK}, stray]},
+                  {"input": [stray], "previous_response_id": first.id},
+                  {"input": [stray], "conversation": conversation.id}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, tools=TOOLS, max_output_tokens=1, **extra)
+        error = caught.value.body
+        assert error["type"] == "invalid_request_error" and error["param"] == "input", error
+        assert error["message"] == (
+            "No tool call found for function call output with call_id call_nope."
+        )
+    assert len(list(client.conversations.items.list(conversation.id))) == 1  # nothing added
+
+
 def test_a_cancelled_foreground_response_ends_failed_not_completed(client, live):
     # POST /v1/requests/{id}/cancel (or the drain's abort on a stop) cuts a foreground call
     # short: its stream ends with response.failed, never response.completed, the store keeps

@@ -45,7 +45,7 @@ from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
 from yaied.server.response_store import ResponseStore, StoredResponse
 from yaied.server.responses_output import SSEWriter, Turn, block_events, item_id_prefix
-from yaied.server.responses_protocol import parse_items, parse_responses
+from yaied.server.responses_protocol import check_call_outputs, parse_items, parse_responses
 from yaied.server.state import BackgroundRun, ServerState
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ async def create_response(request: Request) -> Response:
             raise APIError(404, message, param="conversation", code="conversation_not_found")
         turn.history, _ = parse_items(list(conversation.items), where="conversation")
         turn.chain_id = conversation.id  # the session: a conversation stays on its engine
+    check_call_outputs(turn.history, req.new_messages)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     session = request.headers.get("x-session-id") or req.parsed.user or turn.chain_id
     structured = req.parsed.structured  # start_chat settles the output grammar in place

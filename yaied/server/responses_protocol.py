@@ -222,6 +222,22 @@ def _input(
     return (parse_messages(messages) if messages else []), items
 
 
+def check_call_outputs(history: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> None:
+    """OpenAI's rule: a call's output (a "tool" message) answers a call the conversation holds,
+    in the stored history or this input; an output nothing called is a 400, never a prompt
+    whose tool result answers nothing."""
+    called = {
+        call["id"]
+        for message in (*history, *new_messages)
+        for call in message.get("tool_calls") or ()
+    }
+    for message in new_messages:
+        call_id = message.get("tool_call_id")
+        if message["role"] == "tool" and call_id not in called:
+            text = f"No tool call found for function call output with call_id {call_id}."
+            raise APIError(400, text, param="input")
+
+
 def _referenced(item: dict[str, Any], where: str, resolve: ItemResolver | None) -> dict[str, Any]:
     """The stored item an ``item_reference`` (``{"type": "item_reference", "id"}``, or a bare
     ``{"id"}``) names; a 404 where nothing stored has that id for this caller."""
