@@ -2,7 +2,7 @@
 on a stop) under each agent API, with the official clients on the default model: it never ends
 as if the model had finished. /v1/messages answers an error in Anthropic's shape (a stream's
 ``error`` event, a whole message's 500 ``api_error``, or 503 ``overloaded_error`` when the server
-is draining); /v1/responses ends ``failed``, its output items ``incomplete``."""
+is draining); /v1/responses ends ``failed``, the output item it stopped in ``incomplete``."""
 
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def openai_client(live):
 
 
 def test_a_cancelled_responses_items_are_incomplete(openai_client, live):
-    """A response that ends failed (a cancel) lists its items as incomplete, never completed:
-    in the streamed output_item.done, response.failed, and the stored object."""
+    """A response that ends failed (a cancel) lists the item it stopped in as incomplete, never
+    completed: in the streamed output_item.done, response.failed, and the stored object."""
     headers = {"X-Request-Id": "resp-cancel-items"}
     with openai_client.responses.stream(
         model=MODEL, input=LONG[0]["content"], max_output_tokens=900, temperature=0,

@@ -30,9 +30,16 @@ def live(tiny_chat_model):
     server = start_server(ServerConfig(served_model_name=MODEL), loader, MODEL)
     worker = server.server.config.app.state.server.engine.worker
 
+    steps: dict[str, int] = {}
+
     def fail_boom(batch) -> None:
         if any(seq.request_id.startswith("boom") for seq in batch.seqs):
             raise RuntimeError("injected fault")
+        for seq in batch.seqs:  # "late": fails once the call has written a few tokens
+            if seq.request_id.startswith("late"):
+                steps[seq.request_id] = steps.get(seq.request_id, 0) + 1
+                if steps[seq.request_id] > 8:
+                    raise RuntimeError("injected fault")
 
     worker.fault_hook = fail_boom
     yield server
@@ -66,6 +73,21 @@ def test_responses_fail_in_openais_shape(live):
     assert stored.status_code == 200, stored.text
     assert stored.json()["status"] == "failed" and stored.json()["error"]["message"]
     assert post(live, "/v1/responses", body, "fine-r").status_code == 200
+
+
+def test_a_stream_that_fails_midway_closes_its_open_item_as_the_response_says(live):
+    """The item the failure cut gets its output_item.done, with the status response.failed
+    gives it (incomplete), so a client's items end as the response's do."""
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 64, "temperature": 0}
+    streamed = events(live, "/v1/responses", body, "late-r1")
+    assert streamed[-1]["type"] == "response.failed", [e["type"] for e in streamed]
+    final = streamed[-1]["response"]["output"]
+    added = [e["item"]["id"] for e in streamed if e["type"] == "response.output_item.added"]
+    done = {e["item"]["id"]: e["item"]["status"] for e in streamed
+            if e["type"] == "response.output_item.done"}  # fmt: skip
+    assert added and [item["id"] for item in final] == added
+    assert done == {item["id"]: item["status"] for item in final}
+    assert final[-1]["status"] == "incomplete"
 
 
 def test_messages_fail_in_anthropics_shape(live):

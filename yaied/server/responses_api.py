@@ -383,6 +383,10 @@ async def _events(
             for chunk in block_events(turn, write, event):
                 yield chunk
     except APIError as exc:
+        turn.ending = "failed"  # the item it stopped in ends incomplete, as the response says
+        for event in turn.blocks.close():
+            for chunk in block_events(turn, write, event):
+                yield chunk
         error = {"code": str(exc.code or exc.status), "message": exc.message}
         failed = {**turn.body("failed", run), "error": error}
         _keep(store, namespace, turn, failed)  # its id was in response.created: GET finds it

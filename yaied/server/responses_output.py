@@ -78,12 +78,13 @@ class Turn:
                 "role": "assistant", "content": content}  # fmt: skip
 
     def _item_status(self, block: Block, ending: str) -> str:
-        """OpenAI's item status: every item of a response that failed or was cancelled is
-        incomplete, and so is the one max_output_tokens cut (the last); the rest completed."""
-        if ending in ("failed", "cancelled"):
-            return "incomplete"
+        """OpenAI's item status, the item's own: the one a response that did not complete
+        stopped in (the last: a block stays open until the next begins or the output ends) is
+        incomplete, whether max_output_tokens cut it or the call failed or was cancelled;
+        those finished before it are completed, as their streamed output_item.done said
+        (an event sent is never taken back)."""
         last = self.blocks.blocks[-1] if self.blocks.blocks else None
-        return "incomplete" if ending == "incomplete" and block is last else "completed"
+        return "completed" if ending == "completed" or block is not last else "incomplete"
 
     def logprobs(self, everything: bool = False) -> list[dict[str, Any]]:
         """The output text's token logprobs when asked for (responses_protocol: only without

@@ -1,0 +1,49 @@
+"""The response object and its streamed events as responses_output.py builds them, without a
+server: an item's status in the streamed ``response.output_item.done`` is the status the final
+response (and the stored one) gives it, whatever the response ended with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yaied.server.responses_output import SSEWriter, Turn, block_events
+from yaied.server.responses_protocol import parse_responses
+
+# the model wrote a sentence, then began a call: the call is what an abort or the cut stops
+DELTAS = [
+    [{"content": "Let me check."}],
+    [{"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "w", "arguments": ""}}]}],
+    [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}],
+]
+TOOLS = [{"type": "function", "name": "w", "parameters": {"type": "object"}}]
+
+
+def _streamed(ending: str) -> tuple[dict[str, str], Turn]:
+    """The status each item's output_item.done carried, as responses_api._events sends them:
+    the ending is known only once the last event is in, before the blocks close."""
+    turn = Turn(parse_responses({"input": "Weather?", "tools": TOOLS}), "resp_abc", "m")
+    write, chunks = SSEWriter(), []
+    for deltas in DELTAS:
+        for event in turn.blocks.feed(deltas):
+            chunks += block_events(turn, write, event)
+    turn.ending = ending
+    for event in turn.blocks.close():
+        chunks += block_events(turn, write, event)
+    done = {}
+    for chunk in chunks:
+        payload = json.loads(chunk.split(b"data: ", 1)[1])
+        if payload["type"] == "response.output_item.done":
+            done[payload["item"]["id"]] = payload["item"]["status"]
+    return done, turn
+
+
+@pytest.mark.parametrize("ending", ["completed", "incomplete", "failed", "cancelled"])
+def test_streamed_item_statuses_are_the_final_responses(ending):
+    done, turn = _streamed(ending)
+    final = {item["id"]: item["status"] for item in turn.body(ending)["output"]}
+    assert done == final, (ending, done, final)
+    # the sentence finished before the end came; the call did not, unless all went well
+    cut = "completed" if ending == "completed" else "incomplete"
+    assert list(final.values()) == ["completed", cut]
