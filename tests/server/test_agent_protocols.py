@@ -69,6 +69,9 @@ def test_responses_items_become_chat_messages():
         ({"input": "x", "conversation": {"conversation_id": "conv_1"}}, "conversation"),
         ({"input": "x", "conversation": {"id": 5}}, "conversation"),
         ({"input": "x", "conversation": {"id": None}}, "conversation"),
+        # nested fields are named by their whole path, as the client spelled it
+        ({"input": "x", "text": {"format": 5}}, "text.format"),
+        ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),
     ],
 )
 def test_responses_refusals_name_the_field(body, param):

@@ -313,7 +313,10 @@ def _text_format(body: dict[str, Any]) -> tuple[GrammarSpec | None, dict[str, An
     extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise APIError(400, f"text.{extra[0]} is not supported", param=f"text.{extra[0]}")
-    fmt = _get(text, "format", (dict,), {"type": "text"})
+    fmt = text.get("format")
+    fmt = {"type": "text"} if fmt is None else fmt
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
     kind = fmt.get("type")
     try:
         if kind == "text":
@@ -339,5 +342,6 @@ def _effort(body: dict[str, Any]) -> str | None:
         raise APIError(400, text, param="reasoning.effort")
     summary = reasoning.get("summary")
     if summary is not None and summary not in ("auto", "concise", "detailed"):
-        raise APIError(400, "reasoning.summary must be auto, concise or detailed", "reasoning")
+        text = "reasoning.summary must be auto, concise or detailed"
+        raise APIError(400, text, param="reasoning.summary")
     return effort
