@@ -47,3 +47,16 @@ def test_streamed_item_statuses_are_the_final_responses(ending):
     # the sentence finished before the end came; the call did not, unless all went well
     cut = "completed" if ending == "completed" else "incomplete"
     assert list(final.values()) == ["completed", cut]
+
+
+def test_the_body_carries_completed_at_and_its_conversation():
+    """OpenAI's completed_at (only once completed) and the conversation the turn ran in."""
+    turn = Turn(parse_responses({"input": "Hi", "conversation": "conv_1"}), "resp_abc", "m")
+    for status in ("queued", "in_progress", "incomplete", "failed"):
+        assert turn.body(status)["completed_at"] is None
+    completed = turn.body("completed")
+    assert completed["completed_at"] >= completed["created_at"]
+    assert turn.body("completed")["completed_at"] == completed["completed_at"]  # fixed once
+    assert completed["conversation"] == {"id": "conv_1"}
+    alone = Turn(parse_responses({"input": "Hi"}), "resp_x", "m")
+    assert alone.body("completed")["conversation"] is None

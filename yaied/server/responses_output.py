@@ -35,6 +35,7 @@ class Turn:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
+        self.completed_at: int | None = None  # set once, when it has completed
         self.blocks = Blocks()
         self.input_streams: dict[int, InputStream] = {}  # custom calls' inputs, by block index
         self.run: AgentRun | None = None  # the call, once started: its logprobs
@@ -116,6 +117,11 @@ class Turn:
         }  # fmt: skip
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if status == "completed" and self.completed_at is None:
+            self.completed_at = int(time.time())
+        body["completed_at"] = self.completed_at if status == "completed" else None
+        conversation = req.conversation_id
+        body["conversation"] = None if conversation is None else {"id": conversation}
         if done:
             body["output_text"] = "".join(b.text for b in self.blocks.blocks if b.kind == "text")
         if run is not None:
