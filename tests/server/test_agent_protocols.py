@@ -464,3 +464,72 @@ def test_anthropic_blocks_the_model_cannot_read_are_clear_400s(content, param, w
             parse_anthropic(asked, count_only=count_only)
         assert caught.value.status == 400 and caught.value.param == param
         assert words in caught.value.message, caught.value.message
+
+
+def _use(call_id):
+    return {"type": "tool_use", "id": call_id, "name": "w", "input": {}}
+
+
+def _result(call_id, **extra):
+    return {"type": "tool_result", "tool_use_id": call_id, "content": "ok", **extra}
+
+
+ASK_ONE = {"role": "user", "content": "Weather?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "words"),
+    [
+        # a result for a call nobody made (a typo, a stale id): Anthropic answers a 400
+        ([ASK_ONE, {"role": "assistant", "content": [_use("t1")]},
+          {"role": "user", "content": [_result("t1"), _result("t9")]}],
+         "messages[2].content[1]", "'t9'"),
+        # a result in the first message: no tool_use precedes it
+        ([{"role": "user", "content": [_result("t1")]}], "messages[0].content[0]", "'t1'"),
+        # a result two turns after its call: it must follow the assistant turn right before
+        ([ASK_ONE, {"role": "assistant", "content": [_use("t1")]},
+          {"role": "user", "content": [_result("t1")]}, {"role": "assistant", "content": "ok"},
+          {"role": "user", "content": [_result("t1")]}], "messages[4].content[0]", "'t1'"),
+        # a call left unanswered by the user turn after it
+        ([ASK_ONE, {"role": "assistant", "content": [_use("t1"), _use("t2")]},
+          {"role": "user", "content": [_result("t2")]}], "messages[1].content[0]", "'t1'"),
+        ([ASK_ONE, {"role": "assistant", "content": [_use("t1")]},
+          {"role": "user", "content": "and then?"}], "messages[1].content[0]", "'t1'"),
+        # two calls of one turn with one id: a result could not say which it answers
+        ([ASK_ONE, {"role": "assistant", "content": [_use("t1"), _use("t1")]},
+          {"role": "user", "content": [_result("t1")]}], "messages[1].content[1]", "twice"),
+    ],
+)  # fmt: skip
+def test_tool_results_and_tool_uses_must_pair_up(messages, param, words):
+    with pytest.raises(APIError) as caught:
+        parse_anthropic({"max_tokens": 4, "messages": messages})
+    assert caught.value.status == 400 and caught.value.param == param
+    assert words in caught.value.message and param in caught.value.message
+
+
+def test_consecutive_messages_of_one_role_are_one_turn():
+    """Anthropic combines consecutive same-role messages: two user messages read as one (so a
+    template that wants alternating roles gets them), and the results of one assistant turn's
+    parallel calls may come back in two user messages, error results and text blocks alike."""
+    body = {"max_tokens": 4, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "user", "content": [{"type": "text", "text": "In Paris and Rome."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Looking."}]},
+        {"role": "assistant", "content": [_use("a"), _use("b")]},
+        {"role": "user", "content": [_result("a")]},
+        {"role": "user", "content": [
+            _result("b", is_error=True, content=[{"type": "text", "text": "down"}]),
+            {"type": "text", "text": "Go on."}]},
+    ]}  # fmt: skip
+    messages = parse_anthropic(body).parsed.messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "user"]
+    assert messages[0]["content"] == "Weather?\nIn Paris and Rome."
+    assert messages[1]["content"] == "Looking."
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["a", "b"]
+    assert messages[3] == {"role": "tool", "tool_call_id": "b", "content": "Error: down"}
+    assert messages[4]["content"] == "Go on."
+    # two assistant messages at the end are one prefill
+    prefill = parse_anthropic({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "{"},
+        {"role": "assistant", "content": '"a":'}]}).parsed  # fmt: skip
+    assert prefill.continue_final_message and prefill.messages[-1]["content"] == '{\n"a":'

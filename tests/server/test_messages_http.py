@@ -124,6 +124,14 @@ def test_errors_are_in_anthropics_shape(live, client):
         error = response.json()
         assert error["type"] == "error" and error["error"]["message"]
         assert error["error"]["type"] in ("invalid_request_error", "not_found_error")
+    # a tool_result whose id no tool_use before it holds: named, with its place
+    stray = {"type": "tool_result", "tool_use_id": "toolu_stray", "content": "sunny"}
+    response = httpx.post(url, json={"model": MODEL, "max_tokens": 5, "messages": [
+        *ASK, {"role": "assistant", "content": "Let me check."},
+        {"role": "user", "content": [stray]}]})  # fmt: skip
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error"
+    assert "toolu_stray" in error["message"] and "messages[2].content[0]" in error["message"]
     refused = httpx.post(url, content=b"x", headers={"Content-Type": "text/plain"})
     assert refused.status_code == 415 and refused.json()["type"] == "error"
     with pytest.raises(anthropic.BadRequestError):

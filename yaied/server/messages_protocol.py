@@ -7,9 +7,11 @@ server/error_shape.py). Content blocks become chat messages:
     assistant: text -> content; tool_use {id, name, input} -> tool_calls (input as JSON text);
                thinking / redacted_thinking -> dropped (as templates drop earlier thinking)
 
-A last message from the assistant is a prefill: the answer continues it (``_prefill``).
-``system`` is the system message. ``max_tokens`` is required, as Anthropic requires it. Sampling
-fields come from the one table (core/sampling_fields.py, endpoint "messages"): max_tokens,
+Consecutive messages of one role are one turn, and tool uses and results must pair up turn
+by turn, as Anthropic has it (messages_turns.py). A last message from the assistant is a
+prefill: the answer continues it (``_prefill``). ``system`` is the system message.
+``max_tokens`` is required, as Anthropic requires it. Sampling fields come from the one table
+(core/sampling_fields.py, endpoint "messages"): max_tokens,
 temperature, top_p, top_k, stop_sequences.
 """
 
@@ -26,6 +28,7 @@ from yaied.server.chat_messages import parse_messages
 from yaied.server.chat_protocol import check_continuation
 from yaied.server.context_edits import Edit, parse_context_management
 from yaied.server.errors import APIError
+from yaied.server.messages_turns import check_tool_pairs, turns
 from yaied.server.protocol import (
     ParsedRequest,
     _get,
@@ -167,31 +170,23 @@ def _texts(blocks: list[Any], where: str) -> str:
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise APIError(400, "messages must be a non-empty list", param="messages")
+    """The client's messages as chat messages: one role's run is one turn (messages_turns.py),
+    each turn's blocks read in order, then the tool uses and results checked to pair up."""
+    conversation = turns(value)
     out: list[dict[str, Any]] = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role must be user or assistant", param=where)
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append({"role": message["role"], "content": content})
-        elif isinstance(content, list):
-            out += _blocks(message["role"], content, where)
-        else:
-            raise APIError(400, f"{where}.content must be a string or a list of blocks", where)
+    for turn in conversation:
+        out += _blocks(turn.role, turn.blocks)
+    check_tool_pairs(conversation)
     return out
 
 
-def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """One Anthropic message's blocks as chat messages: tool results first (each its own "tool"
-    message), then the text and calls as one message of the role."""
+def _blocks(role: str, blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """One turn's blocks (with their positions) as chat messages: tool results first (each its
+    own "tool" message), then the text and calls as one message of the role."""
     results: list[dict[str, Any]] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
+    for at, block in blocks:
         kind = _kind(block, at)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
