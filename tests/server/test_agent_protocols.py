@@ -533,3 +533,28 @@ def test_consecutive_messages_of_one_role_are_one_turn():
         {"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "{"},
         {"role": "assistant", "content": '"a":'}]}).parsed  # fmt: skip
     assert prefill.continue_final_message and prefill.messages[-1]["content"] == '{\n"a":'
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0]", "messages[0].content[0].text must be a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages[0].content[0]", "messages[0].content[0].text must be a string"),
+        ({"stop_sequences": ["END", ""]}, "stop_sequences", "stop_sequences must be non-empty"),
+        ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences",
+         "stop_sequences may hold at most 16"),
+        ({"tools": [{"input_schema": {"type": "object"}}]}, "tools[0].name", "tools[0].name"),
+        ({"tools": [{"name": "w", "input_schema": "x"}]}, "tools[0].input_schema",
+         "tools[0].input_schema is required (a JSON schema object)"),
+    ],
+)  # fmt: skip
+def test_anthropic_refusals_use_the_messages_apis_names(extra, param, words):
+    """Not chat's names (``stop``, ``tools[0].function.name``) nor a misleading reason (a
+    user message "cannot hold a 'text' block")."""
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(APIError) as caught:
+        parse_anthropic(body)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert words in caught.value.message, caught.value.message

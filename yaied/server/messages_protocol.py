@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError, make_spec
+from yaied.core.request import MAX_STOP_STRINGS
 from yaied.core.sampling_fields import request_names
 from yaied.server.chat_messages import parse_messages
 from yaied.server.chat_protocol import check_continuation
@@ -104,8 +105,7 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         user = {"metadata.user_id": metadata.get("user_id")}  # named as the client sent it
         parsed.user = _get(user, "metadata.user_id", (str,))
         parse_sampling(body, parsed, "messages")
-        if isinstance(body.get("stop_sequences"), str):  # the table's stop takes one; Anthropic not
-            raise APIError(400, "stop_sequences must be a list of strings", "stop_sequences")
+        _stop_sequences(body.get("stop_sequences"))
     system = _system(body.get("system"))
     parsed.messages = parse_messages(system + _messages(body.get("messages")))
     parsed.tools = _tools(body)
@@ -132,6 +132,19 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         parsed.chat_template_kwargs = {"enable_thinking": kind != "disabled"}
         out.omit_thinking = display == "omitted"
     return out
+
+
+def _stop_sequences(value: Any) -> None:
+    """Refused in the Messages API's own words (the engine's checks name chat's ``stop``)."""
+    if value is None:
+        return
+    if isinstance(value, str):  # the table's stop takes one string; Anthropic does not
+        raise APIError(400, "stop_sequences must be a list of strings", "stop_sequences")
+    if not all(value):
+        raise APIError(400, "stop_sequences must be non-empty strings", "stop_sequences")
+    if len(value) > MAX_STOP_STRINGS:
+        text = f"stop_sequences may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}"
+        raise APIError(400, text, "stop_sequences")
 
 
 def _prefill(parsed: ParsedRequest) -> None:
@@ -188,7 +201,9 @@ def _blocks(role: str, blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     for at, block in blocks:
         kind = _kind(block, at)
-        if kind == "text" and isinstance(block.get("text"), str):
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise APIError(400, f"{at}.text must be a string", param=at)
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
@@ -281,8 +296,11 @@ def _tools(body: dict[str, Any]) -> ToolRequest:
         function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
-        if function["parameters"] is None:
-            raise APIError(400, f"tools[{i}].input_schema is required", f"tools[{i}]")
+        if not isinstance(function["name"], str):
+            raise APIError(400, f"tools[{i}].name is required (a string)", f"tools[{i}].name")
+        if not isinstance(function["parameters"], dict):
+            text = f"tools[{i}].input_schema is required (a JSON schema object)"
+            raise APIError(400, text, f"tools[{i}].input_schema")
         chat_tools.append({"type": "function", "function": function})
     choice = _get(body, "tool_choice", (dict,))
     chat_choice: Any = None
