@@ -110,6 +110,9 @@ def _stop(req: MessagesRequest, run: AgentRun, blocks: list[Block]) -> tuple[str
     if isinstance(stop_reason, str) and stop_reason in req.stop_sequences:
         return "stop_sequence", stop_reason
     kind = finish_kind(run.choice.finish_reason, blocks)
+    if kind == "length" and run.usage[1] < (req.parsed.max_tokens or 0):
+        # cut by the context's end before the client's max_tokens (serving.py cuts it to the room)
+        return "model_context_window_exceeded", None
     return _STOP_REASONS.get(kind, "end_turn"), None
 
 

@@ -105,6 +105,7 @@ def parse_anthropic(body: dict[str, Any], *, count_only: bool = False) -> Messag
         user = {"metadata.user_id": metadata.get("user_id")}  # named as the client sent it
         parsed.user = _get(user, "metadata.user_id", (str,))
         parse_sampling(body, parsed, "messages")
+        parsed.max_tokens_to_context = True
         _stop_sequences(body.get("stop_sequences"))
     system = _system(body.get("system"))
     parsed.messages = parse_messages(system + _messages(body.get("messages")))

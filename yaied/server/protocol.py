@@ -66,6 +66,9 @@ class ParsedRequest:
     messages: list[dict[str, Any]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None  # None: chat's default, what the context has left
+    # Messages: a max_tokens past what the context has left is cut to it, not refused (as
+    # Anthropic's current models run to the window's end), see messages_api's stop reasons
+    max_tokens_to_context: bool = False
     n: int = 1
     stream: bool = False
     include_usage: bool = False
