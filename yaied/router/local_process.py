@@ -12,6 +12,11 @@ of the child's pipe ends, so the child's death reaches the reader thread at once
 every call in flight is told ``sink.lost``, pins are cleared (``on_lost``), and the engine is
 restarted after a backoff that doubles while restarts keep failing.
 
+A process that is alive but silent (stopped by SIGSTOP, wedged with the GIL held: its engine's own
+step watchdog cannot run) sends no stats, which come every 0.2 s: past
+``router.remote_read_timeout_seconds`` of silence, as for a Ray engine, it is killed, and its end
+is the path above (its calls move, a new process starts).
+
 ``CUDA_VISIBLE_DEVICES`` is set first thing in the child, before torch can initialise CUDA.
 """
 
@@ -72,6 +77,9 @@ class LocalProcessHandle(EngineHandle):
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
         self.last_exit: str | None = None  # how the last process ended, in words
+        self._last_word = 0.0  # when the process last sent anything (monotonic)
+        self._silenced: str | None = None  # why the watchdog killed the process, if it did
+        self._watch: asyncio.Task | None = None  # the watchdog of the process up now
 
     @property
     def pid(self) -> int | None:
@@ -139,9 +147,28 @@ class LocalProcessHandle(EngineHandle):
             daemon=True,
         ).start()
         await self._ready  # raises when the child failed to load
-        self._started_at = time.monotonic()
+        self._started_at = self._last_word = time.monotonic()
         self.health = Health.UP
         log.info("engine %s: process %d up", self.engine_id, process.pid)
+        self._watch = loop.create_task(self._watch_silence(incarnation, process))
+
+    async def _watch_silence(self, gen: int, process: multiprocessing.process.BaseProcess) -> None:
+        """Kill the process once it has been silent past the read timeout while up (the stats
+        come every 0.2 s): its end then moves its calls and restarts it, as any death."""
+        timeout = self.router_config.remote_read_timeout_seconds
+        while gen == self._incarnation and not self._stopping:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            silent = time.monotonic() - self._last_word
+            if gen == self._incarnation and not self._stopping and silent > timeout:
+                self._silenced = f"silent for {silent:.0f} s"
+                log.error(
+                    "engine %s: process %d %s (hung or stopped); killing it",
+                    self.engine_id,
+                    process.pid,
+                    self._silenced,
+                )
+                process.kill()
+                return
 
     def _read_events(
         self,
@@ -168,6 +195,7 @@ class LocalProcessHandle(EngineHandle):
     def _on_message(self, gen: int, message: tuple[Any, ...]) -> None:
         if gen != self._incarnation:
             return
+        self._last_word = time.monotonic()
         kind = message[0]
         if kind == "event":
             event: TokenEvent = message[1]
@@ -198,6 +226,9 @@ class LocalProcessHandle(EngineHandle):
             return
         self._incarnation += 1  # whatever the old process still had in flight is void
         self.last_exit = describe_exit(exitcode)  # "killed by signal 9 (SIGKILL)", ...
+        if self._silenced is not None:
+            self.last_exit = f"{self.last_exit} after it was {self._silenced}"
+            self._silenced = None
         reason = f"engine {self.engine_id} process {self.last_exit}"
         was_up = self.health is Health.UP
         self.health = Health.STOPPED if self._stopping else Health.DOWN
