@@ -126,8 +126,7 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration, ContextLimits):
             await asyncio.sleep(0.01)  # each abort ends its call with a final event
         left = max(0.0, deadline - loop.time())
         await asyncio.gather(*(h.stop(left) for h in self.handles.values()), return_exceptions=True)
-        for call in list(self._calls.values()):  # an engine that never answered: end it here
-            self._deliver(call, call.final_event(FinishReason.ABORT))
+        self.end_unanswered()
         for task in self._background:
             task.cancel()
 
@@ -358,6 +357,15 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration, ContextLimits):
     def abort_all(self) -> None:
         for request_id in list(self._calls):
             self.cancel_nowait(request_id)
+
+    def end_unanswered(self) -> int:
+        """End every call still running with a final ``abort`` event here, without its engine
+        (one that never confirmed an abort: hung, or stopped); returns how many. What the
+        engine sends for them later is dropped."""
+        calls = list(self._calls.values())
+        for call in calls:
+            self._deliver(call, call.final_event(FinishReason.ABORT))
+        return len(calls)
 
     @property
     def num_requests_in_flight(self) -> int:

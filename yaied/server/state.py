@@ -171,7 +171,7 @@ class ServerState:
     async def drain(self, timeout: float, abort_wait: float = 10.0) -> None:
         """Refuse new work, let in-flight requests finish for up to timeout seconds, then abort
         the rest (each gets its final event, so every stream ends properly) and wait up to
-        ``abort_wait`` seconds for those events."""
+        ``abort_wait`` seconds for those events; a call whose engine sent none is ended then."""
         self.draining = True
         manager = self.manager
         if manager is None:
@@ -186,6 +186,10 @@ class ServerState:
             deadline = loop.time() + abort_wait
             while manager.num_requests_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
+            # An engine that never confirmed its aborts (hung): its streams end here, before
+            # the server closes their connections, not cut off without a final event.
+            if ended := manager.end_unanswered():
+                log.warning("%d aborted requests got no answer from their engine; ended", ended)
 
     def chat_settings(self, manager: EngineManager) -> ChatSettings:
         """The model's tool-call format and reasoning parser, settled on first use (the chat
