@@ -6,6 +6,8 @@ its calls waited for as long as it stayed hung, and GET /v1/engines kept it ``up
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import threading
 import time
 
 import pytest
@@ -24,6 +26,11 @@ pytestmark = pytest.mark.timeout(60)
 def silent_child_main(spec, submit_conn, abort_conn, event_conn) -> None:
     """An engine process that says it is ready, then never says anything again (hung)."""
     event_conn.send(("ready", ModelInfo(512, 256)))
+    time.sleep(120)
+
+
+def loading_child_main(spec, submit_conn, abort_conn, event_conn) -> None:
+    """An engine process still loading its model (a long load: it says nothing yet)."""
     time.sleep(120)
 
 
@@ -74,3 +81,42 @@ async def test_an_engine_process_that_reports_is_left_alone(tiny_model_dirs, mon
         assert handle.process is not None and handle.process.is_alive()
     finally:
         await handle.stop(2.0)
+
+
+async def test_a_start_cancelled_while_the_process_starts_leaves_no_process(
+    tiny_model_dirs, monkeypatch
+):
+    # A removal (DELETE /v1/engines/ID of an engine still starting) or the daemon's stop cancels
+    # the start while a thread is inside Process.start: the process started anyway, unknown to
+    # the handle, and went on loading a model (memory, cores, a GPU's memory) unwatched.
+    monkeypatch.setattr(local_process, "child_main", loading_child_main)
+    started: list[object] = []
+    in_start, go_on, done = threading.Event(), threading.Event(), threading.Event()
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def held_start(process) -> None:
+        in_start.set()
+        go_on.wait(30)
+        try:
+            real_start(process)
+            started.append(process)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", held_start)
+    handle = _handle(tiny_model_dirs, read_timeout=45.0)
+    task = asyncio.get_running_loop().create_task(handle.start())
+    assert await asyncio.to_thread(in_start.wait, 30)
+    task.cancel()
+    await asyncio.sleep(0)  # the cancel lands while the thread is still in Process.start
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await handle.stop(2.0)
+    assert await asyncio.to_thread(done.wait, 30)
+    assert len(started) == 1
+    process = started[0]
+    try:
+        assert not process.is_alive()
+    finally:
+        process.kill()

@@ -132,9 +132,21 @@ class LocalProcessHandle(EngineHandle):
             name=f"yaied-engine-{self.engine_id}",
             daemon=True,
         )
-        await asyncio.to_thread(process.start)
-        for end in (submit_r, abort_r, event_w):
-            end.close()  # only the child holds these now: its death closes the event pipe
+        starting = loop.create_task(asyncio.to_thread(process.start))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Cancelled (a removal, the daemon's stop) while the thread starts it: the process
+            # starts anyway, and nobody would stop it. End it once started.
+            await starting
+            process.kill()
+            await asyncio.to_thread(process.join, _REAP_SECONDS)
+            for end in (submit_w, abort_w, event_r):
+                end.close()
+            raise
+        finally:
+            for end in (submit_r, abort_r, event_w):
+                end.close()  # only the child holds these now: its death closes the event pipe
         self.process = process
         self._submit = Sender(submit_w, f"yaied-submit-{self.engine_id}")
         self._aborts = Sender(abort_w, f"yaied-abort-{self.engine_id}")
