@@ -1,7 +1,8 @@
 """An engine process that is alive but silent (SIGSTOP, a wedged interpreter) is lost like a dead
 one: past router.remote_read_timeout_seconds without a word (its stats come every 0.2 s) the
 router kills it, its calls are told ``lost`` (the manager moves them), and it restarts. Before,
-its calls waited for as long as it stayed hung, and GET /v1/engines kept it ``up``."""
+its calls waited for as long as it stayed hung, and GET /v1/engines kept it ``up``. And a start
+cancelled while the process starts leaves no process behind."""
 
 from __future__ import annotations
 

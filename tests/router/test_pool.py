@@ -209,3 +209,26 @@ async def test_apply_engines_is_a_diff_by_name_of_the_config_engines():
     await apply()  # the builtin engine stays, so an empty list is allowed
     assert [e.name for e in manager.pool.values()] == ["engine-0"]
     await manager.stop()
+
+
+async def test_a_removed_engine_is_listed_with_its_counters_and_no_gauges():
+    # GET /v1/engines kept a removed engine's last gauges: "num_requests_running": 4 and its KV
+    # pages in use, forever, for an engine that holds nothing any more (/metrics drops them).
+    manager, engines = await started(2)
+    engines[0].tick = 10.0  # the call is still running there when the engine goes
+    engines[0].stats = lambda: {
+        "num_requests_running": 1,
+        "num_requests_waiting": 2,
+        "num_free_pages": 3,
+        "num_cached_pages": 4,
+        "num_pages": 8,
+        "prefix_cache_hits": 7,
+    }
+    call = await manager.submit_request(prompt=[1], sampling_params=params(5))
+    assert call.engine_id == "0"
+    await manager.remove_engine("0", timeout=0)
+    listed = {e["id"]: e for e in manager.engine_listing()}
+    assert listed["0"]["state"] == "removed"
+    assert listed["0"]["stats"] == {"num_pages": 8, "prefix_cache_hits": 7}  # frozen
+    assert (await call.result()).finish_reason is FinishReason.LENGTH  # moved to engine 1
+    await manager.stop()

@@ -45,6 +45,10 @@ STATES = ("starting", "up", "draining", "down", "removed")
 ORIGINS = ("config", "api", "autoscale", "builtin")  # who added the engine
 ENGINE_STOP_SECONDS = 10.0  # a removed engine's stop: asked, joined, then killed
 _REMOVED_KEPT = 64  # removed engines still listed (an autoscaler can churn through many)
+# An engine's stats that say what it holds now: a removed engine holds nothing.
+_GAUGES = frozenset(
+    {"num_requests_running", "num_requests_waiting", "num_free_pages", "num_cached_pages"}
+)
 
 
 class EngineNameTaken(ValueError):
@@ -266,7 +270,9 @@ class EnginePool:
     ) -> None:
         status = self.get_engine_status(engine_id).as_json()
         status["state"] = "removed"
-        status["stats"] = status["stats"] or last_stats
+        stats = status["stats"] or last_stats or {}
+        # What it held at the end is held no more: the counters stay, frozen, the gauges go.
+        status["stats"] = {k: v for k, v in stats.items() if k not in _GAUGES} or None
         if error is not None:
             status["error"] = error
         entry = self.pool.pop(engine_id)
