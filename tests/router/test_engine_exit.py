@@ -82,3 +82,26 @@ async def test_a_process_killed_while_loading_is_an_engine_start_error(
             await handle.start()
     finally:
         await handle.stop(2.0)
+
+
+def stopping_child_main(spec, submit_conn, abort_conn, event_conn) -> None:
+    """An engine process that serves until the router's stop (None on the submit pipe), then
+    exits 0 as the real one does."""
+    event_conn.send(("ready", ModelInfo(512, 256)))
+    while submit_conn.recv() is not None:
+        pass
+    event_conn.close()
+    os._exit(0)
+
+
+async def test_a_stopped_engine_process_says_it_exited_0(tiny_model_dirs, monkeypatch):
+    # A removed engine's last_exit in GET /v1/engines read None or "exited (status unknown)":
+    # stop() and the event reader both reaped the process, and the pool took its status before
+    # the reader's report. Only the reader reaps it now, and stop() waits for its report.
+    monkeypatch.setattr(local_process, "child_main", stopping_child_main)
+    config = load_config(env={}, overrides={"model": str(tiny_model_dirs["llama"])})
+    handle = LocalProcessHandle("0", EngineEntry(device="cpu", threads=1), config, RouterConfig())
+    await handle.start()
+    await handle.stop(10.0)
+    assert handle.describe()["last_exit"] == "exited with status 0"
+    assert handle.health is Health.STOPPED

@@ -80,6 +80,7 @@ class LocalProcessHandle(EngineHandle):
         self._last_word = 0.0  # when the process last sent anything (monotonic)
         self._silenced: str | None = None  # why the watchdog killed the process, if it did
         self._watch: asyncio.Task | None = None  # the watchdog of the process up now
+        self._exited: asyncio.Event | None = None  # set once the reader reported its end
 
     @property
     def pid(self) -> int | None:
@@ -121,6 +122,7 @@ class LocalProcessHandle(EngineHandle):
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
         self._incarnation += 1
+        self._exited = asyncio.Event()
         self.health = Health.STARTING
         ctx = multiprocessing.get_context("spawn")
         submit_r, submit_w = ctx.Pipe(duplex=False)
@@ -189,7 +191,8 @@ class LocalProcessHandle(EngineHandle):
         gen: int,
         process: multiprocessing.process.BaseProcess,
     ) -> None:
-        """The reader thread: every message into the loop; end-of-file means the child died."""
+        """The reader thread: every message into the loop; end-of-file means the child died.
+        It alone reaps the process: a second waiter would get no exit status."""
         try:
             while True:
                 message = conn.recv()
@@ -251,6 +254,8 @@ class LocalProcessHandle(EngineHandle):
         for sink in lost.values():
             sink.lost(reason)
         self._stats = None
+        if self._exited is not None:
+            self._exited.set()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineStartError(f"{reason} while loading"))
         if self._stopping:
@@ -293,13 +298,20 @@ class LocalProcessHandle(EngineHandle):
             self._submit.put(None)
         process = self.process
         if process is not None:
+            # The reader thread reaps it and reports how it ended (last_exit): wait for that,
+            # never join here too.
             if serving:
-                await asyncio.to_thread(process.join, max(0.0, timeout - 1.0))
-            if process.is_alive():
+                await self._exit_reported(max(0.0, timeout - 1.0))
+            if not multiprocessing.connection.wait([process.sentinel], 0):  # still running
                 log.warning("engine %s: process %d killed", self.engine_id, process.pid)
                 process.kill()
-                await asyncio.to_thread(process.join, 1.0)
+                await self._exit_reported(1.0)
         self.health = Health.STOPPED
+
+    async def _exit_reported(self, timeout: float) -> None:
+        if self._exited is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), timeout)
 
     # -- calls ------------------------------------------------------------------------------
 
