@@ -6,6 +6,7 @@ server closed them mid-stream, or sent a non-streaming client an empty body."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -47,3 +48,20 @@ async def test_a_drain_ends_the_calls_of_an_engine_that_never_answers_its_aborts
     assert manager._outstanding["0"] == {}
     for task in hung.tasks:
         task.cancel()
+
+
+async def test_a_model_that_loads_after_the_stop_began_is_not_announced(caplog):
+    """SIGTERM while the model loads: the stop waits for the load, which then logged "yaied
+    ready ... listening" (and told systemd READY=1 after STOPPING=1) for a server that was
+    exiting."""
+    manager = EngineManager(RouterConfig())
+    manager.add_engine(FakeEngine("0"))
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(8192, 256))
+    server = ServerState(ServerConfig(), "fake")
+    server.draining = True  # the daemon's SIGTERM handler began the drain
+    with caplog.at_level(logging.INFO, logger="yaied.server.state"):
+        await server.load(lambda: manager)
+    assert "yaied ready" not in caplog.text
+    assert "stopping" in caplog.text
+    assert not server.ready  # what the app's READY=1 waits for
+    await manager.stop(5.0)

@@ -121,6 +121,9 @@ class ServerState:
             self.load_error = exc
             return
         self.manager = manager
+        if self.draining:  # a stop came while it loaded: it waited for this, and now stops it
+            log.info("the model loaded after the server began stopping; not serving it")
+            return
         info, config = manager.info, manager.engine_config
         log.info(
             "yaied ready: model %s (%s), %d engine(s) [%s], context %d, listening on http://%s:%d",
