@@ -36,6 +36,7 @@ from yaied.kernels.cpu_quant import (
     group_blocks,
     quantize,
 )
+from yaied.worker.onednn_rows import pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -134,20 +135,29 @@ class QuantizedLinear(nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
+        count = flat.shape[0]
+        if x.dtype != torch.float32:  # oneDNN's matmul, a primitive per shape (onednn_rows.py)
+            flat = pad_rows(flat)
         rows = self.tile_rows(x.element_size())
-        if rows == self.out_features or x.dim() != 2:
-            return F.linear(x, self.unpacked(x.dtype), bias)
+        if rows == self.out_features:
+            out = F.linear(flat, self.unpacked(x.dtype), bias)
+        else:
+            out = self._tiled(flat, bias, rows)
+        return out[:count].view(*x.shape[:-1], self.out_features)
+
+    def _tiled(self, flat: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         # Tile by tile, each as F.linear computes a 2-D input (addmm: the bias added before
         # the result is rounded to the dtype). Each output is still one dot product over all
         # of K: on the layer shapes above the tiles gave the whole matmul's bits.
-        out = x.new_empty(x.shape[0], self.out_features)
+        out = flat.new_empty(flat.shape[0], self.out_features)
         for start in range(0, self.out_features, rows):
             stop = min(start + rows, self.out_features)
-            tile = self.unpacked(x.dtype, start, stop)
+            tile = self.unpacked(flat.dtype, start, stop)
             if bias is None:
-                out[:, start:stop] = torch.mm(x, tile.t())
+                out[:, start:stop] = torch.mm(flat, tile.t())
             else:
-                out[:, start:stop] = torch.addmm(bias[start:stop], x, tile.t())
+                out[:, start:stop] = torch.addmm(bias[start:stop], flat, tile.t())
         return out
 
     def extra_repr(self) -> str:
