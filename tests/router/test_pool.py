@@ -223,6 +223,7 @@ async def test_a_removed_engine_is_listed_with_its_counters_and_no_gauges():
         "num_cached_pages": 4,
         "num_pages": 8,
         "prefix_cache_hits": 7,
+        "kv_cache_usage_perc": 0.5,  # what a remote engine's stats hold
     }
     call = await manager.submit_request(prompt=[1], sampling_params=params(5))
     assert call.engine_id == "0"

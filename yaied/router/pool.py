@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from yaied.core.metric_names import ENGINE_GAUGES
 from yaied.router.autoscale import AutoscaleConfig, Autoscaler
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle, Health, Stats
@@ -45,10 +46,9 @@ STATES = ("starting", "up", "draining", "down", "removed")
 ORIGINS = ("config", "api", "autoscale", "builtin")  # who added the engine
 ENGINE_STOP_SECONDS = 10.0  # a removed engine's stop: asked, joined, then killed
 _REMOVED_KEPT = 64  # removed engines still listed (an autoscaler can churn through many)
-# An engine's stats that say what it holds now: a removed engine holds nothing.
-_GAUGES = frozenset(
-    {"num_requests_running", "num_requests_waiting", "num_free_pages", "num_cached_pages"}
-)
+# An engine's stats that say what it holds now (a remote one's include its KV usage): a removed
+# engine holds nothing.
+_GAUGES = frozenset({*ENGINE_GAUGES, "num_free_pages", "num_cached_pages"})
 
 
 class EngineNameTaken(ValueError):
