@@ -66,4 +66,6 @@ def test_a_prompt_that_fills_the_context_is_still_refused(tiny_chat):
     assert response.status_code == 400, response.text
     body = response.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "context" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert "fills the model's context length of 160 tokens" in message
+    assert "max_tokens" not in message  # Claude Code's 32,000 is not what is wrong

@@ -233,8 +233,12 @@ def _params_for(
             )
     elif parsed.max_tokens_to_context:
         room = manager.room_for(num_prompt_tokens)
-        if 0 < room < max_tokens:  # a prompt that fills the context is refused below
-            max_tokens = room
+        if room < 1:  # the prompt's fault alone: the client's max_tokens would be cut anyway
+            raise ContextLengthError(
+                f"prompt ({num_prompt_tokens} tokens) fills the model's context length of "
+                f"{manager.info.max_model_len} tokens"
+            )
+        max_tokens = min(max_tokens, room)
     # Completions with max_tokens 0 (echo scoring in eval harnesses): run one token for the
     # prompt's logprobs and report none. Chat has no use for it; SamplingParams refuses 0 there.
     drop = max_tokens == 0 and parsed.kind == "completion"
