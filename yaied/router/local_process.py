@@ -139,12 +139,16 @@ class LocalProcessHandle(EngineHandle):
             await asyncio.shield(starting)
         except asyncio.CancelledError:
             # Cancelled (a removal, the daemon's stop) while the thread starts it: the process
-            # starts anyway, and nobody would stop it. End it once started.
-            await starting
-            process.kill()
-            await asyncio.to_thread(process.join, _REAP_SECONDS)
+            # starts anyway, and nobody would stop it. End it once started, whatever further
+            # cancels come meanwhile (a removal, then the stop).
+            while not starting.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(starting)
             for end in (submit_w, abort_w, event_r):
                 end.close()
+            if starting.exception() is None:
+                process.kill()
+                await asyncio.to_thread(process.join, _REAP_SECONDS)
             raise
         finally:
             for end in (submit_r, abort_r, event_w):
