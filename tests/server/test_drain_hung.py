@@ -60,8 +60,8 @@ async def test_a_model_that_loads_after_the_stop_began_is_not_announced(caplog):
     server = ServerState(ServerConfig(), "fake")
     server.draining = True  # the daemon's SIGTERM handler began the drain
     with caplog.at_level(logging.INFO, logger="yaied.server.state"):
-        await server.load(lambda: manager)
+        serving = await server.load(lambda: manager)
+    assert not serving  # the app sends READY=1 when it serves
     assert "yaied ready" not in caplog.text
     assert "stopping" in caplog.text
-    assert not server.ready  # what the app's READY=1 waits for
     await manager.stop(5.0)

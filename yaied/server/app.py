@@ -172,8 +172,7 @@ def build_app(
         notifier = SystemdNotifier()
 
         async def load_then_notify() -> None:
-            await server.load(load_engine)
-            if server.manager is not None and not server.draining:  # not after STOPPING=1
+            if await server.load(load_engine):  # not after a failure, nor after STOPPING=1
                 notifier.notify("READY=1")
             elif on_load_failure is not None and server.load_error is not None:
                 on_load_failure(server.load_error)  # systemd's Type=notify: started means loaded

@@ -101,7 +101,9 @@ class ServerState:
         handle = None if self.manager is None else self.manager.handles.get("0")
         return getattr(handle, "engine", None)
 
-    async def load(self, loader: EngineLoader) -> None:
+    async def load(self, loader: EngineLoader) -> bool:
+        """Load and start the engines; whether they now serve (what systemd's READY=1 says):
+        not when loading failed (``load_error``) or a stop began meanwhile."""
         try:
             loaded = await _in_daemon_thread(loader)
             single = not isinstance(loaded, EngineManager)
@@ -119,11 +121,11 @@ class ServerState:
             else:
                 log.exception("loading the engine failed")
             self.load_error = exc
-            return
+            return False
         self.manager = manager
         if self.draining:  # a stop came while it loaded: it waited for this, and now stops it
             log.info("the model loaded after the server began stopping; not serving it")
-            return
+            return False
         info, config = manager.info, manager.engine_config
         log.info(
             "yaied ready: model %s (%s), %d engine(s) [%s], context %d, listening on http://%s:%d",
@@ -135,6 +137,7 @@ class ServerState:
             self.config.host,
             self.config.port,
         )
+        return True
 
     @property
     def ready(self) -> bool:
