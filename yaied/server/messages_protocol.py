@@ -9,7 +9,8 @@ server/error_shape.py). Content blocks become chat messages:
 
 Consecutive messages of one role are one turn, and tool uses and results must pair up turn
 by turn, as Anthropic has it (messages_turns.py). A last message from the assistant is a
-prefill: the answer continues it (``_prefill``). ``system`` is the system message.
+prefill: the answer continues it (``_prefill``). ``system`` is the system message; a
+``role: "system"`` message later on is another, where it stands (messages_turns.py).
 ``max_tokens`` is required, as Anthropic requires it. Sampling fields come from the one table
 (core/sampling_fields.py, endpoint "messages"): max_tokens,
 temperature, top_p, top_k, stop_sequences.

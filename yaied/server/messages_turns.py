@@ -14,6 +14,12 @@ completions leave to the template:
   answer. Within one turn two tool_use blocks may not share an id (a result could not say
   which it answers).
 
+A ``role: "system"`` message (Anthropic's mid-conversation system messages, which Claude Code
+sends its reminders as) is a turn of its own: a system message at that place in the prompt.
+It may not come first (that is the top-level ``system``'s place) and holds text only; the
+tool pairing reads the conversation around it, so a reminder after a tool result changes
+nothing there.
+
 Positions in the errors are the client's own (``messages[3].content[1]``), not the combined
 turns'.
 """
@@ -33,6 +39,9 @@ class Turn:
     blocks: list[tuple[str, Any]] = field(default_factory=list)  # (position, block)
 
 
+_ROLES = ("user", "assistant", "system")
+
+
 def turns(value: Any) -> list[Turn]:
     """The client's ``messages`` as turns: roles checked, runs of one role combined, a string
     content as one text block."""
@@ -41,8 +50,11 @@ def turns(value: Any) -> list[Turn]:
     out: list[Turn] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role must be user or assistant", param=where)
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise APIError(400, f"{where}.role must be user, assistant or system", param=where)
+        if i == 0 and message["role"] == "system":
+            text = f"{where}: a system message cannot come first; send it as the top-level system"
+            raise APIError(400, text, param=where)
         content = message.get("content")
         if isinstance(content, str):
             blocks = [(f"{where}.content", {"type": "text", "text": content})]
@@ -66,6 +78,7 @@ def check_tool_pairs(conversation: list[Turn]) -> None:
     turn's is answered in the turn after; no two tool_use ids of a turn alike. Run once the
     blocks are known well-formed (ids are strings)."""
     asked: dict[str, str] = {}  # the previous assistant turn's tool_use ids -> their position
+    conversation = [turn for turn in conversation if turn.role != "system"]
     for n, turn in enumerate(conversation):
         if turn.role == "assistant":
             asked = {}
