@@ -5,6 +5,8 @@ do, the call runs to the context's end and says so with stop_reason
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 
@@ -67,5 +69,10 @@ def test_a_prompt_that_fills_the_context_is_still_refused(tiny_chat):
     body = response.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     message = body["error"]["message"]
-    assert "fills the model's context length of 160 tokens" in message
     assert "max_tokens" not in message  # Claude Code's 32,000 is not what is wrong
+    # In Anthropic's words, which Claude Code matches (this pattern) to compact the
+    # conversation by the tokens it is over, rather than end the session on an error
+    found = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", message)
+    assert found, message
+    counted = tiny_chat.post("/v1/messages/count_tokens", json={**ASK, "messages": [long]})
+    assert (int(found[1]), int(found[2])) == (counted.json()["input_tokens"], CONTEXT)

@@ -90,6 +90,17 @@ async def _prompt_tokens(
     return len(ids)
 
 
+async def _too_long(
+    exc: APIError, server: ServerState, manager: EngineManager, parsed: ParsedRequest
+) -> None:
+    """A prompt past the context in Anthropic's words, ``prompt is too long: N tokens > M
+    maximum``, which Claude Code reads (the words and both numbers) to compact its conversation
+    by the tokens it is over instead of ending the session. max_tokens is cut to the context's
+    room here, so only the prompt can be too long."""
+    tokens = await _prompt_tokens(server, manager, parsed, parsed.messages)
+    exc.message = f"prompt is too long: {tokens} tokens > {manager.info.max_model_len} maximum"
+
+
 def _block_body(block: Block, done: bool = True, omit_thinking: bool = False) -> dict[str, Any]:
     if block.kind == "reasoning":
         text = block.text if done and not omit_thinking else ""
@@ -154,6 +165,10 @@ async def create_message(request: Request) -> Response:
         )  # fmt: skip
     except ClientGone:
         return Response(status_code=499)
+    except APIError as exc:
+        if exc.code == "context_length_exceeded":
+            await _too_long(exc, server, manager, req.parsed)
+        raise
     headers = {"X-Request-Id": request_id, "request-id": request_id}
     message = _message(message_id, server.model_name)
     if applied is not None:
