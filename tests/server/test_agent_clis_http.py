@@ -90,3 +90,63 @@ def test_claude_codes_turn_with_its_mid_conversation_system_message(tiny_chat):
         json={k: CLAUDE_CODE[k] for k in ("model", "messages", "system", "tools")},
     )  # fmt: skip
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+
+
+def _codex_tool(name: str) -> dict:
+    return {"type": "function", "name": name, "description": f"{name} a sub-agent.",
+            "strict": False, "parameters": {"type": "object", "properties": {
+                "target": {"type": "string"}}, "required": ["target"],
+                "additionalProperties": False}}  # fmt: skip
+
+
+def _codex_message(role: str, text: str) -> dict:
+    return {"type": "message", "id": "msg_01a226e6-daed-70d1-a84b-6ad4094dc334", "role": role,
+            "content": [{"type": "input_text", "text": text}]}  # fmt: skip
+
+
+# Codex `exec --json "Say hi"` (model_instructions_file set: its own instructions do not fit
+# the default model's context), its tools cut to one of each kind
+CODEX = {
+    "model": "tiny",
+    "stream": True,
+    "input": [
+        _codex_message("developer", "You are Codex, a coding agent in a terminal."),
+        _codex_message("user", "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"),
+        _codex_message("user", "Say hi"),
+    ],
+    "tools": [
+        {**_codex_tool("exec_command"), "description": "Runs a command in a PTY."},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+         "tools": [_codex_tool("close_agent"), _codex_tool("spawn_agent")]},
+        {"type": "web_search", "external_web_access": False},
+    ],
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "01a226e6-dac6-74b3-91be-fdceb394acd7",
+    "client_metadata": {"session_id": "01a226e6", "x-codex-window-id": "01a226e6:0",
+                        "x-codex-turn-metadata": '{"turn_id":"01a226e6-dad8"}'},
+}  # fmt: skip
+CODEX_HEADERS = {
+    "authorization": "Bearer sk-local-unused",
+    "originator": "codex_exec",
+    "session-id": "01a226e6-dac6-74b3-91be-fdceb394acd7",
+    "x-codex-turn-metadata": '{"installation_id":"2fbc","request_kind":"turn"}',
+    "x-codex-beta-features": "remote_compaction_v2",
+    "accept": "text/event-stream",
+}
+
+
+def test_codexs_turn_with_its_namespace_and_web_search_tools(tiny_chat):
+    with tiny_chat.stream("POST", "/v1/responses", json=CODEX, headers=CODEX_HEADERS) as response:
+        assert response.status_code == 200, response.read()
+        events = _sse(response)
+    names = [name for name, _ in events]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[-1] in ("response.completed", "response.incomplete")  # the context's end
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    for item in events[-1][1]["response"]["output"]:
+        if item["type"] == "function_call" and "." in item.get("namespace", "") + item["name"]:
+            raise AssertionError(f"a namespaced call keeps its own name: {item}")

@@ -55,6 +55,13 @@ class Turn:
         """A call of a custom tool: a ``custom_tool_call`` item with the decoded input."""
         return block.kind == "tool_call" and block.name in self.req.custom_tools
 
+    def tool_name(self, block: Block) -> dict[str, str]:
+        """A call's ``name``, and its ``namespace`` when the tool is in one."""
+        if block.name in self.req.namespaced:
+            namespace, name = self.req.namespaced[block.name]
+            return {"name": name, "namespace": namespace}
+        return {"name": block.name}
+
     def item_id(self, block: Block) -> str:
         prefix = "ctc" if self.is_custom(block) else _ITEM_PREFIX[block.kind]
         return f"{prefix}_{self.id[5:]}_{block.index}"
@@ -69,11 +76,11 @@ class Turn:
                     "content": content, "status": status}  # fmt: skip
         if self.is_custom(block):
             return {"type": "custom_tool_call", "id": self.item_id(block), "status": status,
-                    "call_id": block.call_id, "name": block.name,
+                    "call_id": block.call_id, **self.tool_name(block),
                     "input": input_of(text) if done else ""}  # fmt: skip
         if block.kind == "tool_call":
             return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id,
-                    "name": block.name, "arguments": text, "status": status}  # fmt: skip
+                    **self.tool_name(block), "arguments": text, "status": status}  # fmt: skip
         content = [text_part(text, self.logprobs(everything=True))] if done else []
         return {"type": "message", "id": self.item_id(block), "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
@@ -209,7 +216,7 @@ def block_events(turn: Turn, write: SSEWriter, event: BlockEvent) -> list[bytes]
                          input=input_of(text), **at))  # fmt: skip
     elif block.kind == "tool_call":
         out.append(write("response.function_call_arguments.done", item_id=item_id,
-                         name=block.name, arguments=text, **at))  # fmt: skip
+                         **turn.tool_name(block), arguments=text, **at))  # fmt: skip
     elif block.kind == "text":
         logprobs = turn.logprobs(everything=True)
         out.append(write("response.output_text.done", item_id=item_id, content_index=0,

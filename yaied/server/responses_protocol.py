@@ -41,7 +41,12 @@ from yaied.server.protocol import (
     _refuse_unknown_fields,
     parse_sampling,
 )
-from yaied.server.responses_tools import custom_call_as_function, parse_tools
+from yaied.server.responses_tools import (
+    Namespaced,
+    custom_call_as_function,
+    parse_tools,
+    qualified,
+)
 
 RESPONSES_FIELDS = frozenset(
     {
@@ -52,6 +57,7 @@ RESPONSES_FIELDS = frozenset(
         *("background", "conversation", "max_tool_calls", "stream_options"),
         *("prompt_cache_retention", "prompt_cache_options", "prompt", "moderation"),
         *("context_management", "image", "access_programs", "background_options"),
+        "client_metadata",
     }
 )
 _UNSUPPORTED = {
@@ -83,6 +89,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
     tool_choice: Any = "auto"
     custom_tools: frozenset[str] = frozenset()  # their calls are custom_tool_call items
+    namespaced: Namespaced = field(default_factory=dict)  # a namespace's tools (responses_tools)
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     effort: str | None = None
     background: bool = False  # answered at once, run on, polled with GET (needs store)
@@ -102,6 +109,7 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
     for name in ("service_tier", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"):
         _get(body, name, (str,))
     _get(body, "prompt_cache_options", (dict,))
+    _get(body, "client_metadata", (dict,))  # a client's own tags (Codex's ids): nothing to do
     # OpenAI bounds calls of its built-in tools by it; yaied runs none (function and custom
     # tools are the client's to run), so there is nothing to count
     if _get(body, "max_tool_calls", (int,), 1) < 1:
@@ -131,7 +139,9 @@ def parse_responses(body: dict[str, Any], resolve: ItemResolver | None = None) -
         text = "conversation and previous_response_id cannot be used together"
         raise APIError(400, text, param="conversation")
     out.metadata = _metadata(body)
-    out.tools, out.tool_choice, out.custom_tools = parse_tools(body, parsed)
+    tools = parse_tools(body, parsed)
+    out.tools, out.tool_choice, out.custom_tools = tools.tools, tools.choice, tools.custom
+    out.namespaced = tools.namespaced
     if parsed.logprobs is not None and parsed.tools.active:
         text = "logprobs with tools are not supported on /v1/responses"
         raise APIError(400, text, param="include")
@@ -203,8 +213,11 @@ def _input(
             call = _function_call(item, where, messages)
             items.append(_with_id(item, {"type": "function_call", **call}))
         elif kind == "custom_tool_call":
-            call = _function_call(custom_call_as_function(item, where), where, messages)
+            function = {**custom_call_as_function(item, where), "namespace": item.get("namespace")}
+            call = _function_call(function, where, messages)
             shaped = {"type": kind, "call_id": call["call_id"], "name": call["name"]}
+            if "namespace" in call:
+                shaped["namespace"] = call["namespace"]
             items.append(_with_id(item, {**shaped, "input": item["input"]}))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), _output_text(item.get("output"), where)
@@ -288,13 +301,17 @@ def _function_call(
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     if not all(isinstance(v, str) for v in (call_id, name, arguments)):
         raise APIError(400, f"{where} needs call_id, name and arguments (strings)", where)
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    function = {"name": qualified(item, where), "arguments": arguments}
+    call = {"id": call_id, "type": "function", "function": function}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    return {"call_id": call_id, "name": name, "arguments": arguments}
+    out = {"call_id": call_id, "name": name, "arguments": arguments}
+    if item.get("namespace") is not None:
+        out["namespace"] = item["namespace"]
+    return out
 
 
 def _metadata(body: dict[str, Any]) -> dict[str, str]:
