@@ -150,3 +150,19 @@ def test_codexs_turn_with_its_namespace_and_web_search_tools(tiny_chat):
     for item in events[-1][1]["response"]["output"]:
         if item["type"] == "function_call" and "." in item.get("namespace", "") + item["name"]:
             raise AssertionError(f"a namespaced call keeps its own name: {item}")
+
+
+def test_codexs_compaction_turn_with_no_tools(tiny_chat):
+    """When its context nears full, Codex asks for a summary of the turn so far: its calls and
+    their outputs sent back (with the ids and status yaied gave them), ``tools: []`` and
+    ``tool_choice: "auto"``."""
+    call = {"type": "function_call", "status": "completed", "id": "fc_b650f5bf4b10_0",
+            "name": "update_goal", "arguments": '{"status": "complete"}', "call_id": "call_1"}
+    output = {"type": "function_call_output", "id": "fco_01a226ee-f82d", "call_id": "call_1",
+              "output": "cannot update goal because this thread has no goal"}
+    ask = _codex_message("user", "You are performing a CONTEXT CHECKPOINT COMPACTION. ...")
+    body = {**CODEX, "input": [*CODEX["input"], call, output, ask], "tools": []}
+    with tiny_chat.stream("POST", "/v1/responses", json=body, headers=CODEX_HEADERS) as response:
+        assert response.status_code == 200, response.read()
+        names = [name for name, _ in _sse(response)]
+    assert names[-1] in ("response.completed", "response.incomplete")

@@ -79,3 +79,14 @@ def test_web_search_cannot_be_forced():
     with pytest.raises(APIError) as caught:
         parse_responses({**CODEX, "tool_choice": {"type": "web_search"}})
     assert caught.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("tools", [[], [SEARCH]])
+def test_auto_with_no_tool_to_offer_is_no_tools(tools):
+    """Codex's compaction turn sends ``tools: []`` with ``tool_choice: "auto"``, as OpenAI
+    takes it: the model has no tool to call, not a 400 (``required`` still is one)."""
+    req = parse_responses({**CODEX, "tools": tools, "tool_choice": "auto"})
+    assert not req.parsed.tools.active and req.tool_choice == "auto"
+    with pytest.raises(APIError) as caught:
+        parse_responses({**CODEX, "tools": tools, "tool_choice": "required"})
+    assert caught.value.param == "tool_choice"

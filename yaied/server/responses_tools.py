@@ -92,7 +92,9 @@ def parse_tools(body: dict[str, Any], parsed: ParsedRequest) -> ResponsesTools:
             raise APIError(400, text, param=where)
         chat_tools.append({"type": "function", "function": function})
     choice = body.get("tool_choice")
-    chat_choice = choice
+    # "auto" with nothing to offer the model (Codex's compaction turn sends tools: [], or only
+    # the hosted search) is no tools, as OpenAI takes it; "required" stays a 400
+    chat_choice = None if choice == "auto" and not chat_tools else choice
     if isinstance(choice, dict):
         if choice.get("type") not in ("function", "custom") or not isinstance(
             choice.get("name"), str
