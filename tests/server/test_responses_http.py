@@ -327,7 +327,7 @@ def test_bad_requests_get_4xx(live):
         ({"model": MODEL, "input": "x", "max_output_tokens": "9"}, 400, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_x"}, 404,
          "previous_response_id"),
-        ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"model": MODEL, "input": "x", "tools": [{"type": "file_search"}]}, 400, "tools[0]"),
         ({"model": MODEL, "input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
         ({"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"],
           "tools": TOOLS}, 400, "include"),

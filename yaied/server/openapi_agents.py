@@ -77,6 +77,7 @@ _RESPONSES = {
     "conversation": {"oneOf": [{"type": "string"}, {"type": "object"}]},
     "include": {"type": "array", "items": {"type": "string"}},
     "max_tool_calls": {"type": "integer", "minimum": 1},
+    "client_metadata": {"type": "object"},
 }
 _MESSAGES = {
     **_sampling("messages"),
@@ -87,7 +88,8 @@ _MESSAGES = {
             "type": "object",
             "required": ["role", "content"],
             "properties": {
-                "role": {"type": "string", "enum": ["user", "assistant"]},
+                # system: a mid-conversation system message (never the first)
+                "role": {"type": "string", "enum": ["user", "assistant", "system"]},
                 "content": _TEXT_OR_PARTS,
             },
         },
