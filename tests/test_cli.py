@@ -394,8 +394,10 @@ def test_ctrl_c_during_a_local_answer_stops_that_answer_and_the_chat_goes_on(
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Flags the README gives to other programs: scripts/ (checked below), lm_eval, pip, ray,
-# systemctl and systemd-analyze, SGLang.
+# systemctl and systemd-analyze, SGLang, Claude Code.
 OTHER_PROGRAMS_FLAGS = {
+    "--max-turns",
+    "--tools",
     "--tasks",
     "--include_path",
     "--model_args",
