@@ -401,6 +401,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--tasks",
     "--include_path",
     "--model_args",
+    "--apply_chat_template",
     "--no-deps",
     "--head",
     "--address",
