@@ -102,10 +102,32 @@ async def tokenize(request: Request) -> Response:
         except ValueError as exc:
             raise from_value_error(exc) from None
     else:  # a large prompt is tokenized in the CPU thread, as the generation endpoints do
-        encode = functools.partial(tokenizer.encode, add_special_tokens=True)
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+        encode = functools.partial(tokenizer.encode, add_special_tokens=special)
         tokens = await server.off_loop(len(prompts[0]), encode, prompts[0])
     max_len = manager.info.max_model_len
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """The served tokenizer's special tokens and chat template, as vLLM's endpoint gives them:
+    with /tokenize and /detokenize, what a client needs to tokenize through the server (lm-eval's
+    remote tokenizer) instead of loading the model's files itself."""
+    server: ServerState = request.state.server
+    manager = server.ready_manager()
+    tokenizer = manager.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer")
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        info[name] = token if isinstance(token, str) else None
+    template = server.config.chat_template or getattr(tokenizer, "chat_template", None)
+    info["chat_template"] = template if isinstance(template, str) else None
+    info["model_max_length"] = manager.info.max_model_len
+    return json_response(info)
 
 
 async def detokenize(request: Request) -> Response:
@@ -198,6 +220,7 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

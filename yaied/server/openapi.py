@@ -208,6 +208,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
                 {
                     "model": {"type": "string"},
                     "prompt": {"type": "string"},
+                    "add_special_tokens": {"type": "boolean"},
                     "messages": _MESSAGES,
                     "add_generation_prompt": {"type": "boolean"},
                     "continue_final_message": {"type": "boolean"},
@@ -218,6 +219,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
             "/detokenize": _post(
                 "Token ids to text", {"model": {"type": "string"}, "tokens": _TOKENS}, ["tokens"]
             ),
+            "/tokenizer_info": _get("The tokenizer's special tokens and chat template"),
             "/health": _get("200 when the engine is loaded and running, else 503"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This schema"),
