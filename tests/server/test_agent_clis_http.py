@@ -156,10 +156,20 @@ def test_codexs_compaction_turn_with_no_tools(tiny_chat):
     """When its context nears full, Codex asks for a summary of the turn so far: its calls and
     their outputs sent back (with the ids and status yaied gave them), ``tools: []`` and
     ``tool_choice: "auto"``."""
-    call = {"type": "function_call", "status": "completed", "id": "fc_b650f5bf4b10_0",
-            "name": "update_goal", "arguments": '{"status": "complete"}', "call_id": "call_1"}
-    output = {"type": "function_call_output", "id": "fco_01a226ee-f82d", "call_id": "call_1",
-              "output": "cannot update goal because this thread has no goal"}
+    call = {
+        "type": "function_call",
+        "status": "completed",
+        "id": "fc_b650f5bf4b10_0",
+        "name": "update_goal",
+        "arguments": '{"status": "complete"}',
+        "call_id": "call_1",
+    }
+    output = {
+        "type": "function_call_output",
+        "id": "fco_01a226ee-f82d",
+        "call_id": "call_1",
+        "output": "cannot update goal because this thread has no goal",
+    }
     ask = _codex_message("user", "You are performing a CONTEXT CHECKPOINT COMPACTION. ...")
     body = {**CODEX, "input": [*CODEX["input"], call, output, ask], "tools": []}
     with tiny_chat.stream("POST", "/v1/responses", json=body, headers=CODEX_HEADERS) as response:

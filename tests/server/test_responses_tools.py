@@ -11,8 +11,13 @@ from yaied.server.responses_output import Turn
 from yaied.server.responses_protocol import parse_responses
 
 OBJECT = {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}
-EXEC = {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.",
-        "strict": False, "parameters": {"type": "object", "properties": {}}}
+EXEC = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Runs a command in a PTY.",
+    "strict": False,
+    "parameters": {"type": "object", "properties": {}},
+}
 AGENTS = {"type": "namespace", "name": "multi_agent_v1",
           "description": "Tools for spawning and managing sub-agents.",
           "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.",
@@ -53,7 +58,9 @@ def test_a_namespaced_call_comes_back_and_goes_in_by_its_own_name_and_namespace(
     turn.blocks.feed([{"tool_calls": [call]}])
     item = turn.item(turn.blocks.blocks[0])
     assert (item["type"], item["name"], item["namespace"]) == (
-        "function_call", "close_agent", "multi_agent_v1"
+        "function_call",
+        "close_agent",
+        "multi_agent_v1",
     )
 
 
