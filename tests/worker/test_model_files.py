@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from yaied.worker import model_files
 from yaied.worker.model_files import (
     DEFAULT_MODEL_NAME,
+    check_model_reference,
     default_cache_dir,
     find_default_model_gguf,
     find_eos_token_ids,
@@ -170,10 +171,85 @@ def test_bad_local_paths(tmp_path: Path) -> None:
         resolve_model_folder(str(tmp_path / "weights.bin"), cache_dir=tmp_path / "c")
 
 
+def _head(path: Path, size: int) -> bytes:
+    with path.open("rb") as f:
+        return f.read(size)
+
+
+@pytest.mark.parametrize(
+    ("write", "pattern"),
+    [
+        pytest.param(lambda d: None, "has no config.json", id="no-config"),
+        pytest.param(
+            lambda d: (d / "config.json").write_text("{"),
+            r"config\.json is not valid JSON",
+            id="bad-json",
+        ),
+        pytest.param(
+            lambda d: (d / "config.json").write_text("[]"),
+            r"config\.json is not a JSON object",
+            id="not-object",
+        ),
+        pytest.param(
+            lambda d: (d / "m.bin").write_bytes(b"x"),
+            r"m\.bin is a file but not a \.gguf",
+            id="not-gguf",
+        ),
+        pytest.param(
+            lambda d: (d / "m.gguf").write_bytes(b""),
+            r"m\.gguf is not a readable GGUF file",
+            id="empty-gguf",
+        ),
+        pytest.param(
+            lambda d: (d / "m.gguf").write_bytes(b"nope" * 8),
+            r"m\.gguf is not a readable GGUF",
+            id="garbage-gguf",
+        ),
+        pytest.param(
+            lambda d: (d / "m.gguf").write_bytes(_head(find_default_model_gguf(), 4096)),
+            r"m\.gguf is not a readable GGUF file \(truncated",
+            id="cut-gguf",
+        ),
+    ],
+)
+def test_a_model_that_cannot_load_is_refused_before_the_daemon_listens(
+    tmp_path: Path, write, pattern: str
+) -> None:
+    """`yaied serve` checks the model before it opens its socket: a folder without config.json,
+    a config.json that is not JSON, a file that is not a GGUF or a cut GGUF listened, logged
+    uvicorn's start-up, and only then failed."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write(folder)
+    files = [p for p in folder.iterdir() if p.name != "config.json"]
+    target = files[0] if files else folder
+    with pytest.raises(ValueError, match=pattern):
+        check_model_reference(str(target))
+
+
+def test_the_default_model_and_a_good_folder_pass_the_check(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    check_model_reference(str(tmp_path))
+    check_model_reference(DEFAULT_MODEL_NAME)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a mode-000 file")
+def test_an_unreadable_weights_file_says_so(tmp_path: Path) -> None:
+    # safetensors reported it as "No such file or directory", naming a file that is there
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4)}, str(path))
+    path.chmod(0)
+    with pytest.raises(PermissionError, match="model.safetensors"):
+        list(iter_safetensors_weights(tmp_path, show_progress=False))
+
+
 def test_load_hf_config(default_model_folder: Path, tmp_path: Path) -> None:
     config = load_hf_config(default_model_folder)
     assert config.model_type == "llama" and config.num_hidden_layers == 30
     with pytest.raises(ValueError, match="no config.json"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')  # transformers' error
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):  # named no file
         load_hf_config(tmp_path)
 
 

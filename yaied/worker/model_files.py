@@ -166,10 +166,37 @@ def check_model_reference(model: str, *, load_format: str = "auto") -> None:
     daemon checks before it starts listening."""
     path = Path(model).expanduser()
     if load_format == "dummy" and path.is_file() and path.suffix == ".json":
+        _read_config_json(path)
         return
-    if path.is_dir() or path.is_file() or model.strip().lower() == DEFAULT_MODEL_NAME:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} has no config.json; pass a Hugging Face model folder or a .gguf file"
+            )
+        _read_config_json(path / "config.json")
+        return
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a folder or a .gguf file")
+        from yaied.worker.gguf_reader import open_gguf  # deferred: gguf and numpy
+
+        open_gguf(path)  # its header and tensor tables only: a cut or garbled file stops here
+        return
+    if model.strip().lower() == DEFAULT_MODEL_NAME:
         return
     resolve_model_folder(model, show_progress=False)  # raises the full explanation
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    """A model's config.json as a dict; ValueError naming the file when it is not a JSON object
+    (OSError, naming it, when it cannot be read)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
 
 
 def load_hf_config(folder: Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -179,6 +206,7 @@ def load_hf_config(folder: Path, *, trust_remote_code: bool = False) -> Pretrain
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    _read_config_json(folder / "config.json")  # transformers' own error would not name the file
     from transformers import AutoConfig  # deferred: heavy, and must follow _offline()
 
     return AutoConfig.from_pretrained(
@@ -245,6 +273,8 @@ def iter_safetensors_weights(
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
     with tqdm(desc=f"Loading {Path(folder).name}", unit="tensor", disable=not show_progress) as bar:
         for file in files:
+            with open(file, "rb"):  # safetensors reports any failure to open as "No such file"
+                pass
             try:
                 handle = safe_open(str(file), framework="pt")
             except SafetensorError as exc:  # a cut or garbled header: one line, not a traceback
