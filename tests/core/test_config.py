@@ -170,6 +170,8 @@ def test_unrelated_env_variables_are_ignored():
         ("device.threads", 100_000, "device.threads"),  # OpenMP's team would crash the process
         ("cache.kv_cache_gib", float("inf"), "cache.kv_cache_gib"),  # was int(nan) at load
         ("cache.kv_cache_gib", float("nan"), "cache.kv_cache_gib"),
+        ("model.seed", 2**64, "model.seed"),  # was torch's "Overflow when unpacking long long"
+        ("model.seed", -(2**63) - 1, "model.seed"),
     ],
 )
 def test_invalid_values_name_the_setting(key, value, setting):

@@ -47,6 +47,10 @@ class ModelConfig:
                 "(model.dtype = auto, float32 or bfloat16), not float16"
             )
         _at_least("model.max_model_len", self.max_model_len, 0)
+        # torch's generators take 64 bits; past that the load failed with "Overflow when
+        # unpacking long long", naming no setting (tensor-parallel ranks add their rank to it)
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"model.seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
 
 
 @dataclass(frozen=True, slots=True)
