@@ -37,6 +37,18 @@ def test_an_unreadable_api_key_file_is_a_value_error_naming_it(tmp_path):
         ServerConfig(api_key_file=str(tmp_path))  # a directory
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# every key revoked\n"])
+def test_an_api_key_file_without_a_key_is_refused(tmp_path, text):
+    """It turned authentication off without a word: an operator who emptied the file to revoke
+    every key (and reloaded) opened the daemon to everyone."""
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"server\.api_key_file .*keys' holds no key"):
+        ServerConfig(api_key_file=str(path))
+    with pytest.raises(ValueError, match="holds no key"):  # not even beside api_keys
+        load_server_config(env={}, overrides={"api_keys": ["k1"], "api_key_file": str(path)})
+
+
 def test_chat_template_is_a_file_or_the_text(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)

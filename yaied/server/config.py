@@ -98,7 +98,8 @@ class ServerConfig:
 
 def read_api_key_file(path: str) -> tuple[str, ...]:
     """The key entries in ``path``, one a line (server/keys.py reads them); "" reads nothing.
-    ValueError names an unreadable file."""
+    ValueError names an unreadable file, or one that holds no key (a reload that emptied it to
+    revoke every key would otherwise have opened the daemon to all)."""
     if not path:
         return ()
     try:
@@ -107,7 +108,13 @@ def read_api_key_file(path: str) -> tuple[str, ...]:
         reason = getattr(exc, "strerror", None) or exc
         raise ValueError(f"server.api_key_file {path!r}: {reason}") from None
     lines = (line.strip() for line in text.splitlines())
-    return tuple(line for line in lines if line and not line.startswith("#"))
+    keys = tuple(line for line in lines if line and not line.startswith("#"))
+    if not keys:  # with no other key that would turn authentication off, saying nothing
+        raise ValueError(
+            f"server.api_key_file {path!r} holds no key; the daemon would let every request in "
+            "(to run without keys, leave api_key_file unset)"
+        )
+    return keys
 
 
 def read_chat_template(value: str) -> str:
