@@ -150,6 +150,9 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         (["serve", "--prompt", "caf\udce9"], "--prompt: not valid UTF-8"),
         (["chat", "--system", "caf\udce9"], "--system: not valid UTF-8"),
         (["serve", "--served-model-name", "m\udcff"], "--served-model-name: not valid UTF-8"),
+        # "" served as --model without a word; blanks named nothing a client could type
+        (["serve", "--served-model-name", "", "--model", "/no/model"], "must not be empty"),
+        (["serve", "--served-model-name", " ", "--model", "/no/model"], "must not be empty"),
     ],
 )
 def test_bad_flags_and_values(capsys, argv, pattern):

@@ -29,6 +29,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     load_cli_config,
     one_line,
     port_number,
+    served_name,
     setting_flags,
     utf8_text,
 )
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=None, help="listen port (default 8000)")
     serve.add_argument(
-        "--served-model-name", type=utf8_text, default=None, help="the name in /v1/models"
+        "--served-model-name", type=served_name, default=None, help="the name in /v1/models"
     )
     serve.add_argument(
         "--api-key",

@@ -107,6 +107,14 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def served_name(text: str) -> str:
+    """--served-model-name: "" would fall back to --model without a word (the config's default
+    means "the model's own name"), and blanks name nothing a client could type."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave it out to serve as --model)")
+    return utf8_text(text)
+
+
 def port_number(text: str) -> int:
     port = int(text) if text.strip().isdigit() else 0
     if not 0 < port < 65536:
