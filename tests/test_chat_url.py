@@ -59,7 +59,7 @@ def test_chat_with_a_running_daemon(tmp_path, capsys, monkeypatch):
             code, out, err = run_chat(
                 capsys, monkeypatch, lines, *chat, "--api-key", "x", "--model", "m"
             )
-            assert code == 0 and out == ""
+            assert code == 1 and out == ""
             assert err == "yaied: error: missing or invalid API key\n"
         finally:
             proc.terminate()
@@ -123,13 +123,39 @@ def test_errors_and_ctrl_c_drop_the_turn_and_keep_the_chat(capsys, monkeypatch):
     monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
     lines = ["one", "two", "three", "four"]
     code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x", "--system", "S")
-    assert code == 0, err
+    assert code == 1, err  # stdin is no terminal: the turns it lost make the status
     assert out == "Hello\npar\nFine.\n"
     assert err == "yaied: (answer interrupted)\nyaied: error: generation failed: boom\n"
     assert len(FakeClient.closed) == 4  # the interrupted stream was closed too
     assert FakeClient.bodies[0]["model"] == "served"
     last = FakeClient.bodies[-1]["messages"]
     assert [m["content"] for m in last] == ["S", "one", "Hello", "four"]  # failed turns dropped
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_piped_chat_that_lost_a_turn_exits_1(capsys, monkeypatch, terminal):
+    """`yaied chat < questions` whose turns failed (a 503 while the model loaded, a 400 for a
+    prompt over the context, an unknown --model) printed the errors and exited 0: a script saw
+    success. The chat still goes on; at a terminal, a person read the errors, so 0 stays."""
+    FakeClient.turns = [[chat_client.ServerError("the model is still loading")], ["Ok."]]
+    FakeClient.bodies, FakeClient.closed = [], []
+    monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
+    stdin = io.StringIO("one\ntwo\n")
+    stdin.isatty = lambda: terminal
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code = cli.main(["chat", "--url", "http://x"])
+    out, err = capsys.readouterr()
+    assert code == (0 if terminal else 1), err
+    assert "Ok.\n" in out and "yaied: error: the model is still loading\n" in err
+
+
+def test_a_piped_chat_whose_turns_all_answered_exits_0(capsys, monkeypatch):
+    FakeClient.turns, FakeClient.bodies, FakeClient.closed = [["Ok."], ["Yes."]], [], []
+    monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
+    code, out, err = run_chat(
+        capsys, monkeypatch, ["one", "", "/reset", "two"], "--url", "http://x"
+    )
+    assert (code, out, err) == (0, "Ok.\nYes.\n", "")
 
 
 def test_a_line_that_is_not_utf8_is_skipped_and_the_chat_goes_on(capsys, monkeypatch):
@@ -140,7 +166,7 @@ def test_a_line_that_is_not_utf8_is_skipped_and_the_chat_goes_on(capsys, monkeyp
     monkeypatch.setattr(chat_client, "ChatClient", FakeClient)
     lines = ["caf\udce9", "Hello"]
     code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x")
-    assert code == 0, err
+    assert code == 1, err  # a line not sent is an answer missing
     assert out == "Ok.\n"
     assert err == "yaied: that line is not valid UTF-8 (check the terminal's encoding); not sent\n"
     assert [m["content"] for m in FakeClient.bodies[0]["messages"]] == ["Hello"]
@@ -279,7 +305,7 @@ def test_a_broken_stream_drops_the_turn_in_one_line_and_the_chat_goes_on(capsys,
     monkeypatch.setattr(chat_client.httpx, "Client", client)
     lines = ["one", "two", "three"]
     code, out, err = run_chat(capsys, monkeypatch, lines, "--url", "http://x", "--model", "m")
-    assert code == 0, err
+    assert code == 1, err
     assert out == "par\nok\n"
     errors = err.splitlines()
     assert len(errors) == 2 and all(e.startswith("yaied: error: ") for e in errors), err

@@ -30,9 +30,15 @@ def read_line(interactive: bool) -> str | None:
 
 
 def chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
-    """Read turns until /exit or EOF; ``respond`` answers one, or returns None to drop it."""
+    """Read turns until /exit or EOF; ``respond`` answers one, or returns None to drop it.
+
+    The exit status: 0, or 1 when input is not a terminal and a turn was dropped. The chat goes
+    on after a failed turn either way, but a script feeding it (`yaied chat < questions`) must
+    not read success from a run whose answers are missing (each failure has its line on stderr).
+    """
     interactive = sys.stdin.isatty()
     messages = list(opening)
+    dropped = 0
     while (line := read_line(interactive)) is not None:
         command = line.strip()
         if command in ("/exit", "/quit"):
@@ -49,14 +55,16 @@ def chat_loop(opening: list[dict[str, str]], respond: Respond) -> int:
                 f"{PROG}: that line is not valid UTF-8 (check the terminal's encoding); not sent",
                 file=sys.stderr,
             )
+            dropped += 1
             continue
         messages.append({"role": "user", "content": line})
         reply = respond(messages)
         if reply is None:
             messages.pop()
+            dropped += 1
             continue
         messages.append({"role": "assistant", "content": reply})
-    return 0
+    return 1 if dropped and not interactive else 0
 
 
 def remote_responder(client: ChatClient, model: str, sampling: dict[str, Any]) -> Respond:
