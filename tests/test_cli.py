@@ -150,6 +150,11 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         (["serve", "--prompt", "caf\udce9"], "--prompt: not valid UTF-8"),
         (["chat", "--system", "caf\udce9"], "--system: not valid UTF-8"),
         (["serve", "--served-model-name", "m\udcff"], "--served-model-name: not valid UTF-8"),
+        # httpx's "unsupported protocol 'localhost://'" at the first request, exit 1, no flag
+        (["chat", "--url", "localhost:8000"], "--url: expected an http:// or https:// URL"),
+        (["chat", "--url", "127.0.0.1"], "--url: expected an http:// or https:// URL"),
+        (["chat", "--url", "ftp://h"], "--url: expected an http:// or https:// URL"),
+        (["chat", "--url", ""], "--url: expected an http:// or https:// URL"),
         # "" served as --model without a word; blanks named nothing a client could type
         (["serve", "--served-model-name", "", "--model", "/no/model"], "must not be empty"),
         (["serve", "--served-model-name", " ", "--model", "/no/model"], "must not be empty"),

@@ -26,6 +26,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     UsageError,
     add_setting_flags,
     config_overrides,
+    http_url,
     load_cli_config,
     one_line,
     port_number,
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default 256")
     chat.add_argument(
         "--url",
+        type=http_url,
         metavar="URL",
         help="chat with the daemon at URL (http://127.0.0.1:8000) instead of a local engine; "
         "--model then names the served model (default: the first in /v1/models)",
@@ -326,7 +328,6 @@ def _chat_remote(
         raise GenerationError(str(exc)) from None
     try:
         model = config_overrides(args).get("model.model") or client.first_model()
-
         return chat_loop(opening, remote_responder(client, model, sampling))
     except ServerUnreachable as exc:
         raise GenerationError(str(exc)) from None

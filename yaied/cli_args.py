@@ -115,6 +115,22 @@ def served_name(text: str) -> str:
     return utf8_text(text)
 
 
+def http_url(text: str) -> str:
+    """--url: an http(s) address with a host. "localhost:8000" or "127.0.0.1" failed at the first
+    request as httpx's "unsupported protocol 'localhost://'", naming no flag."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+    except ValueError:  # "http://[::1": left to the client, which names what is wrong
+        return text
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"expected an http:// or https:// URL such as http://127.0.0.1:8000, got {text!r}"
+        )
+    return text
+
+
 def port_number(text: str) -> int:
     port = int(text) if text.strip().isdigit() else 0
     if not 0 < port < 65536:
