@@ -189,6 +189,11 @@ def test_the_client_reads_openai_errors_and_error_chunks():
     assert chat_client.api_root("http://test/chat/completions/") == "http://test"
     assert chat_client.api_root("http://test/proxy/v1") == "http://test/proxy"
     client.http = httpx.Client(base_url=client.root, transport=httpx.MockTransport(handler))
+    # No key sent: the server's words named no way to send one.
+    hint = r"^missing or invalid API key; pass one with --api-key KEY or \$YAIED_API_KEY$"
+    with pytest.raises(chat_client.ServerError, match=hint):
+        client.first_model()
+    client.sends_key = True  # a key sent and refused: the server's words alone
     with pytest.raises(chat_client.ServerError, match="^missing or invalid API key$"):
         client.first_model()
     got = []

@@ -39,7 +39,12 @@ class ServerUnreachable(Exception):
 
 
 class ServerError(Exception):
-    """The daemon answered with an error; the message is the server's."""
+    """The daemon answered with an error; the message is the server's (``status``: the HTTP
+    status of an error response, None for an error inside a stream)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def api_root(url: str) -> str:
@@ -52,6 +57,7 @@ class ChatClient:
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.root = api_root(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.sends_key = bool(api_key)
         headers |= ACCEPT_IDENTITY  # the bounds below count the bytes as sent
         try:
             self.http = httpx.Client(base_url=self.root, headers=headers, timeout=TIMEOUT)
@@ -64,7 +70,7 @@ class ChatClient:
     def first_model(self) -> str:
         """The first id in ``/v1/models``: what the daemon serves."""
         with self._request("GET", "/v1/models") as response:
-            body = _json_body(response, "/v1/models")
+            body = self._checked(response, "/v1/models")
         models = body.get("data") if isinstance(body, dict) else None
         if not models or not isinstance(models[0], dict) or "id" not in models[0]:
             raise ServerError(f"{self.root}/v1/models lists no model")
@@ -77,7 +83,7 @@ class ChatClient:
         """
         with self._request("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
-                _json_body(resp)  # raises ServerError with the server's message
+                self._checked(resp)  # raises ServerError with the server's message
             kind = resp.headers.get("content-type", "text/event-stream")
             if not kind.lower().startswith("text/event-stream"):
                 raise ServerError(f"the answer from {self.root} is {kind}, not an event stream")
@@ -96,6 +102,17 @@ class ChatClient:
             except ValueError as exc:  # not JSON, or not a chat chunk
                 raise ServerError(f"a malformed stream chunk from {self.root}: {exc}") from None
         raise ServerError(f"the stream from {self.root} ended before [DONE]; the answer is cut")
+
+    def _checked(self, response: httpx.Response, what: str = "") -> Any:
+        """_json_body, with a 401 to a chat that sent no key saying how to send one (the
+        server's "missing or invalid API key" names no flag)."""
+        try:
+            return _json_body(response, what)
+        except ServerError as exc:
+            if exc.status != 401 or self.sends_key:
+                raise
+            hint = "; pass one with --api-key KEY or $YAIED_API_KEY"
+            raise ServerError(f"{exc}{hint}", exc.status) from None
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         """A streaming response as a context manager, with connection failures translated."""
@@ -183,9 +200,10 @@ def _json_body(response: httpx.Response, what: str = "") -> Any:
         body = None
     if response.status_code != 200:
         if isinstance(body, dict) and "error" in body:
-            raise ServerError(_message(body))
+            raise ServerError(_message(body), response.status_code)
         text = " ".join(content.value().decode(errors="replace").split())
-        raise ServerError(f"HTTP {response.status_code}: {text or response.reason_phrase}")
+        message = f"HTTP {response.status_code}: {text or response.reason_phrase}"
+        raise ServerError(message, response.status_code)
     return body
 
 
