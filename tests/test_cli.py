@@ -359,18 +359,37 @@ class _InterruptOnce(io.StringIO):
         return super().write(text)
 
 
-@pytest.mark.timeout(120)
-def test_ctrl_c_during_a_local_answer_stops_that_answer_and_the_chat_goes_on(
-    tmp_path, default_model_folder, monkeypatch, capsys
-):
-    # Before, the interrupt ended the whole chat (exit 130); `chat --url` already stopped just
-    # the answer. The stopped call must leave the engine too, not run on behind the next turn.
+def tiny_chat_model(tmp_path: Path, default_model_folder: Path) -> Path:
+    """A tiny random model (context 2048) with the default model's tokenizer and chat template."""
     folder = tmp_path / "tiny-chat"
     config = dict(TINY_CONFIGS["llama"], vocab_size=49152, max_position_embeddings=2048)
     make_tiny_model("llama", folder, configs={"llama": config})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_model_folder / name).exists():
             shutil.copy(default_model_folder / name, folder / name)
+    return folder
+
+
+def test_chat_max_tokens_that_leave_no_room_for_a_prompt_stop_the_start(
+    tmp_path, default_model_folder, monkeypatch, capsys
+):
+    """Every turn failed with "exceeds the model's context length ...; /reset starts over",
+    advice that could not help: the context is too small for --max-tokens alone."""
+    folder = tiny_chat_model(tmp_path, default_model_folder)
+    capsys.readouterr()  # the shard writer's progress bar
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    argv = ["chat", "--model", str(folder), "--kv-cache-gib", "0.01", "--max-tokens", "2048"]
+    result = run_main(capsys, *argv)
+    assert_one_line_error(*result, r"--max-tokens 2048 leaves no room .* context of 2048 tokens")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_local_answer_stops_that_answer_and_the_chat_goes_on(
+    tmp_path, default_model_folder, monkeypatch, capsys
+):
+    # Before, the interrupt ended the whole chat (exit 130); `chat --url` already stopped just
+    # the answer. The stopped call must leave the engine too, not run on behind the next turn.
+    folder = tiny_chat_model(tmp_path, default_model_folder)
     aborted, answered = [], []
     abort, stream_reply = AsyncEngine.abort, cli.stream_reply
     monkeypatch.setattr(

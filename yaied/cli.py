@@ -25,6 +25,8 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     Parser,
     UsageError,
     add_setting_flags,
+    check_room,
+    check_sampling,
     config_overrides,
     http_url,
     load_cli_config,
@@ -37,7 +39,6 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
 from yaied.cli_chat import chat_loop, remote_responder
 from yaied.core.config import EngineConfig
 from yaied.core.errors import EngineStartError
-from yaied.core.request import SamplingParams
 from yaied.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -212,11 +213,6 @@ async def stream_reply(
     return Reply("".join(parts), num_tokens)
 
 
-def _check_sampling(sampling: dict[str, Any]) -> None:
-    # Before the model loads: a bad --temperature should not cost a load.
-    SamplingParams.from_kwargs(**sampling)
-
-
 def _serve(args: argparse.Namespace) -> int:
     if args.prompt is None:
         return _serve_http(args)
@@ -266,7 +262,7 @@ def _serve_http(args: argparse.Namespace) -> int:
 def _answer_one_prompt(args: argparse.Namespace) -> int:
     config = load_cli_config(args)
     sampling = {"max_tokens": args.max_tokens}
-    _check_sampling(sampling)
+    check_sampling(sampling)
 
     def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
         tokenizer = engine.tokenizer
@@ -289,7 +285,7 @@ def _chat(args: argparse.Namespace) -> int:
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
-    _check_sampling(sampling)
+    check_sampling(sampling)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     if args.url is not None:
         return _chat_remote(args, sampling, opening)
@@ -298,6 +294,7 @@ def _chat(args: argparse.Namespace) -> int:
     def session(engine: AsyncEngine, runner: asyncio.Runner) -> int:
         if not engine.inputs.has_chat_template():
             raise UsageError(f"model {config.model.model!r} has no chat template; chat needs one")
+        check_room(args.max_tokens, engine.info.max_model_len)
 
         def respond(messages: list[dict[str, str]]) -> str | None:
             prompt, _ = engine.inputs.chat_prompt(messages)

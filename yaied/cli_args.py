@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, get_type_hints
 
 from yaied.core.config import SECTIONS, EngineConfig, load_config
+from yaied.core.request import SamplingParams
 
 # A config flag's namespace attribute is this prefix and the dotted setting: "cfg:cache.page_size".
 _SETTING_PREFIX = "cfg:"
@@ -136,6 +137,21 @@ def port_number(text: str) -> int:
     if not 0 < port < 65536:
         raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}")
     return port
+
+
+def check_sampling(sampling: dict[str, Any]) -> None:
+    """Before the model loads: a bad --temperature should not cost a load."""
+    SamplingParams.from_kwargs(**sampling)
+
+
+def check_room(max_tokens: int, context: int) -> None:
+    """A chat's --max-tokens that leaves no room for any prompt in the context: every turn failed
+    with "/reset starts over", which could not help."""
+    if max_tokens >= context:
+        raise UsageError(
+            f"--max-tokens {max_tokens} leaves no room for a prompt in the model's context of "
+            f"{context} tokens; lower it"
+        )
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
