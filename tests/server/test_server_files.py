@@ -64,6 +64,16 @@ def test_a_chat_template_path_that_is_no_file_is_refused(tmp_path):
             ServerConfig(chat_template=value)
 
 
+@pytest.mark.parametrize("text", ["", "\n", "You are a helpful assistant.\n"])
+def test_a_chat_template_file_without_jinja_is_refused(tmp_path, text):
+    """An empty file was the tokenizer's own template without a word (chat_template "" means
+    that); a file of plain text became every chat prompt, whatever the messages."""
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"server\.chat_template .*t\.jinja' holds no Jinja"):
+        ServerConfig(chat_template=str(path))
+
+
 @pytest.mark.parametrize("where", ["file", "text"])
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path, where):
     # Accepted, it failed every chat request with a 400 blaming the client's messages.

@@ -130,6 +130,11 @@ def read_chat_template(value: str) -> str:
         except (OSError, UnicodeDecodeError) as exc:
             reason = getattr(exc, "strerror", None) or exc
             raise ValueError(f"server.chat_template {value!r}: {reason}") from None
+        if "{{" not in text and "{%" not in text:  # empty: the tokenizer's template, silently
+            raise ValueError(
+                f"server.chat_template {value!r} holds no Jinja template (no {{{{ }}}} or "
+                "{% %}): every chat prompt would be its text, whatever the messages"
+            )
         where = repr(value)
     elif "{{" in value or "{%" in value:
         text, where = value, "(the text given)"
