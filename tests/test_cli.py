@@ -158,6 +158,9 @@ def assert_one_line_error(code: int, out: str, err: str, pattern: str) -> None:
         # "" served as --model without a word; blanks named nothing a client could type
         (["serve", "--served-model-name", "", "--model", "/no/model"], "must not be empty"),
         (["serve", "--served-model-name", " ", "--model", "/no/model"], "must not be empty"),
+        # "" was no key file, no template: the daemon started without them, perhaps without auth
+        (["serve", "--api-key-file", "", "--model", "/no/model"], "--api-key-file: must not be"),
+        (["serve", "--chat-template", "", "--model", "/no/model"], "--chat-template: must not"),
     ],
 )
 def test_bad_flags_and_values(capsys, argv, pattern):

@@ -30,6 +30,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
     config_overrides,
     http_url,
     load_cli_config,
+    not_empty,
     one_line,
     port_number,
     served_name,
@@ -93,11 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key-file",
+        type=not_empty("leave it out to run without a key file"),
         metavar="PATH",
         help="accept the keys in this file too: one a line; blank lines and # comments skipped",
     )
     serve.add_argument(
         "--chat-template",
+        type=not_empty("leave it out for the tokenizer's template"),
         metavar="PATH_OR_TEXT",
         help="a Jinja chat template used instead of the tokenizer's: a file, else the text itself",
     )

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import tomllib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, get_type_hints
 
@@ -106,6 +107,18 @@ def utf8_text(text: str) -> str:
     if not is_utf8(text):
         raise argparse.ArgumentTypeError("not valid UTF-8 (check the terminal's encoding)")
     return text
+
+
+def not_empty(hint: str) -> Callable[[str], str]:
+    """A flag whose empty value (an unset shell variable) would mean its default without a word:
+    --api-key-file "" ran the daemon with no key file, so perhaps with no auth at all."""
+
+    def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"must not be empty ({hint})")
+        return text
+
+    return check
 
 
 def served_name(text: str) -> str:
