@@ -243,6 +243,14 @@ def test_an_unreadable_weights_file_says_so(tmp_path: Path) -> None:
         list(iter_safetensors_weights(tmp_path, show_progress=False))
 
 
+def test_a_cache_dir_that_cannot_be_written_names_the_settings(tmp_path: Path) -> None:
+    # It was "[Errno 17] File exists: '<cache>'", naming neither YAIED_CACHE_DIR nor the setting.
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    with pytest.raises(OSError, match=r"cannot write the converted model under .*YAIED_CACHE_DIR"):
+        resolve_model_folder(str(find_default_model_gguf()), cache_dir=not_a_folder)
+
+
 def test_load_hf_config(default_model_folder: Path, tmp_path: Path) -> None:
     config = load_hf_config(default_model_folder)
     assert config.model_type == "llama" and config.num_hidden_layers == 30

@@ -118,6 +118,19 @@ def _versioned(content_digest: str) -> str:
 
 
 def _converted_gguf_folder(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
+    try:
+        return _convert_once(gguf_path, cache_dir, show_progress)
+    except OSError as exc:  # "[Errno 13] Permission denied: '<cache>/.x.lock'" named no setting
+        if not str(exc.filename or "").startswith(str(cache_dir)):
+            raise
+        raise OSError(
+            exc.errno,
+            f"cannot write the converted model under {cache_dir} ({exc.strerror}); point "
+            "YAIED_CACHE_DIR or model.cache_dir at a writable folder",
+        ) from exc
+
+
+def _convert_once(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
     folder = cache_dir / f"{gguf_path.stem}-{gguf_cache_key(gguf_path, cache_dir)}"
     if model_cache.is_complete(folder):
         return folder
