@@ -79,7 +79,8 @@ class LocalProcessHandle(EngineHandle):
         self.last_exit: str | None = None  # how the last process ended, in words
         self._last_word = 0.0  # when the process last sent anything (monotonic)
         self._silenced: str | None = None  # why the watchdog killed the process, if it did
-        self._watch: asyncio.Task | None = None  # the watchdog of the process up now
+        # the process's watchdog, held here: a task nobody references may be collected
+        self._watch: asyncio.Task | None = None
         self._exited: asyncio.Event | None = None  # set once the reader reported its end
 
     @property

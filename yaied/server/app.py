@@ -86,7 +86,7 @@ async def tokenize(request: Request) -> Response:
     tokenizer = manager.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
-    prompts, messages = parse_tokenize(body)
+    prompts, messages, special = parse_tokenize(body)
     if messages:
         options = parse_template_options(body)
         try:
@@ -102,9 +102,6 @@ async def tokenize(request: Request) -> Response:
         except ValueError as exc:
             raise from_value_error(exc) from None
     else:  # a large prompt is tokenized in the CPU thread, as the generation endpoints do
-        special = body.get("add_special_tokens", True)
-        if not isinstance(special, bool):
-            raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
         encode = functools.partial(tokenizer.encode, add_special_tokens=special)
         tokens = await server.off_loop(len(prompts[0]), encode, prompts[0])
     max_len = manager.info.max_model_len

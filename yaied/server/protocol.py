@@ -238,15 +238,18 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_tokenize(body: dict[str, Any]) -> tuple[list[Prompt] | None, list[dict[str, Any]]]:
-    """/tokenize takes a prompt (a string) or chat messages (then also the chat endpoint's
-    template options: chat_protocol.parse_template_options)."""
+def parse_tokenize(
+    body: dict[str, Any],
+) -> tuple[list[Prompt] | None, list[dict[str, Any]], bool]:
+    """/tokenize takes a prompt (a string, with ``add_special_tokens``, default true) or chat
+    messages (then also the chat endpoint's template options:
+    chat_protocol.parse_template_options); returns prompts, messages, add_special_tokens."""
     if body.get("messages") is not None:
-        return None, parse_messages(body["messages"])
+        return None, parse_messages(body["messages"]), False
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise APIError(400, "prompt (a string) or messages is required", param="prompt")
-    return [prompt], []
+    return [prompt], [], _get(body, "add_special_tokens", (bool,), True)
 
 
 def parse_detokenize(body: dict[str, Any]) -> list[int]:
