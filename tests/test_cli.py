@@ -197,19 +197,28 @@ def test_unknown_model(capsys, tmp_path):
     assert_one_line_error(*result, "unknown model")
 
 
+def assert_one_line_failure(code: int, out: str, err: str, pattern: str) -> None:
+    """A failure a later start may not meet: one line, exit 1, which systemd retries."""
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("yaied: error: ") and re.search(pattern, err), err
+
+
 @pytest.mark.parametrize(
-    ("host", "pattern"),
+    ("host", "pattern", "code"),
     [
-        ("127.0.0.1", r"cannot listen on 127\.0\.0\.1:\d+: .*[Aa]ddress already in use"),
-        ("no such host.invalid", r"cannot listen on no such host\.invalid:\d+: "),
+        # the port's holder may leave (systemd's restart then succeeds): exit 1
+        ("127.0.0.1", r"cannot listen on 127\.0\.0\.1:\d+: .*[Aa]ddress already in use", 1),
+        # a name that does not resolve is a setting to fix: exit 2, not retried
+        ("no such host.invalid", r"cannot listen on no such host\.invalid:\d+: ", 2),
     ],
 )
 def test_serve_on_an_address_it_cannot_listen_on(
-    capsys, tiny_model_dirs, monkeypatch, host, pattern
+    capsys, tiny_model_dirs, monkeypatch, host, pattern, code
 ):
-    """A port in use or a host that does not resolve is one line and exit 2, before the model
-    loads: not uvicorn's log lines, exit 3, and a "ready ... listening on" for a socket it never
-    had, after a load (a first conversion takes seconds) nobody can use."""
+    """A port in use or a host that does not resolve is one line, before the model loads: not
+    uvicorn's log lines, exit 3, and a "ready ... listening on" for a socket it never had, after
+    a load (a first conversion takes seconds) nobody can use."""
     import socket
 
     loads = []
@@ -219,8 +228,57 @@ def test_serve_on_an_address_it_cannot_listen_on(
         busy.listen()
         port = str(busy.getsockname()[1])
         argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--host", host, "--port", port]
-        assert_one_line_error(*run_main(capsys, *argv), pattern)
+        check = assert_one_line_failure if code == 1 else assert_one_line_error
+        check(*run_main(capsys, *argv), pattern)
     assert loads == []
+
+
+def test_a_ray_cluster_that_does_not_answer_exits_1(capsys, tiny_model_dirs, tmp_path):
+    """Its head may be restarting: systemd retries exit 1, and not exit 2 (a setting to fix)."""
+    import socket
+
+    pytest.importorskip("ray")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    config = tmp_path / "yaied.toml"
+    config.write_text('[[engines]]\nkind = "ray"\n')
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--config", str(config)]
+    result = run_main(capsys, *argv, "--ray-address", address)
+    assert_one_line_failure(*result, "cannot reach the Ray cluster at 127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("broken", "pattern"),
+    [
+        ("weights", "is not a readable safetensors file"),  # found while the model loads
+        ("pool", "the KV pool holds"),  # found once the weights are in
+    ],
+)
+def test_a_model_that_cannot_load_is_a_setting_exit_2(
+    capsys, tiny_model_dirs, tmp_path, broken, pattern
+):
+    """Found after the socket opened, in the load's thread, yet still a setting to fix: exit 2,
+    which systemd does not retry (a restart would fail the same way)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], model)
+    kv = "0.01"
+    if broken == "weights":
+        (model / "model.safetensors").write_bytes(b"\x00" * 64)
+    else:
+        kv = "0.00001"
+    argv = ["serve", "--model", str(model), "--kv-cache-gib", kv, "--threads", "1"]
+    code, out, err = run_main(capsys, *argv, "--port", str(_free_port()))
+    assert code == cli.EXIT_USAGE and out == "", err
+    assert re.search(pattern, err.splitlines()[-1]), err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -72,3 +72,20 @@ def test_systemd_analyze_security_exposure_is_at_most_2_5():
     assert last, result.stdout + result.stderr
     score = float(last[0].split(":")[1].split()[0])
     assert score <= 2.5, last[0]
+
+
+def test_systemd_does_not_restart_a_daemon_whose_settings_are_wrong():
+    """A bad flag, config or model exits EXIT_USAGE: restarting it only fails again, forever
+    under Restart=on-failure. Failures a restart may mend (EXIT_FAILED) are still retried, and
+    the retries are bounded by a start limit the restarts can reach (more starts than the burst
+    fit in the interval at RestartSec apart)."""
+    from yaied.cli import EXIT_FAILED, EXIT_USAGE
+
+    unit = read_unit()
+    service = unit["Service"]
+    prevented = service["RestartPreventExitStatus"].split()
+    assert str(EXIT_USAGE) in prevented and str(EXIT_FAILED) not in prevented
+    interval = unit["Unit"]["StartLimitIntervalSec"]
+    seconds = int(interval.removesuffix("min")) * 60 if interval.endswith("min") else int(interval)
+    burst = int(unit["Unit"]["StartLimitBurst"])
+    assert burst >= 1 and burst * int(service["RestartSec"]) < seconds

@@ -2,8 +2,10 @@
 
 Config flags and the errors users see live in ``yaied.cli_args``.
 
-Errors a user can fix (a bad flag, config value or model) print one line and exit 2; Ctrl-C exits
-130 without a traceback.
+Errors a user can fix (a bad flag, config value or model) print one line and exit 2, which
+systemd/yaied.service does not retry; a failure a later start may not meet (an engine that died,
+a port still held, a Ray cluster not answering: UnavailableError) exits 1. Ctrl-C exits 130
+without a traceback.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from yaied.cli_args import (  # noqa: F401  (setting_flags: re-exported for call
 )
 from yaied.cli_chat import chat_loop, remote_responder
 from yaied.core.config import EngineConfig
-from yaied.core.errors import EngineStartError
+from yaied.core.errors import EngineStartError, UnavailableError
 from yaied.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -225,6 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
     from yaied.engine.faults import EngineDeadError
+    from yaied.router.ray_cluster import check_start
     from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
 
@@ -251,7 +254,7 @@ def _serve_http(args: argparse.Namespace) -> int:
         {k: v for k, v in router_flags.items() if v is not None},
     )
     start = read_config()
-    _check_ray_engines(start.engines, start.router.ray_address)
+    check_start(start.engines, start.router.ray_address)
     try:
         run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:
@@ -356,20 +359,6 @@ def _apply_cpu_cap() -> None:
     hold_torch_to_cap()
 
 
-def _check_ray_engines(engines, ray_address: str) -> None:
-    """Ray engines: join the cluster and check that a node could hold each of them before the
-    socket opens, so a missing Ray, an address that does not answer or resources no node has
-    stop the start with one line (a ValueError)."""
-    ray_entries = [e for e in engines if e.kind == "ray"]
-    if not ray_entries:
-        return
-    from yaied.router.ray_cluster import check_feasible, connect
-
-    ray = connect(ray_address)
-    for entry in ray_entries:
-        check_feasible(ray, entry, entry.tensor_parallel_size or 1)
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -391,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `yaied serve | head`: the reader left; stop as quietly as it did
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except (GenerationError, EngineStartError) as exc:
+    except (GenerationError, EngineStartError, UnavailableError) as exc:
         print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (UsageError, ValueError, OSError) as exc:

@@ -38,6 +38,7 @@ import time
 import uvicorn
 
 from yaied.core.config import EngineConfig
+from yaied.core.errors import ListenError
 from yaied.core.forwarding import is_loopback
 from yaied.core.processes import freeze_loaded_objects
 from yaied.router.autoscale import AutoscaleConfig
@@ -215,13 +216,18 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
 
     As asyncio does, an address this machine cannot have is skipped while another binds: an
     address family the kernel lacks (IPv6 switched off, yet ``localhost`` resolves to ``::1``
-    too), or an address not on any interface. A port in use is an error whatever else binds."""
+    too), or an address not on any interface. A port in use is an error whatever else binds.
+
+    A port in use, no address to bind and a resolver that failed for now are a ListenError (the
+    CLI exits 1, which systemd retries: the holder may leave, the address come up); anything
+    else (a name that does not resolve, a port this user may not bind) is a setting (exit 2)."""
     try:
         found = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        error = ListenError if exc.errno == socket.EAI_AGAIN else OSError
+        raise error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sockets: list[socket.socket] = []
     skipped: OSError | None = None
     try:
@@ -247,8 +253,13 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        error = ListenError if exc.errno in _FOR_NOW else OSError
+        raise error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     return sockets
+
+
+# Bind errors that a later start may not meet: the port's holder leaves, the address comes up.
+_FOR_NOW = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
 
 
 def _address(sock: socket.socket) -> str:

@@ -2,7 +2,10 @@
 
 Ray is optional (``pip install "yaied[ray]"``): nothing imports it until a ``kind = "ray"``
 engine exists, and every way it can be missing or unreachable is a ValueError of one line,
-which stops the start (the CLI prints it) or refuses ``POST /v1/engines`` (a 400).
+which stops the start (the CLI prints it) or refuses ``POST /v1/engines`` (a 400). A cluster
+that does not answer, or has no node for an engine, may yet (its head restarting, its nodes
+joining after a reboot): that one is an UnreachableError, a ValueError on which the start exits
+1, which systemd retries, rather than 2 (a setting to fix).
 
     router.ray_address   ""         a Ray instance started here, sized to this machine
                          "auto"     the cluster this machine already belongs to (`ray start`)
@@ -19,6 +22,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from yaied.core.errors import UnreachableError
 from yaied.router.config import EngineEntry
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,8 @@ def _join(ray: Any, address: str) -> Any:
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local Ray instance"
-        raise ValueError(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None
+        error = UnreachableError if isinstance(exc, ConnectionError) else ValueError
+        raise error(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None
     log.info("ray: joined %s", address or "a Ray instance started here")
     return ray
 
@@ -77,7 +82,7 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_SECONDS).close()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ValueError(f"cannot reach the Ray cluster at {address}: {reason}") from None
+        raise UnreachableError(f"cannot reach the Ray cluster at {address}: {reason}") from None
 
 
 def engine_bundle(entry: EngineEntry) -> dict[str, float]:
@@ -112,7 +117,9 @@ def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
     need = {k: (v if k == entry.node else v * world_size) for k, v in bundle.items()}
     how = "" if world_size == 1 else f" ({world_size} ranks, {entry.placement_strategy})"
     listing = "; ".join(_node_summary(n) for n in nodes) or "none alive"
-    raise ValueError(f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})")
+    raise UnreachableError(
+        f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})"
+    )
 
 
 def check_entry(address: str, entry: EngineEntry, world_size: int) -> None:
@@ -164,3 +171,15 @@ def _format(resources: dict[str, float]) -> str:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def check_start(entries: Iterable[EngineEntry], address: str) -> None:
+    """Before the daemon's socket opens: join the cluster and check that a node could hold each
+    ``kind = "ray"`` entry, so a missing Ray, an address that does not answer or resources no
+    node has stop the start with one line."""
+    ray_entries = [e for e in entries if e.kind == "ray"]
+    if not ray_entries:
+        return
+    ray = connect(address)
+    for entry in ray_entries:
+        check_feasible(ray, entry, entry.tensor_parallel_size or 1)
