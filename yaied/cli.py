@@ -227,7 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
     from yaied.engine.faults import EngineDeadError
-    from yaied.router.ray_cluster import check_start
+    from yaied.router.ray_cluster import autoscale_ray, check_start
     from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
 
@@ -254,7 +254,7 @@ def _serve_http(args: argparse.Namespace) -> int:
         {k: v for k, v in router_flags.items() if v is not None},
     )
     start = read_config()
-    check_start(start.engines, start.router.ray_address)
+    check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale))
     try:
         run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:

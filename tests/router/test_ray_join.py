@@ -135,3 +135,32 @@ def test_threads_that_join_at_once_start_ray_once(monkeypatch):
     for thread in threads:
         thread.join()
     assert len(ray.inits) == 1
+
+
+@pytest.mark.parametrize(
+    ("address", "entries", "autoscale", "warned"),
+    [
+        ("auto", (), None, True),  # given, and nothing at start uses it: one line
+        ("10.0.0.1:6379", (EngineEntry(kind="local"),), None, True),
+        ("", (), None, False),  # not given
+        ("auto", (), AutoscaleConfig(enabled=True, kind="ray", max_engines=2), False),
+        ("auto", (), AutoscaleConfig(enabled=False, kind="ray", max_engines=2), True),
+    ],
+)
+def test_a_ray_address_without_ray_engines_is_one_warning_not_a_refusal(
+    monkeypatch, caplog, address, entries, autoscale, warned
+):
+    """`--ray-address` with no `kind = "ray"` engine was silently ignored. Refusing it would
+    stop a config file shared with daemons that do run Ray engines; the address is still used
+    by Ray engines added later (POST /v1/engines, a reload), so the start goes on, saying so."""
+    joins = []
+    monkeypatch.setattr(ray_cluster, "connect", joins.append)
+    with caplog.at_level("WARNING", logger="yaied.router.ray_cluster"):
+        ray_cluster.check_start(entries, address, ray_cluster.autoscale_ray(autoscale))
+    lines = [r.getMessage() for r in caplog.records]
+    assert joins == []  # nothing joins Ray for it at start
+    if warned:
+        assert len(lines) == 1 and "--ray-address" in lines[0] and address in lines[0], lines
+        assert 'no engine is kind = "ray"' in lines[0] and "\n" not in lines[0]
+    else:
+        assert lines == []

@@ -173,12 +173,25 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def check_start(entries: Iterable[EngineEntry], address: str) -> None:
+def autoscale_ray(autoscale: Any) -> bool:
+    """Whether the `[autoscale]` section (an AutoscaleConfig, or None) adds Ray engines."""
+    return autoscale is not None and autoscale.enabled and autoscale.kind == "ray"
+
+
+def check_start(entries: Iterable[EngineEntry], address: str, autoscales_ray: bool) -> None:
     """Before the daemon's socket opens: join the cluster and check that a node could hold each
     ``kind = "ray"`` entry, so a missing Ray, an address that does not answer or resources no
-    node has stop the start with one line."""
+    node has stop the start with one line. With no Ray engine, a ``router.ray_address`` is
+    used only by Ray engines added later (``POST /v1/engines``, a reload): one warning, not a
+    refusal, so that a config file shared with daemons that run Ray engines still starts."""
     ray_entries = [e for e in entries if e.kind == "ray"]
     if not ray_entries:
+        if address and not autoscales_ray:
+            log.warning(
+                'router.ray_address (--ray-address) %r is unused: no engine is kind = "ray"; '
+                "it applies to Ray engines added later (POST /v1/engines, a reload)",
+                address,
+            )
         return
     ray = connect(address)
     for entry in ray_entries:
