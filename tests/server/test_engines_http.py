@@ -121,6 +121,31 @@ def test_with_every_engine_down_calls_get_503_with_retry_after_and_serve_again_l
         assert client.post("/v1/completions", json=body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("health", "status", "code"),
+    [
+        (Health.DOWN, "restarting", "engine_restarting"),  # a process in its restart backoff
+        (Health.STARTING, "restarting", "engine_restarting"),  # ... respawned, loading
+        (Health.STOPPED, "dead", "engine_dead"),  # nothing brings it back
+    ],
+)
+def test_health_with_no_engine_up_says_whether_one_is_coming_back(health, status, code):
+    """It said engine_dead while the router was restarting the engine: a 503 either way (a
+    load balancer sends nothing here), but an operator reading it was told the daemon was dead
+    when it only had to wait."""
+    with serve() as client:
+        manager = client.app.state.server.manager
+        manager.handles["0"].health = health
+        answer = client.get("/health")
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+        assert answer.json()["status"] == status
+        assert answer.json()["error"]["code"] == code
+        refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == code
+        manager.handles["0"].health = Health.UP
+        assert client.get("/health").json()["status"] == "ok"
+
+
 def test_the_last_engine_up_stays_while_its_replacement_starts():
     """A replacement still starting (or down) serves nothing yet: removing or draining the one
     engine up would leave the daemon answering 503 (and, if the replacement never comes up, with

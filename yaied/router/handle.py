@@ -152,6 +152,11 @@ class EngineHandle(abc.ABC):
         Engines in other processes watch themselves (a hung step stops their process)."""
         return True
 
+    def comes_back(self) -> bool:
+        """Whether the engine serves, or will again with nobody acting: one loading, or down
+        and being restarted (a local process, a Ray actor) or probed (a remote daemon)."""
+        return self.health is not Health.STOPPED
+
     def _lost(self) -> None:
         if self.on_lost is not None:
             self.on_lost(self.engine_id)
@@ -183,6 +188,11 @@ class InProcessHandle(EngineHandle):
     @health.setter
     def health(self, value: Health) -> None:
         self._health = value
+
+    def comes_back(self) -> bool:
+        # A crashed loop in this process is not restarted here (the daemon exits for that).
+        engine = getattr(self, "engine", None)
+        return engine is not None and engine.dead is None and super().comes_back()
 
     async def start(self) -> None:
         self.engine.keep_this_thread_serial()  # the daemon's loop: no OpenMP team of its own

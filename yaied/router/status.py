@@ -48,6 +48,15 @@ class ManagerStatus:
             self.engine_state(engine_id),
         )
 
+    @property
+    def recovering(self) -> bool:
+        """Whether an engine that is not up will be with nobody acting (see
+        EngineHandle.comes_back): what /health tells "restarting" from "dead" by. A draining
+        engine is on its way out, not back."""
+        return any(
+            not self.pool[i].draining and handle.comes_back() for i, handle in self.handles.items()
+        )
+
     def engine_listing(self) -> list[dict[str, Any]]:
         """Every engine, live then recently removed (``GET /v1/engines``)."""
         live = [self.get_engine_status(i).as_json() for i in self.handles]

@@ -57,8 +57,19 @@ async def health(request: Request) -> Response:
     try:
         server.ready_manager()
     except APIError as exc:
-        return exc.response()
+        # Probes read the status code; people read the state in a word beside the error.
+        body = {"status": HEALTH_STATES.get(str(exc.code), "unavailable"), **exc.body()}
+        return json_response(body, exc.status, exc.headers)
     return Response(status_code=503)
+
+
+# /health's "status" while it answers 503, by the error's code (server/state.py).
+HEALTH_STATES = {
+    "engine_not_ready": "starting",  # the model loads (or failed to: the message says)
+    "engine_restarting": "restarting",  # no engine up, one on its way back
+    "engine_dead": "dead",  # no engine up, none coming back
+    "draining": "draining",  # a stop
+}
 
 
 async def models(request: Request) -> Response:

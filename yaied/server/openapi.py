@@ -220,7 +220,10 @@ def openapi_schema(version: str) -> dict[str, Any]:
                 "Token ids to text", {"model": {"type": "string"}, "tokens": _TOKENS}, ["tokens"]
             ),
             "/tokenizer_info": _get("The tokenizer's special tokens and chat template"),
-            "/health": _get("200 when the engine is loaded and running, else 503"),
+            "/health": _get(
+                "200 when an engine is up, else 503 with a status: starting, restarting, dead "
+                "or draining"
+            ),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/openapi.json": _get("This schema"),
             "/v1/requests/{request_id}/cancel": _cancel(

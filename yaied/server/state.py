@@ -156,12 +156,16 @@ class ServerState:
         manager = self.loaded_manager()
         dead = manager.dead
         if dead is not None:
-            # An engine may come back (a process restarted, a Ray actor placed again when a node
-            # returns, one probed or added): retry.
+            # Not up, yet coming back (a process restarting or loading, a Ray actor placed again
+            # when a node returns, a remote probed): "restarting". "dead" only when nothing
+            # will bring one back (an engine added may). Either way a 503 to retry.
+            recovering = manager.recovering
             raise APIError(
                 503,
-                f"the engine has stopped: {dead}",
-                code="engine_dead",
+                f"the engines are restarting: {dead}"
+                if recovering
+                else f"the engine has stopped: {dead}",
+                code="engine_restarting" if recovering else "engine_dead",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
         if self.draining:
