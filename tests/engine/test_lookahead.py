@@ -3,10 +3,16 @@ over a page pool without a model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+import torch
+
 from tests.engine.test_scheduler import make, request, step
+from yaied.core.config import load_config
 from yaied.core.request import FinishReason
 from yaied.core.step import StepOutput
-from yaied.engine.lookahead import schedule_ahead
+from yaied.engine.lookahead import overlaps, schedule_ahead
 
 
 def _in_flight(scheduler, *requests):
@@ -86,3 +92,28 @@ def test_schedule_ahead_skips_a_request_that_ended_and_goes_on_with_the_rest():
     assert scheduler.requests["b"].output_token_ids == [7, 6, 9]
     scheduler.finish(scheduler.requests["b"], FinishReason.STOP)
     assert schedule_ahead(scheduler, again) is None  # nothing left running
+
+
+@pytest.mark.parametrize(
+    ("mode", "parallel", "method", "said"),
+    [
+        ("on", object(), "", "tensor parallelism"),
+        ("on", None, "ngram", "speculative decoding"),
+        ("auto", object(), "ngram", None),  # not asked for by name: nothing to explain
+        ("on", None, "", None),  # on, as asked
+    ],
+)
+def test_overlap_steps_on_that_cannot_apply_says_so_once(caplog, mode, parallel, method, said):
+    """`--overlap-steps on` with tensor parallelism or speculative decoding was off without a
+    word (documented, but nothing in the log told the operator who asked for it)."""
+    config = load_config(env={}, overrides={"overlap_steps": mode, "speculative_method": method})
+    worker = SimpleNamespace(device=torch.device("cpu"), parallel=parallel)
+    with caplog.at_level("INFO", logger="yaied.engine.lookahead"):
+        on = overlaps(config, worker)
+    lines = [r.getMessage() for r in caplog.records]
+    assert on is (said is None and mode == "on")
+    if said is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "overlap_steps = on" in lines[0] and said in lines[0], lines
+        assert caplog.records[0].levelname == "WARNING"

@@ -10,6 +10,7 @@ first step's output. It goes back to steps scheduled as usual whenever ``schedul
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from yaied.core.request import RequestStatus
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from yaied.engine.scheduler import Scheduler
     from yaied.worker.worker import Worker
 
+log = logging.getLogger(__name__)
+
 
 def overlaps(config: EngineConfig, worker: Worker) -> bool:
     """engine.overlap_steps for this engine: auto means on a GPU (on CPU the host is the
@@ -28,7 +31,16 @@ def overlaps(config: EngineConfig, worker: Worker) -> bool:
     quietly stop speculating)."""
     mode = config.engine.overlap_steps
     wanted = mode == "on" or (mode == "auto" and worker.device.type == "cuda")
-    return wanted and worker.parallel is None and not config.speculative.enabled
+    blocker = None
+    if worker.parallel is not None:
+        blocker = "tensor parallelism"
+    elif config.speculative.enabled:
+        blocker = "speculative decoding"
+    if mode == "on" and blocker is not None:  # asked for by name: say why it is not on
+        log.warning(
+            "engine.overlap_steps = on does not apply with %s: steps run one by one", blocker
+        )
+    return wanted and blocker is None
 
 
 def schedule_ahead(scheduler: Scheduler, batch: Batch) -> Batch | None:
