@@ -75,3 +75,45 @@ def test_the_loaded_objects_leave_the_collectors_walk():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "False"]
+
+
+# A daemon whose spawned process draws a (disabled) progress bar, as loading weights does, and
+# ends by os._exit, as engine and rank processes do; argv[1] says whether the spawned process
+# gives tqdm its own lock first.
+SPAWNS_A_BAR = """
+import multiprocessing, os, sys
+
+def spawned(private):
+    if private:
+        from yaied.core.processes import private_progress_lock
+        private_progress_lock()
+    from tqdm import tqdm
+    with tqdm(total=1, disable=True):
+        pass
+    os._exit(0)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(
+        target=spawned, args=(sys.argv[1] == "private",)
+    )
+    process.start()
+    process.join()
+"""
+
+
+def test_a_spawned_process_that_draws_a_bar_leaves_no_semaphore_behind(tmp_path):
+    """`yaied serve --engines 2`, then SIGTERM: the daemon's exit printed the resource tracker's
+    "There appear to be 2 leaked semaphore objects". The control run shows this check sees it."""
+    script = tmp_path / "daemon.py"
+    script.write_text(SPAWNS_A_BAR)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def stderr_of(mode: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(script), mode], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert "leaked semaphore" in stderr_of("shared")  # tqdm's own lock, as before
+    assert "leaked semaphore" not in stderr_of("private"), stderr_of("private")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -53,6 +55,31 @@ def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):
             finally:
                 proc.kill()
     assert "2 engine(s) [0: local, 1: local]" in log_path.read_text()
+
+
+@pytest.mark.slow  # a daemon and two engine processes
+@pytest.mark.timeout(240)
+def test_a_stop_after_engine_processes_leaves_no_leaked_semaphore_warning(tiny_model_dirs):
+    """The resource tracker printed "There appear to be 2 leaked semaphore objects" at every
+    exit of `yaied serve --engines 2` (tqdm's lock, made in each engine process, which ends by
+    os._exit). Its stderr is read to the end: the pipe closes only once the daemon, its engine
+    processes and the tracker, which writes its warning last, have all exited."""
+    port = free_port()
+    code = serve_command(tiny_model_dirs["llama"], port, "--engines", "2")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "yaied ready" in stderr, stderr
+    assert "leaked semaphore" not in stderr, stderr
 
 
 @pytest.mark.slow  # two engine processes start (and fail)

@@ -29,6 +29,20 @@ def exit_with_parent(thread_name: str) -> None:
     threading.Thread(target=watch, name=thread_name, daemon=True).start()
 
 
+def private_progress_lock() -> None:
+    """Give tqdm a lock of this process's threads before anything draws a bar. Its first bar
+    (even a disabled one: loading weights makes one) creates a multiprocessing RLock, which in a
+    spawned process is a named semaphore registered with the resource tracker it shares with
+    the daemon. Engine and rank processes end by os._exit (the teardown of torch's pools is
+    skipped) or are killed, so the finalizer that would unregister it never runs, and the
+    daemon's exit printed "resource_tracker: There appear to be N leaked semaphore objects",
+    one for each process it had started. That lock orders the bars of the processes sharing it,
+    and nothing shares it with a spawned process: a thread lock orders what this one draws."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def match_niceness(niceness: int) -> str | None:
     """Run every thread of this process at ``niceness`` (Linux: a thread's nice value is its own;
     threads started later inherit their starter's). Ray starts its worker processes at nice 15,

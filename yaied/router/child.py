@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from yaied.core.config import EngineConfig
-from yaied.core.processes import exit_with_parent, freeze_loaded_objects
+from yaied.core.processes import exit_with_parent, freeze_loaded_objects, private_progress_lock
 from yaied.core.request import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ def child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; the router decides
     logging.basicConfig(level=logging.WARNING, format=f"engine {spec.engine_id}: %(message)s")
     exit_with_parent("yaied-parent-watch")  # never outlive the parent, even mid-load
+    private_progress_lock()  # no semaphore the os._exit below would leave behind
     sender = Sender(event_conn, "yaied-child-events")
     try:
         from yaied.engine.async_engine import AsyncEngine  # torch and CUDA start here

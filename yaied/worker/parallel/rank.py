@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from yaied.core.config import EngineConfig
-from yaied.core.processes import exit_with_parent
+from yaied.core.processes import exit_with_parent, private_progress_lock
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the group; rank 0 decides
     logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank}: %(message)s")
     exit_with_parent("yaied-rank-parent-watch")  # never outlive the parent, even mid-load
+    private_progress_lock()  # no semaphore the os._exit below would leave behind
     try:
         follower = Follower(spec)
     except BaseException as exc:
