@@ -27,6 +27,34 @@ def test_bad_router_flags(capsys, tiny_model_dirs, flags, pattern):
     assert_one_line_error(*run_main(capsys, *argv), pattern)
 
 
+def test_more_cpu_engines_than_cores_is_one_line_before_any_process_starts(
+    capsys, tiny_model_dirs, monkeypatch
+):
+    """--engines had no upper bound: each engine is a process loading torch and the model,
+    and past one per core they only take turns. Found as the engines are built, before any
+    process is spawned; exit 2 (a setting)."""
+    from yaied.router import build, local_process
+
+    monkeypatch.setattr(build, "usable_cores", lambda: 3)
+    spawned = []
+
+    async def spawn(handle) -> None:
+        spawned.append(handle.engine_id)
+        raise RuntimeError("an engine process was spawned")
+
+    monkeypatch.setattr(local_process.LocalProcessHandle, "_spawn", spawn)
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
+    code, out, err = run_main(capsys, *argv, "--engines", "4", "--port", str(free_port()))
+    assert (code, out, spawned) == (2, "", []), err
+    assert err.splitlines()[-1] == (
+        "yaied: error: router.engines (--engines) must be at most 3 here, got 4: CPU engine "
+        "processes need a core each, and this daemon may use 3"
+    )
+    assert len(build.local_entries(3, "cpu")) == 3  # one a core
+    with pytest.raises(ValueError, match="at most 1 here, got 2: CPU engine processes of 2"):
+        build.local_entries(2, "cpu", tensor_parallel_size=2)
+
+
 @pytest.mark.slow  # a daemon and two engine processes
 @pytest.mark.timeout(240)
 def test_serve_with_two_engine_processes(tiny_model_dirs, tmp_path):

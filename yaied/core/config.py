@@ -19,6 +19,12 @@ from typing import Any, TypeVar, get_type_hints
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "auto", "gguf", "q8_0", "q4_0")
 MAX_THREADS = 4096  # device.threads: above any machine's cores, below a process's thread limit
+# scheduler.max_num_batched_tokens: a step's tokens. Prefill is cut into chunks of this budget, so
+# no context needs more; a step of 2^20 tokens holds gigabytes of activations even on the default
+# model. Past a few million rows oneDNN cannot lay out a linear layer's weights for the step
+# (7.8M for a 152064x8192 LM head, 17.9M for an 8192->28672 MLP, torch 2.13), and every linear
+# fell back to plain F.linear after a warning: the engine ran several times slower.
+MAX_BATCHED_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _at_least("scheduler.max_num_seqs", self.max_num_seqs, 1)
         _at_least("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens > MAX_BATCHED_TOKENS:
+            raise ValueError(
+                "scheduler.max_num_batched_tokens (--max-num-batched-tokens) must be at most "
+                f"{MAX_BATCHED_TOKENS} (2^20), got {self.max_num_batched_tokens}"
+            )
         _one_of("scheduler.policy", self.policy, ("fcfs", "priority", "mlfq", "plas"))
         _at_least("scheduler.num_queues", self.num_queues, 1)
         for name in ("base_quantum_s", "starvation_beta", "session_idle_expiry_s"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.local_process import usable_cores
 from yaied.router.manager import EngineManager
 from yaied.router.pool import entry_names
 
@@ -40,4 +41,21 @@ def local_entries(
                 f"than the {gpus} here"
             )
         device = "cpu"
+    if device == "cpu":
+        check_cpu_engines(count, tensor_parallel_size)
     return tuple(EngineEntry(device=device) for _ in range(count))
+
+
+def check_cpu_engines(count: int, tensor_parallel_size: int = 1) -> None:
+    """A ValueError unless each of ``count`` CPU engines' processes (ranks) gets a core of its
+    own. --engines had no bound: 64 engines on 2 cores spawned 64 processes, each loading torch
+    and the model and holding its own KV pool, one thread each, taking turns on the cores: more
+    memory than one engine, and no more throughput. One engine runs on what it is given."""
+    cores = usable_cores()
+    if count > 1 and count * tensor_parallel_size > cores:
+        ranks = "" if tensor_parallel_size == 1 else f" of {tensor_parallel_size} ranks each"
+        most = max(1, cores // tensor_parallel_size)
+        raise ValueError(
+            f"router.engines (--engines) must be at most {most} here, got {count}: CPU engine "
+            f"processes{ranks} need a core each, and this daemon may use {cores}"
+        )

@@ -356,5 +356,10 @@ class LocalProcessHandle(EngineHandle):
 
 def default_threads(num_local_engines: int) -> int:
     """CPU threads per local engine: the cores this process may use, shared evenly."""
+    return max(1, usable_cores() // max(1, num_local_engines))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, a container's cpuset)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local_engines))
+    return cores or 1
