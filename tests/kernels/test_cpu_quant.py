@@ -24,6 +24,7 @@ from yaied.kernels.cpu_quant import (
     Q4_1,
     Q4_1_GROUPED,
     Q4_K,
+    Q6_K,
     Q8_0,
     QUANT_TYPES,
     UNGROUPED,
@@ -52,7 +53,7 @@ def quant(isa_level):
 
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
-    Q4_1 and Q4_K (whose every bit pattern is a valid block)."""
+    Q4_1, Q4_K and Q6_K (whose every bit pattern is a valid block; Q6_K's d is last)."""
     if qtype in UNGROUPED:
         return group_blocks(UNGROUPED[qtype], table(UNGROUPED[qtype], n, k, seed))[1]
     generator = torch.Generator().manual_seed(seed)
@@ -62,6 +63,9 @@ def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     view = blocks.view(n, -1, qtype.block_bytes)
     count = view.shape[1]
     scales = (torch.rand(n, count, generator=generator) * 0.02 + 0.001).half()
+    if qtype is Q6_K:  # d after int8 scales of up to 128: the same weights' magnitude
+        view[..., 208:210] = (scales.float() / 64).half().view(torch.uint8).view(n, count, 2)
+        return blocks
     view[..., 0:2] = scales.view(torch.uint8).view(n, count, 2)
     second = (torch.rand(n, count, generator=generator) * 0.05).half()
     if qtype is Q4_1:
@@ -99,8 +103,8 @@ def test_packing_round_trip(qtype):
 @KERNEL_TYPES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
-    blocks = table(qtype, 19, 768 if qtype is not Q4_K else 1024, seed=2)
-    k = 768 if qtype is not Q4_K else 1024
+    k = 768 if qtype.block_size == 32 else 1024
+    blocks = table(qtype, 19, k, seed=2)
     expected = dequantize_reference(qtype, blocks, k).to(dtype)
     assert torch.equal(quant.dequantize(qtype, blocks, k, dtype), expected)
     buffer = torch.empty(19 * k + 5, dtype=dtype)
@@ -143,6 +147,23 @@ def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
     torch.testing.assert_close(got, F.linear(x, reference), rtol=0, atol=1e-5 * scale + 1e-6)
 
 
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["q4_k", "q6_k"])
+@pytest.mark.parametrize("super_blocks", [1, 2, 3, 8])
+def test_every_count_of_super_blocks_in_a_row(quant, qtype, super_blocks):
+    """The K types' fp32 bodies over rows of 1 to 8 super-blocks of 256 (a 1B model's 2048 is
+    8), one row and a batch."""
+    k, n = 256 * super_blocks, 9
+    blocks = table(qtype, n, k, seed=super_blocks)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(super_blocks))
+    reference = dequantize_reference(qtype, blocks, k)
+    scale = (x.abs() @ reference.abs().T).max().item()
+    for rows in (1, 3):
+        got = quant.bind(qtype, blocks, k)(x[:rows])
+        torch.testing.assert_close(
+            got, F.linear(x[:rows], reference), rtol=0, atol=1e-5 * scale + 1e-6
+        )
+
+
 @KERNEL_TYPES
 def test_bf16_activations(quant, qtype):
     k, n = 256, 40
@@ -158,16 +179,16 @@ def test_bf16_activations(quant, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K],
-    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k"],
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K, Q6_K],
+    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k", "q6_k"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
-    """bf16 activations meet Q4 blocks in bf16 dot products where the level has them (each
-    quant as 128 + q, the 128 taken off through the activations' pair sums): the products are
-    exact, so the result is the fp32 one over the same bf16 values, rounded once to bf16, a bf16
-    step apart at most where the fp32 sums' order tips a rounding. (Q4_K: rows of 1 to 8
-    super-blocks.)"""
+    """bf16 activations meet Q4 and Q6_K blocks in bf16 dot products where the level has them
+    (each quant as 128 + q, the 128 taken off through the activations' pair sums, Q6_K's -32
+    too): the products are exact, so the result is the fp32 one over the same bf16 values,
+    rounded once to bf16, a bf16 step apart at most where the fp32 sums' order tips a rounding.
+    (The K types: rows of 1 to 8 super-blocks.)"""
     assert_one_rounding_off_fp32(quant, qtype, blocks_per_row)
 
 
@@ -186,7 +207,7 @@ def test_the_bf16_bodies_without_byte_permutes(monkeypatch, tmp_path, qtype):
 
 def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     k, n = 32 * blocks_per_row, 300
-    if qtype is Q4_K:
+    if qtype.block_size == 256:
         k = 256 * (blocks_per_row % 8 + 1)
     blocks = table(qtype, n, k, seed=blocks_per_row + 40)
     x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(blocks_per_row))

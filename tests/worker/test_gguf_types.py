@@ -14,6 +14,7 @@ import pytest
 
 from tests.worker.gguf_files import Shape, T, every, q4_k_m, write_gguf
 from yaied import LLM, SamplingParams
+from yaied.worker.quantized import QuantizedLinear
 
 K_SHAPE = dict(hidden=256, ffn=512, head_dim=64)  # rows of whole Q4_K super-blocks
 # name: (shape, types, the block types served, whether one log line names dequantized tensors)
@@ -22,12 +23,13 @@ CASES = {
     "q4_0": (Shape(), every(T.Q4_0), "q4_0", False),
     "q4_1-tied-mha": (Shape(tied=True, kv_heads=4), every(T.Q4_1), "q4_1", False),
     "q4_k": (Shape(**K_SHAPE), every(T.Q4_K), "q4_k", False),
-    "q4_k_m": (Shape(**K_SHAPE), q4_k_m, "q4_k", True),
-    "q4_k_m-tied": (Shape(**K_SHAPE, tied=True), q4_k_m, "q4_k", True),
+    # layer 0's q/k/v mix Q4_K and Q6_K: that one merged projection is dequantized
+    "q4_k_m": (Shape(**K_SHAPE), q4_k_m, "q4_k+q6_k", True),
+    "q4_k_m-tied": (Shape(**K_SHAPE, tied=True), q4_k_m, "q4_k+q6_k", True),
     "q5_0": (Shape(), every(T.Q5_0), "", True),
     "q5_1": (Shape(), every(T.Q5_1), "", True),
     "q5_k": (Shape(**K_SHAPE), every(T.Q5_K), "", True),
-    "q6_k": (Shape(**K_SHAPE), every(T.Q6_K), "", True),
+    "q6_k": (Shape(**K_SHAPE), every(T.Q6_K), "q6_k", False),
     "q3_k": (Shape(**K_SHAPE), every(T.Q3_K), "", True),
     "f16": (Shape(), every(T.F16), "", True),
     "bf16": (Shape(), every(T.BF16), "", True),
@@ -64,11 +66,11 @@ def test_each_type_gives_the_dequantized_models_tokens(case, tmp_path, caplog):
 
 
 def test_engine_features_over_a_q4_k_m_files_blocks(tmp_path):
-    """A Q4_K_M file's blocks (Q4_K kernels, Q6_K tensors and head dequantized) under prefix
-    hits, preemption (a pool of 20 pages for 8 requests of up to 8) and speculative decoding,
-    in fp32: the greedy tokens of the dequantized file without any of them, every page back;
-    logprobs and prompt logprobs those of the dequantized file up to the order of sums; a
-    seeded sample the same whatever the batch."""
+    """A Q4_K_M file's blocks (Q4_K, and Q6_K for layer 0's down projection and the head; only
+    layer 0's q/k/v, which mix the two, dequantized) under prefix hits, preemption (a pool of 20
+    pages for 8 requests of up to 8) and speculative decoding, in fp32: the greedy tokens of the
+    dequantized file without any of them, every page back; logprobs and prompt logprobs those of
+    the dequantized file up to the order of sums; a seeded sample the same whatever the batch."""
     path = write_gguf(tmp_path / "m.gguf", Shape(**K_SHAPE), q4_k_m)
     rng = random.Random(3)
     shared = [rng.randrange(64) for _ in range(40)]
@@ -90,6 +92,12 @@ def test_engine_features_over_a_q4_k_m_files_blocks(tmp_path):
     llm = LLM(str(path), quantization="gguf", kv_cache_gib=320 * 2048 / 2**30, max_model_len=256,
               max_num_seqs=8, speculative_method="ngram", **base)  # fmt: skip
     try:
+        model = llm.engine.worker.runner.model
+        kept = {n: m.qtype.name for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        assert len(kept) == 2 * 4 and kept["lm_head"] == "q6_k"
+        assert "layers.0.self_attn.qkv_proj" not in kept
+        assert kept["layers.0.mlp.down_proj"] == "q6_k" and kept["layers.1.mlp.down_proj"] == "q4_k"
+        assert llm.engine.worker.info.quantization == "q4_k+q6_k"
         outputs = llm.generate(prompts, greedy)
         stats = llm.stats()
         scores = llm.generate(prompts, scored)

@@ -1,11 +1,12 @@
-/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K) for a few rows, and
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) for a few rows,
+ * and
  * the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
  * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
  * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
  * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
- * -8 d, Q4_1's m, Q4_K's mins) through the activations' block sums. So the math is fp32 over the
+ * -8 d, Q4_1's m, Q4_K's mins) through the activations' block sums (Q6_K's -32 in the integers). So the math is fp32 over the
  * weights' exact values, as in the unpacked matmul of a prefill, up to the order of the sums: a
  * prompt computes the same whether its prefix was cached or recomputed, and greedy output agrees
  * with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
@@ -17,8 +18,9 @@
  *   avx2         the same 8 wide
  *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
- * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and Q4_K meet
- * them in bf16 dot products instead, each quant exact as a bf16 (fdot_q4_*_bf16).
+ * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1, Q4_K and Q6_K
+ * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q6_K's
+ * vector bodies are in cpu_quant_k.h.
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -33,6 +35,10 @@
  *   Q4_K 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins, 128
  *         bytes: for each 64 weights, 32 bytes whose low nibbles are the first 32 and high
  *         nibbles the next 32                                        w = d sc_j q - dmin m_j
+ *   Q6_K 210 bytes / 256: 128 bytes of low nibbles, 64 of high pairs, int8 scales[16], d last;
+ *         for each 128 weights, 64 bytes whose low nibbles are weights 0-31 and 32-63 and high
+ *         nibbles 64-95 and 96-127, and 32 bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 top up
+ *         weights i, 32 + i, 64 + i, 96 + i (cpu_quant_k.h)        w = d sc_s (q - 32)
  *
  * A weight is passed as a `qweight` descriptor (its type and its block table [N, row bytes]),
  * so that one entry serves every type and the decode loop (cpu_decode_loop.c) calls it as it
@@ -47,7 +53,7 @@
 #endif
 
 #define MAX_ROWS 8
-#define QK 32 /* weights per block (Q4_K: per sub-block) */
+#define QK 32 /* weights per block (the K types: per sub-block) */
 /* Each thread streams its own run of weight rows, and a row of a small layer is only a few
  * cache lines (Q4_0 at K = 576: 324 bytes), so the hardware prefetcher, which follows a stream
  * only after a few misses, left each row's first touch (the scales' gather) waiting on memory:
@@ -66,6 +72,7 @@ enum {
     TYPE_Q4_1 = 3,
     TYPE_Q8_0 = 8,
     TYPE_Q4_K = 12,
+    TYPE_Q6_K = 14,
     TYPE_Q4_0_GROUPED = 1002,
     TYPE_Q4_1_GROUPED = 1003
 };
@@ -164,11 +171,32 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q4_1:
     case TYPE_Q4_1_GROUPED: return 20;
     case TYPE_Q4_K: return 144;
+    case TYPE_Q6_K: return 210;
     default: return -1;
     }
 }
 
-int64_t quant_block_size(int64_t type) { return type == TYPE_Q4_K ? 256 : QK; }
+int64_t quant_block_size(int64_t type) {
+    return type == TYPE_Q4_K || type == TYPE_Q6_K ? 256 : QK;
+}
+
+/* One Q6_K super-block at p into o[256] (cpu_quant_k.h has the layout): each weight its scale
+ * d sc_s (exact in fp32) times q - 32, as the torch reference computes. */
+static void dequantize_q6_k(const uint8_t *p, float *o) {
+    float d = half_to_float(p + 208);
+    const int8_t *sc = (const int8_t *)(p + 192);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+        for (int j = 0; j < 4; j++) {
+            float ds0 = d * (float)sc[8 * h + 2 * j], ds1 = d * (float)sc[8 * h + 2 * j + 1];
+            for (int i = 0; i < 32; i++) {
+                int low = (ql[i + 32 * (j & 1)] >> (4 * (j >> 1))) & 0xF;
+                int q = (low | ((qh[i] >> (2 * j)) & 3) << 4) - 32;
+                o[128 * h + 32 * j + i] = (i < 16 ? ds0 : ds1) * (float)q;
+            }
+        }
+    }
+}
 
 /* ---- unpacking: one weight row to fp32 ---- */
 static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
@@ -177,7 +205,9 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
     for (int64_t b = 0; b < K / quant_block_size(type); b++) {
         const uint8_t *p = row + b * bytes;
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p);
-        if (type == TYPE_Q8_0) {
+        if (type == TYPE_Q6_K) {
+            dequantize_q6_k(p, out + b * 256);
+        } else if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
         } else if (type == TYPE_Q4_0 || grouped || type == TYPE_Q4_1) {
             float m = !with_min ? -8.0f * d
@@ -477,19 +507,21 @@ static inline float sum8(__m256 v) {
  *     or through the same pairs a block at a time. */
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-/* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, so its
- * activations keep theirs */
+/* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, and so are
+ * Q6_K's 32, so their activations keep theirs */
 static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
 /* out[b QK + i] = x[b QK + order[i]] for each block b, pairs[b QK / 2 + i] =
  * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact unless the pair's magnitudes
  * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. The
- * bias: 136 for Q4_0 (128 and its -8), 128 for Q4_1 and Q4_K. */
+ * bias: 136 for Q4_0 (128 and its -8), 160 for Q6_K (128 and its -32), 128 for Q4_1 and Q4_K. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
                            int64_t type) {
-    const int8_t *order = type == TYPE_Q4_K ? IN_ORDER : PERMUTED;
-    float bias = type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED ? 136.0f : 128.0f;
+    const int8_t *order = type == TYPE_Q4_K || type == TYPE_Q6_K ? IN_ORDER : PERMUTED;
+    float bias = type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED ? 136.0f
+                 : type == TYPE_Q6_K                             ? 160.0f
+                                                                 : 128.0f;
     for (int64_t b = 0; b < K / QK; b++) {
         float sum = 0.0f;
         for (int i = 0; i < QK; i += 2) {
@@ -788,6 +820,8 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
     return vec_sum(acc) + sum8(offsets);
 }
 
+#include "cpu_quant_k.h"
+
 static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
                              float *scratch, int64_t K) {
     (void)scratch;
@@ -797,6 +831,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     case TYPE_Q4_0_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 0);
     case TYPE_Q4_1: return fdot_q4(row, x, xsum, K / QK, 1);
     case TYPE_Q4_1_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 1);
+    case TYPE_Q6_K: return fdot_q6_k(row, x, K / 256);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
 }
@@ -829,7 +864,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q4_*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || is_grouped(type);
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q6_K ||
+           is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -898,6 +934,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                         dot = fdot_q4_1_grouped_bf16(row, xp, pm, sums, blocks);
                         break;
                     case TYPE_Q4_K: dot = fdot_q4_k_bf16(row, xp, pm, sums, K / 256); break;
+                    case TYPE_Q6_K: dot = fdot_q6_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
                     }
@@ -974,9 +1011,9 @@ static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 /* One row, vectorised for the 32-weight types (each block widened and scaled in registers, as
- * in the dot products); Q4_K through the plain loop. */
+ * in the dot products); the K types through the plain loop. */
 static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
-    if (type == TYPE_Q4_K) {
+    if (type == TYPE_Q4_K || type == TYPE_Q6_K) {
         dequantize_row(type, row, out, K);
         return;
     }

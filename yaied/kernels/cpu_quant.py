@@ -1,5 +1,5 @@
-"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K): their formats, a torch reference
-(unpacking all four, packing Q8_0 and Q4_0 from float weights), and the launcher of cpu_quant.c,
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): their formats, a torch reference
+(unpacking all five, packing Q8_0 and Q4_0 from float weights), and the launcher of cpu_quant.c,
 whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of many rows.
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
@@ -42,7 +42,8 @@ Q8_0 = QuantType("q8_0", 8, 32, 34)
 Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
 Q4_K = QuantType("q4_k", 12, 256, 144)
-QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K)}
+Q6_K = QuantType("q6_k", 14, 256, 210)
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
 # yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
 # SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
 # its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
@@ -140,6 +141,8 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
         q = torch.cat([data & 0xF, data >> 4], dim=-1).float()
         m = _halves(table, 2) if qtype is Q4_1 else -8.0 * d
         return (q * d + m).reshape(n, k)
+    if qtype is Q6_K:
+        return _q6_k_reference(table, n, k)
     # Q4_K
     dmin = _halves(table, 2)
     s = table[..., 4:16].long()
@@ -149,6 +152,19 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
     q = torch.stack([data & 0xF, data >> 4], dim=3).reshape(n, -1, 8, 32).float()
     weights = q * (d * low.float())[..., None] - (dmin * mins.float())[..., None]
     return weights.reshape(n, k)
+
+
+def _q6_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q6_K (table [n, super-blocks, 210]): each 128 weights' 64 bytes of low nibbles (the
+    first 32 bytes' low nibbles, the next 32's, then their high nibbles) and 32 bytes of high
+    pairs (bits 0-1, 2-3, 4-5, 6-7 of byte i for weights i, 32 + i, 64 + i, 96 + i)."""
+    ql = table[..., :128].reshape(n, -1, 2, 1, 64)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(n, -1, 2, 4, 32)
+    qh = table[..., 128:192].reshape(n, -1, 2, 1, 32)
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)
+    q = (low | high << 4).float() - 32.0
+    scales = table[..., 192:208].contiguous().view(torch.int8).float() * _halves(table, 208)
+    return (q.reshape(n, -1, 16, 16) * scales[..., None]).reshape(n, k)
 
 
 def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:

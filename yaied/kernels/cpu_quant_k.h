@@ -1,0 +1,138 @@
+/* The vector bodies of the K types past Q4_K (Q6_K), included by cpu_quant.c inside its AVX2
+ * section, after the helpers they share (vec, widen_s8, dot16, half_in_lanes...). The format is
+ * in cpu_quant.c's header; in short, Q6_K is 210 bytes / 256 weights: ql[128], qh[64], int8
+ * scales[16], fp16 d. Weight 32 j + i (j < 4, i < 32) of each 128 (ql's 64 bytes and qh's 32 of
+ * that half) has its low four bits in ql[i + 32 (j & 1)], the low nibble for j < 2 and the high
+ * one after, and its high two bits in bits 2 j and 2 j + 1 of qh[i]; w = d scales[s] (q - 32),
+ * s = the weight's 16-weight group in the super-block. Nothing here is offset through the
+ * activations' sums: q - 32 is taken in the integers (fp32 bodies) or with the bf16 bias. */
+
+#define Q6K_BYTES 210
+
+/* A Q6_K super-block's four cache lines (210 bytes at p may touch a fifth: the next block's
+ * first prefetch covers it). */
+static inline void prefetch_q6k(const uint8_t *p) {
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+    __builtin_prefetch(p + 128);
+    __builtin_prefetch(p + 192);
+}
+
+/* The super-block at p's 256 quants less 32, as int8 in the weights' order, into q[256]: each
+ * half's 96 bytes taken 32 at a time, the nibbles and the high pairs moved into place with
+ * 16-bit shifts (a byte's bits that cross into its neighbour are masked off). */
+static inline void q6k_quants(const uint8_t *p, int8_t *q) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    const __m256i bias = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        __m256i part[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, low4),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), high2)),
+            _mm256_or_si256(_mm256_and_si256(l1, low4),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                            _mm256_and_si256(hb, high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2)),
+        };
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * j), _mm256_sub_epi8(part[j], bias));
+    }
+}
+
+/* Its 16 scales times d (each exact in fp32: 11 by 8 significant bits) into ds[16] */
+static inline void q6k_scales(const uint8_t *p, float *ds) {
+#if defined(__AVX512F__)
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LOAD16(p + 192)));
+    _mm512_storeu_ps(ds, _mm512_mul_ps(sc, _mm512_set1_ps(half_to_float(p + 208))));
+#else
+    __m256 d = _mm256_set1_ps(half_to_float(p + 208));
+    for (int g = 0; g < 2; g++) {
+        __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + 192 + 8 * g));
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        _mm256_storeu_ps(ds + 8 * g, _mm256_mul_ps(sc, d));
+    }
+#endif
+}
+
+/* fp32 activations: the quants unpacked to int8 on the stack (q6k_quants), then each 16 widened
+ * to fp32 as Q8_0's are (widen_s8), dotted with their activations and scaled once by d sc_s.
+ * Two accumulators, even and odd groups: sixteen scaled sums a super-block in one chain waited
+ * on each other's FMA. blocks: super-blocks of 256. */
+static __attribute__((noinline)) float fdot_q6_k(const uint8_t *row, const float *x,
+                                                 int64_t blocks) {
+    vec even = vec_zero(), odd = vec_zero(), w[GROUP];
+    int8_t q[256];
+    float ds[16];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q6K_BYTES;
+        const float *xb = x + b * 256;
+        prefetch_q6k(p + PREFETCH_AHEAD);
+        q6k_scales(p, ds);
+        q6k_quants(p, q);
+        for (int s = 0; s < 16; s += 2) {
+            widen_s8(q + 16 * s, w);
+            even = vec_fma(dot16(w, xb + 16 * s, vec_zero()), vec_set1(ds[s]), even);
+            widen_s8(q + 16 * s + 16, w);
+            odd = vec_fma(dot16(w, xb + 16 * s + 16, vec_zero()), vec_set1(ds[s + 1]), odd);
+        }
+    }
+    return vec_sum(vec_add(even, odd));
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 activations: as fdot_q4_k_bf16, each quant exact as the bf16 128 + q (6 bits fit the 7
+ * of the mantissa), the 160 (128 and Q6_K's -32) taken off through the pairs' accumulators
+ * (permute_blocks), one vdpbf16ps per 32 weights in their order. Those 32 are two 16-weight
+ * groups, lanes 0-7 and 8-15, so each 32's scales are one permute of the super-block's 16. */
+static __attribute__((noinline)) float fdot_q6_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, int64_t blocks) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi16(0x0F), high2 = _mm512_set1_epi16(0x30);
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q6K_BYTES;
+        prefetch_q6k(p + PREFETCH_AHEAD);
+        __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LOAD16(p + 192))),
+                                      half_in_lanes(p + 208));
+        for (int h = 0; h < 2; h++) {
+            const __m256i *at = (const __m256i *)(p + 64 * h);
+            __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(at));
+            __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(at + 1));
+            __m512i hw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 128) + h));
+            /* (a & b) | c is the ternary-logic table 0xEA: each high pair with the bias, then
+             * each low nibble into it */
+            __m512i w[4] = {
+                _mm512_ternarylogic_epi32(
+                    l0, low4, _mm512_ternarylogic_epi32(_mm512_slli_epi16(hw, 4), high2, bias, 0xEA),
+                    0xEA),
+                _mm512_ternarylogic_epi32(
+                    l1, low4, _mm512_ternarylogic_epi32(_mm512_slli_epi16(hw, 2), high2, bias, 0xEA),
+                    0xEA),
+                _mm512_or_si512(_mm512_srli_epi16(l0, 4),
+                                _mm512_ternarylogic_epi32(hw, high2, bias, 0xEA)),
+                _mm512_or_si512(_mm512_srli_epi16(l1, 4),
+                                _mm512_ternarylogic_epi32(_mm512_srli_epi16(hw, 2), high2, bias,
+                                                          0xEA)),
+            };
+            for (int j = 0; j < 4; j++) {
+                int64_t chunk = 8 * b + 4 * h + j; /* the row's 32-weight run */
+                __m512 t = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + chunk * (QK / 2)),
+                                            (__m512bh)w[j],
+                                            (__m512bh)_mm512_loadu_si512(x + chunk * QK));
+                __m512i index = _mm512_add_epi32(halves, _mm512_set1_epi32(2 * (4 * h + j)));
+                __m512 scale = _mm512_permutexvar_ps(index, scales);
+                if (j & 1)
+                    odd = _mm512_fmadd_ps(t, scale, odd);
+                else
+                    even = _mm512_fmadd_ps(t, scale, even);
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+#endif
