@@ -223,6 +223,41 @@ def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     assert (got == expected.to(torch.bfloat16).double()).float().mean() > 0.98
 
 
+STACKS = {
+    "q4_k_m": [(Q4_K, 128), (Q6_K, 64)],  # a Q4_K_M file's q, k in Q4_K and v in Q6_K
+    "four": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1)],  # one type without bf16
+}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stacked_parts_are_each_parts_kernel(quant, stack, dtype):
+    """A weight stacked from parts of different types computes each part's rows as that part
+    bound alone does, into its own columns with its own bias, up to MAX_ROWS rows (where every
+    part has a bf16 body, each takes bf16 activations in it; else all take them in fp32)."""
+    k = 512
+    parts = [(qtype, table(qtype, n, k, seed=n)) for qtype, n in STACKS[stack]]
+    n = sum(blocks.shape[0] for _, blocks in parts)
+    x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    got = quant.bind_parts(parts, k, bias, dtype)(x)
+    first, pieces = 0, []
+    for qtype, blocks in parts:
+        rows = blocks.shape[0]
+        pieces.append(quant.bind(qtype, blocks, k, bias[first : first + rows], dtype)(x))
+        first += rows
+    alone = torch.cat(pieces, dim=1)
+    if dtype is torch.bfloat16 and stack == "four" and quant.level == "avx512_bf16":
+        # Q8_0 has no bf16 body: the other parts too take the activations in fp32 here
+        reference = torch.cat([dequantize_reference(t, b, k) for t, b in parts])
+        expected = F.linear(x.float(), reference) + bias.float()
+        torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(got, alone)
+    for rows in (1, 3):  # a row's bits alone and in a batch
+        assert torch.equal(quant.bind_parts(parts, k, bias, dtype)(x[:rows]), got[:rows])
+
+
 @KERNEL_TYPES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_row_does_not_depend_on_the_other_rows(quant, qtype, dtype):

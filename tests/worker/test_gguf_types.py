@@ -23,9 +23,9 @@ CASES = {
     "q4_0": (Shape(), every(T.Q4_0), "q4_0", False),
     "q4_1-tied-mha": (Shape(tied=True, kv_heads=4), every(T.Q4_1), "q4_1", False),
     "q4_k": (Shape(**K_SHAPE), every(T.Q4_K), "q4_k", False),
-    # layer 0's q/k/v mix Q4_K and Q6_K: that one merged projection is dequantized
-    "q4_k_m": (Shape(**K_SHAPE), q4_k_m, "q4_k+q6_k", True),
-    "q4_k_m-tied": (Shape(**K_SHAPE, tied=True), q4_k_m, "q4_k+q6_k", True),
+    # layer 0's q/k/v mix Q4_K and Q6_K: that merged projection is stacked from the two
+    "q4_k_m": (Shape(**K_SHAPE), q4_k_m, "q4_k+q6_k", False),
+    "q4_k_m-tied": (Shape(**K_SHAPE, tied=True), q4_k_m, "q4_k+q6_k", False),
     "q5_0": (Shape(), every(T.Q5_0), "", True),
     "q5_1": (Shape(), every(T.Q5_1), "", True),
     "q5_k": (Shape(**K_SHAPE), every(T.Q5_K), "", True),
@@ -66,8 +66,9 @@ def test_each_type_gives_the_dequantized_models_tokens(case, tmp_path, caplog):
 
 
 def test_engine_features_over_a_q4_k_m_files_blocks(tmp_path):
-    """A Q4_K_M file's blocks (Q4_K, and Q6_K for layer 0's down projection and the head; only
-    layer 0's q/k/v, which mix the two, dequantized) under prefix hits, preemption (a pool of 20
+    """A Q4_K_M file's blocks (Q4_K, and Q6_K for the head, layer 0's down projection and its V,
+    which is stacked under its Q and K: every projection kept, so the decode loop runs) under
+    prefix hits, preemption (a pool of 20
     pages for 8 requests of up to 8) and speculative decoding, in fp32: the greedy tokens of the
     dequantized file without any of them, every page back; logprobs and prompt logprobs those of
     the dequantized file up to the order of sums; a seeded sample the same whatever the batch."""
@@ -93,10 +94,12 @@ def test_engine_features_over_a_q4_k_m_files_blocks(tmp_path):
               max_num_seqs=8, speculative_method="ngram", **base)  # fmt: skip
     try:
         model = llm.engine.worker.runner.model
-        kept = {n: m.qtype.name for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-        assert len(kept) == 2 * 4 and kept["lm_head"] == "q6_k"
-        assert "layers.0.self_attn.qkv_proj" not in kept
+        kept = {n: m.extra_repr().split(", ")[-1] for n, m in model.named_modules()
+                if isinstance(m, QuantizedLinear)}  # fmt: skip
+        assert len(kept) == 2 * 4 + 1 and kept["lm_head"] == "q6_k"
+        assert kept["layers.0.self_attn.qkv_proj"] == "q4_k+q6_k"
         assert kept["layers.0.mlp.down_proj"] == "q6_k" and kept["layers.1.mlp.down_proj"] == "q4_k"
+        assert model.decode_loop is not None  # every projection on the kernel
         assert llm.engine.worker.info.quantization == "q4_k+q6_k"
         outputs = llm.generate(prompts, greedy)
         stats = llm.stats()

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.cpu_levels import kernel_at
@@ -28,6 +29,7 @@ from yaied.kernels.cpu_quant import (
     Q4_0,
     Q4_1,
     Q4_K,
+    Q6_K,
     Q8_0,
     QUANT_TYPES,
     SLICED_MAX_ROWS,
@@ -36,6 +38,7 @@ from yaied.kernels.cpu_quant import (
     quantize,
     row_bytes,
 )
+from yaied.worker import quantized
 from yaied.worker.loader import load_model
 from yaied.worker.quantized import QuantizedLinear
 
@@ -408,6 +411,36 @@ def test_q4_is_kept_grouped(isa_level, qtype, dtype):
         torch.testing.assert_close(got, expected.float(), rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(layer.few_rows(x), expected)
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["kernel", "reference"])
+def test_a_stacked_layer_unpacks_its_parts_in_row_order(isa_level, monkeypatch, bound):
+    """A projection stacked from parts of different types (a Q4_K_M file's q/k/v with V in
+    Q6_K) unpacks each part's rows in place, tiles of 64 rows crossing the parts' edges, and
+    its matmul is the stacked weight's."""
+    k, rng = 256, np.random.default_rng(5)
+    q4k = torch.from_numpy(_q4k_blocks(96, k, rng))
+    q6k = torch.from_numpy(rng.integers(0, 256, size=(40, row_bytes(Q6_K, k)), dtype=np.uint8))
+    q6k.view(40, -1, 210)[..., 208:210] = torch.tensor([1e-4], dtype=torch.float16).view(
+        torch.uint8
+    )
+    q4_0 = quantize(torch.randn(24, k) / 16, Q4_0)  # kept grouped
+    parts = [(Q4_K, q4k), (Q6_K, q6k), (Q4_0, q4_0)]
+    bias = torch.randn(160)
+    layer = QuantizedLinear.stacked(parts, k, bias)
+    assert (layer.out_features, layer.in_features) == (160, k)
+    assert [t.name for t, _ in layer.parts] == ["q4_k", "q6_k", "q4_0"]
+    layer.bind(kernel_at(CpuQuant, isa_level) if bound else None, torch.float32)
+    weight = torch.cat([dequantize_reference(t, b, k) for t, b in parts])
+    assert torch.equal(layer.unpacked(torch.float32), weight)
+    assert torch.equal(layer.unpacked(torch.float32, 90, 140), weight[90:140])
+    monkeypatch.setattr(quantized, "TILE_BYTES", 64 * k * 4)  # 64 rows of fp32 a tile
+    assert layer.tile_rows(4) == 64
+    x = torch.randn(12, k)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    if bound:
+        torch.testing.assert_close(layer.few_rows(x[:5]), expected[:5], rtol=1e-5, atol=1e-5)
 
 
 def test_quantization_that_does_not_fit_the_model_is_one_line(tiny_gguf, tmp_path):

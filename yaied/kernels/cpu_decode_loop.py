@@ -109,7 +109,7 @@ class CpuDecodeLoop:
                 want = torch.bfloat16 if name in _WEIGHTS else dtype
                 if name in ("k_cache", "v_cache") and (dtype, layer.k_cache.dtype) in _SUFFIX:
                     want = layer.k_cache.dtype  # both pools alike, of a type the loop takes
-                if name in _WEIGHTS and tensor.dtype == torch.int64 and tensor.shape == (2,):
+                if name in _WEIGHTS and tensor.dtype == torch.int64 and tensor.dim() == 1:
                     want = torch.int64  # a quantized weight's descriptor (cpu_quant.py)
                 if name in _WEIGHTS and tensor.dtype == torch.float32 and tensor.dim() == 3:
                     want = torch.float32  # the panel matmul's panels (cpu_matmul.py)

@@ -74,7 +74,8 @@ enum {
     TYPE_Q4_K = 12,
     TYPE_Q6_K = 14,
     TYPE_Q4_0_GROUPED = 1002,
-    TYPE_Q4_1_GROUPED = 1003
+    TYPE_Q4_1_GROUPED = 1003,
+    TYPE_STACKED = 2000
 };
 #define SCALE_GROUP 16 /* grouped layouts: blocks a group */
 
@@ -116,6 +117,18 @@ typedef struct {
     int64_t type;
     const uint8_t *blocks;
 } qweight;
+
+/* A merged projection whose parts differ in type (a Q4_K_M file's q/k/v with a Q6_K V) is one
+ * descriptor of int64s: TYPE_STACKED, the count of parts, then each part's type, table address
+ * and rows, in row order; each part runs as a weight of its own into its columns of out. */
+typedef struct {
+    int64_t type, address, rows;
+} stacked_part;
+static inline int64_t stacked_count(const qweight *w) { return ((const int64_t *)w)[1]; }
+static inline stacked_part stacked_at(const qweight *w, int64_t i) {
+    const int64_t *raw = (const int64_t *)w + 2 + 3 * i;
+    return (stacked_part){raw[0], raw[1], raw[2]};
+}
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -872,11 +885,20 @@ static inline int bf16_dot_type(int64_t type) {
 #endif
 }
 
-/* out [rows, N] = x @ w.T + bias, x fp32 [rows, K] (rows <= MAX_ROWS), in fp32 over the
- * weights' exact values (as the unpacked matmul computes, up to the order of the sums); or, for
- * the types of bf16_dot_type, with x_bf16 [rows, K] in place of x (NULL). */
+/* Whether every part of the weight (one, or a stack's) takes bf16 activations in a bf16 body */
+static int bf16_dot_weight(const qweight *w) {
+    if (w->type != TYPE_STACKED) return bf16_dot_type(w->type);
+    for (int64_t i = 0; i < stacked_count(w); i++)
+        if (!bf16_dot_type(stacked_at(w, i).type)) return 0;
+    return 1;
+}
+
+/* out [rows, N] (rows `stride` apart) = x @ w.T + bias, x fp32 [rows, K] (rows <= MAX_ROWS), in
+ * fp32 over the weights' exact values (as the unpacked matmul computes, up to the order of the
+ * sums); or, for the types of bf16_dot_type, with x_bf16 [rows, K] in place of x (NULL). */
 static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, const float *bias,
-                   float *out, int64_t rows, int64_t N, int64_t K, int64_t threads) {
+                   float *out, int64_t rows, int64_t N, int64_t stride, int64_t K,
+                   int64_t threads) {
     if (quant_block_bytes(w->type) < 0) return -3;
     int64_t row_bytes = K / quant_block_size(w->type) * quant_block_bytes(w->type);
     int64_t blocks = K / QK;
@@ -938,15 +960,35 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
                     }
-                    out[m * N + n] = dot + b;
+                    out[m * stride + n] = dot + b;
                     continue;
                 }
 #endif
-                out[m * N + n] = pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
+                out[m * stride + n] =
+                    pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
             }
         }
     }
     return failed ? -2 : 0;
+}
+
+/* qlinear over a weight or a stack of parts (each its own columns of out, its own bias). A stack
+ * whose rows do not add up to N, or that holds a stack, is refused (-3). */
+static int qlinear_parts(const float *x, const uint16_t *x_bf16, const qweight *w,
+                         const float *bias, float *out, int64_t rows, int64_t N, int64_t K,
+                         int64_t threads) {
+    if (w->type != TYPE_STACKED) return qlinear(x, x_bf16, w, bias, out, rows, N, N, K, threads);
+    int64_t first = 0;
+    for (int64_t i = 0; i < stacked_count(w); i++) {
+        stacked_part part = stacked_at(w, i);
+        if (part.type == TYPE_STACKED || part.rows < 1 || first + part.rows > N) return -3;
+        qweight one = {part.type, (const uint8_t *)(intptr_t)part.address};
+        int status = qlinear(x, x_bf16, &one, bias ? bias + first : NULL, out + first, rows,
+                             part.rows, N, K, threads);
+        if (status) return status;
+        first += part.rows;
+    }
+    return first == N ? 0 : -3;
 }
 
 /* The activations' type T at the edges: bf16 rows are widened into fp32 scratch first, and the
@@ -955,17 +997,17 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
     static int qlinear_##SUFFIX(const T *x, const qweight *w, const T *bias, T *out,            \
                                 int64_t rows, int64_t N, int64_t K, int64_t threads) {          \
         if (sizeof(T) == sizeof(float))                                                         \
-            return qlinear((const float *)x, NULL, w, (const float *)bias, (float *)out, rows,  \
-                           N, K, threads);                                                      \
-        int bf16_dot = bf16_dot_type(w->type);                                                  \
+            return qlinear_parts((const float *)x, NULL, w, (const float *)bias, (float *)out,  \
+                                 rows, N, K, threads);                                          \
+        int bf16_dot = bf16_dot_weight(w);                                                      \
         float *xf = bf16_dot ? NULL : thread_scratch(2, (size_t)(rows * K) * sizeof(float));    \
         float *of = thread_scratch(3, (size_t)(rows * N) * sizeof(float));                      \
         float *bf = bias ? thread_scratch(4, (size_t)N * sizeof(float)) : NULL;                 \
         if ((!bf16_dot && !xf) || !of || (bias && !bf)) return -2;                              \
         for (int64_t i = 0; !bf16_dot && i < rows * K; i++) xf[i] = ROW_LOAD_##SUFFIX(x[i]);    \
         for (int64_t i = 0; bias && i < N; i++) bf[i] = ROW_LOAD_##SUFFIX(bias[i]);             \
-        int status = qlinear(xf, bf16_dot ? (const uint16_t *)x : NULL, w, bf, of, rows, N, K,  \
-                             threads);                                                          \
+        int status = qlinear_parts(xf, bf16_dot ? (const uint16_t *)x : NULL, w, bf, of, rows,  \
+                                   N, K, threads);                                              \
         for (int64_t i = 0; i < rows * N; i++) out[i] = ROW_STORE_##SUFFIX(of[i]);              \
         return status;                                                                          \
     }                                                                                           \

@@ -57,6 +57,8 @@ UNGROUPED = {grouped: gguf for gguf, grouped in GROUPED.items()}
 BY_GGML_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
 # The types yaied packs from float weights itself (--quantization q8_0 | q4_0).
 PACKABLE = (Q8_0, Q4_0)
+# cpu_quant.c's descriptor of a weight stacked from parts of different types (BoundQuantLinear)
+STACKED = 2000
 
 
 def row_bytes(qtype: QuantType, k: int) -> int:
@@ -238,7 +240,18 @@ class CpuQuant:
         """The few-row kernel for one layer: blocks the [N, row bytes] table of a [N, k]
         weight, bias [N] in the activations' ``dtype`` or None. The caller keeps blocks and
         bias alive for as long as it uses the result."""
-        return BoundQuantLinear(self._linear[dtype], dtype, qtype, blocks, k, bias)
+        return self.bind_parts([(qtype, blocks)], k, bias, dtype)
+
+    def bind_parts(
+        self,
+        parts: list[tuple[QuantType, torch.Tensor]],
+        k: int,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> BoundQuantLinear:
+        """``bind`` for a weight whose rows are ``parts`` (type, table) in order, of any types:
+        a merged projection such as q/k/v with V in another type."""
+        return BoundQuantLinear(self._linear[dtype], dtype, parts, k, bias)
 
     def dequantize(
         self,
@@ -267,9 +280,10 @@ class CpuQuant:
 
 
 class BoundQuantLinear(BoundLinear):
-    """One quantized layer's few-row kernel: BoundLinear (cpu_gemv.py) with a block table for
-    its weight; ``descriptor`` is the int64 tensor (type, table address) the C side takes as
-    the weight."""
+    """One quantized layer's few-row kernel: BoundLinear (cpu_gemv.py) with block tables for
+    its weight; ``descriptor`` is the int64 tensor the C side takes as the weight: (type, table
+    address), or for parts of different types (STACKED, count, then each part's type, table
+    address and rows)."""
 
     __slots__ = ("descriptor", "_blocks")
 
@@ -277,16 +291,22 @@ class BoundQuantLinear(BoundLinear):
         self,
         function,
         dtype: torch.dtype,
-        qtype: QuantType,
-        blocks: torch.Tensor,
+        parts: list[tuple[QuantType, torch.Tensor]],
         k: int,
         bias: torch.Tensor | None,
     ) -> None:
-        n = blocks.shape[0]
-        check_table(qtype, blocks, n, k, "weight")
-        self.descriptor = torch.tensor([qtype.ggml_id, blocks.data_ptr()], dtype=torch.int64)
+        for qtype, blocks in parts:
+            check_table(qtype, blocks, blocks.shape[0], k, "weight")
+        n = sum(blocks.shape[0] for _, blocks in parts)
+        if len(parts) == 1:
+            fields = [parts[0][0].ggml_id, parts[0][1].data_ptr()]
+        else:
+            fields = [STACKED, len(parts)]
+            for qtype, blocks in parts:
+                fields += [qtype.ggml_id, blocks.data_ptr(), blocks.shape[0]]
+        self.descriptor = torch.tensor(fields, dtype=torch.int64)
         self.kernel_weight = self.descriptor
-        self._blocks = blocks  # kept alive with the descriptor that points into it
+        self._blocks = [blocks for _, blocks in parts]  # alive with the descriptor's addresses
         self._bind(function, dtype, self.descriptor.data_ptr(), n, k, bias)
 
     @staticmethod

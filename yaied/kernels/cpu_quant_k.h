@@ -21,7 +21,7 @@ static inline void prefetch_q6k(const uint8_t *p) {
 /* The super-block at p's 256 quants less 32, as int8 in the weights' order, into q[256]: each
  * half's 96 bytes taken 32 at a time, the nibbles and the high pairs moved into place with
  * 16-bit shifts (a byte's bits that cross into its neighbour are masked off). */
-static inline void q6k_quants(const uint8_t *p, int8_t *q) {
+static inline void q6k_quants(const uint8_t *p, uint8_t *q) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     const __m256i bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
@@ -65,7 +65,7 @@ static inline void q6k_scales(const uint8_t *p, float *ds) {
 static __attribute__((noinline)) float fdot_q6_k(const uint8_t *row, const float *x,
                                                  int64_t blocks) {
     vec even = vec_zero(), odd = vec_zero(), w[GROUP];
-    int8_t q[256];
+    uint8_t q[256]; /* int8 values */
     float ds[16];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * Q6K_BYTES;

@@ -1,6 +1,8 @@
 """Quantized linear weights on CPU (``model.quantization``): the decoder layers' projections kept
 in GGUF's blocks (yaied/kernels/cpu_quant.py), taken from a GGUF file as they are (``gguf``) or
-packed at load from float weights (``q8_0``, ``q4_0``).
+packed at load from float weights (``q8_0``, ``q4_0``). A merged projection whose GGUF tensors
+differ in type (a Q4_K_M file's q/k/v with V in Q6_K) keeps each run of one type in its own table
+(``QuantizedLinear.stacked``), one kernel call with a descriptor of the parts.
 
 What stays in higher precision: the token embeddings (a step reads one row of them), every norm
 and the biases, in the math dtype. The LM head, a large share of a small model's decode bytes,
@@ -74,9 +76,10 @@ class _UnpackBuffer:
 
 
 class QuantizedLinear(nn.Module):
-    """Drop-in for a linear layer whose weight is a block table. ``few_rows`` (once ``bind``
-    has run) is the kernel over the blocks, with BoundLinear's interface, for the decode loop;
-    forward unpacks the weight for the matmul."""
+    """Drop-in for a linear layer whose weight is a block table, or (``stacked``) tables of
+    different types for its runs of rows. ``few_rows`` (once ``bind`` has run) is the kernel
+    over the blocks, with BoundLinear's interface, for the decode loop; forward unpacks the
+    weight for the matmul. ``qtype`` and ``blocks`` are the first part's."""
 
     def __init__(
         self, qtype: QuantType, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None
@@ -87,6 +90,7 @@ class QuantizedLinear(nn.Module):
         if qtype in GROUPED:  # the kernels' own layout of the same blocks (cpu_quant.py)
             qtype, blocks = group_blocks(qtype, blocks)
         self.qtype, self.blocks = qtype, blocks
+        self.parts = [(qtype, blocks)]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
         self.few_rows = None
@@ -104,17 +108,39 @@ class QuantizedLinear(nn.Module):
         self.few_rows = None
         self.sliced_max_rows = MAX_ROWS if kernel is None else kernel.sliced_max_rows(dtype)
         if kernel is not None:
-            self.few_rows = kernel.bind(self.qtype, self.blocks, self.in_features, self.bias, dtype)
+            self.few_rows = kernel.bind_parts(self.parts, self.in_features, self.bias, dtype)
+
+    @classmethod
+    def stacked(
+        cls,
+        parts: list[tuple[QuantType, torch.Tensor]],
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> QuantizedLinear:
+        """A weight whose rows are ``parts`` (type, table [rows, row bytes]) in order."""
+        layers = [cls(qtype, blocks, in_features, None) for qtype, blocks in parts]
+        module = layers[0]
+        module.parts = [(m.qtype, m.blocks) for m in layers]
+        module.out_features = sum(m.out_features for m in layers)
+        module.bias = None if bias is None else bias.detach().float().contiguous()
+        return module
 
     def unpacked(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Weight rows [start, stop) in ``dtype``, in the shared buffer (valid until the next
-        call)."""
-        stop = self.out_features if stop is None else stop
-        blocks = self.blocks[start:stop]
-        if self.kernel is None:
-            return dequantize_reference(self.qtype, blocks, self.in_features).to(dtype)
-        buffer = _UnpackBuffer.get(dtype, (stop - start) * self.in_features)
-        return self.kernel.dequantize(self.qtype, blocks, self.in_features, dtype, buffer)
+        call), each part's rows unpacked after the last's."""
+        stop, k = (self.out_features if stop is None else stop), self.in_features
+        buffer = _UnpackBuffer.get(dtype, (stop - start) * k)
+        first = 0
+        for qtype, blocks in self.parts:
+            low, high = max(start, first), min(stop, first + blocks.shape[0])
+            if low < high:
+                rows, at = blocks[low - first : high - first], buffer[(low - start) * k :]
+                if self.kernel is None:
+                    at[: (high - low) * k] = dequantize_reference(qtype, rows, k).flatten()
+                else:
+                    self.kernel.dequantize(qtype, rows, k, dtype, at)
+            first += blocks.shape[0]
+        return buffer[: (stop - start) * k].view(stop - start, k)
 
     def tile_rows(self, itemsize: int) -> int:
         """Weight rows a matmul in a dtype of ``itemsize`` bytes unpacks at a time (a multiple
@@ -161,7 +187,7 @@ class QuantizedLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.qtype.name}"
+        return f"{self.in_features}, {self.out_features}, {'+'.join(t.name for t, _ in self.parts)}"
 
 
 class QuantizedEmbedding(nn.Module):
@@ -198,9 +224,9 @@ def resolve_quantization(setting: str, model: str, gguf_path: Path | None) -> st
 
 def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -> int:
     """Replace the decoder layers' projections of a native model by QuantizedLinear: from the
-    GGUF file's blocks (``gguf``; types without a kernel, or projections whose parts differ in
-    type, keep the float weight, with one log line) or packed from the weights (``q8_0``,
-    ``q4_0``). Returns how many were replaced."""
+    GGUF file's blocks (``gguf``; a projection with a part of a type without a kernel keeps the
+    float weight, with one log line; parts of different types are stacked) or packed from the
+    weights (``q8_0``, ``q4_0``). Returns how many were replaced."""
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError("quantized weights run on the native models only")
@@ -216,12 +242,11 @@ def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -
                 if isinstance(found, str):
                     kept.append(found)
                     continue
-                qtype, blocks = found
             else:
                 qtype = QUANT_TYPES[mode]
                 _check_packable(mode, qtype, full_name, linear.in_features)
-                blocks = quantize(linear.weight.detach(), qtype)
-            module = QuantizedLinear(qtype, blocks, linear.in_features, linear.bias)
+                found = [(qtype, quantize(linear.weight.detach(), qtype))]
+            module = QuantizedLinear.stacked(found, linear.in_features, linear.bias)
             parent_name, _, child = name.rpartition(".")
             setattr(layer.get_submodule(parent_name), child, module)
             replaced += 1
@@ -277,16 +302,18 @@ def bind_quantized(model: nn.Module, kernel: CpuQuant | None, dtype: torch.dtype
 
 def quantized_types(model: nn.Module) -> str:
     """The block types of the model's quantized layers ("q4_1", "q4_k+q8_0"), "" for none."""
-    names = {m.qtype.name for m in model.modules() if isinstance(m, QuantizedLinear)}
+    modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    names = {qtype.name for m in modules for qtype, _ in m.parts}
     return "+".join(sorted(names))
 
 
 def _gguf_tables(
     model: nn.Module, gguf_path: Path | None
 ) -> dict[str, tuple[QuantType, torch.Tensor] | str]:
-    """Per projection of the model: (type, block table [N, row bytes]) read from the file, or a
-    string naming why it stays float ("blk.3.ffn_down.weight (q6_k)"). A block table whose size
-    does not match its tensor's shape stops the load with a ValueError naming the tensor."""
+    """Per projection of the model: its parts [(type, block table [rows, row bytes])] read from
+    the file (one, or one per run of its tensors of one type), or a string naming why it stays
+    float ("blk.3.ffn_down.weight (q5_k)"). A block table whose size does not match its tensor's
+    shape stops the load with a ValueError naming the tensor. The head: (type, table)."""
     from yaied.worker.gguf_convert import unpermute_rotary  # deferred: gguf-py
     from yaied.worker.gguf_reader import open_gguf
 
@@ -312,7 +339,7 @@ def _gguf_tables(
                 qtype = BY_GGML_ID.get(int(tensor.tensor_type))
                 types.add(qtype.name if qtype else tensor.tensor_type.name.lower())
                 pieces.append((tensor_name, tensor, qtype))
-            if len(types) != 1 or pieces[0][2] is None:
+            if any(piece[2] is None for piece in pieces):
                 names = "+".join(p[0] for p in pieces)
                 tables[f"layers.{index}.{name}"] = f"{names} ({'/'.join(sorted(types))})"
                 continue
@@ -336,10 +363,20 @@ def _gguf_tables(
                 if arch == "llama" and part in heads:
                     table = torch.from_numpy(unpermute_rotary(table.numpy(), heads[part]))
                 blocks.append(table)
-            qtype = pieces[0][2]
-            merged = torch.cat(blocks).contiguous()  # a copy: the file's mapping can close
-            check_table(qtype, merged, linear.out_features, k, f"blk.{index}.{'+'.join(parts)}")
-            tables[f"layers.{index}.{name}"] = (qtype, merged)
+            runs: list[tuple[QuantType, list[torch.Tensor]]] = []  # tensors of one type in a row
+            for (_, _, qtype), table in zip(pieces, blocks, strict=True):
+                if runs and runs[-1][0] is qtype:
+                    runs[-1][1].append(table)
+                else:
+                    runs.append((qtype, [table]))
+            # copies: the file's mapping can close
+            found = [(qtype, torch.cat(run).contiguous()) for qtype, run in runs]
+            if sum(table.shape[0] for _, table in found) != linear.out_features:
+                raise ValueError(
+                    f"blk.{index}.{'+'.join(parts)}: rows do not make the model's "
+                    f"{linear.out_features}: corrupt tensors"
+                )
+            tables[f"layers.{index}.{name}"] = found
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
     tables["lm_head_is_embedding"] = "output.weight" not in tensors
     qtype = BY_GGML_ID.get(int(head.tensor_type)) if head is not None else None
