@@ -18,29 +18,39 @@ static inline void prefetch_q6k(const uint8_t *p) {
     __builtin_prefetch(p + 192);
 }
 
-/* The super-block at p's 256 quants less 32, as int8 in the weights' order, into q[256]: each
- * half's 96 bytes taken 32 at a time, the nibbles and the high pairs moved into place with
- * 16-bit shifts (a byte's bits that cross into its neighbour are masked off). */
-static inline void q6k_quants(const uint8_t *p, uint8_t *q) {
+/* Half h of the super-block at p (128 weights) as four vectors of 32 int8 quants less 32, in the
+ * weights' order: the nibbles and the high pairs moved into place with 16-bit shifts (a byte's
+ * bits that cross into its neighbour are masked off). */
+static inline void q6k_quants(const uint8_t *p, int h, __m256i *part) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     const __m256i bias = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; h++) {
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-        __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-        __m256i part[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), high2)),
-            _mm256_or_si256(_mm256_and_si256(l1, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                            _mm256_and_si256(hb, high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2)),
-        };
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * j), _mm256_sub_epi8(part[j], bias));
-    }
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+    __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+    part[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                              _mm256_and_si256(_mm256_slli_epi16(hb, 4), high2));
+    part[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                              _mm256_and_si256(_mm256_slli_epi16(hb, 2), high2));
+    part[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                              _mm256_and_si256(hb, high2));
+    part[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                              _mm256_and_si256(_mm256_srli_epi16(hb, 2), high2));
+    for (int j = 0; j < 4; j++) part[j] = _mm256_sub_epi8(part[j], bias);
+}
+
+/* 32 int8 in a register to fp32, in order: 2 GROUPs of vectors (16 weights each), widened from
+ * the register rather than stored and widened from the stack as widen_s8 widens a block. */
+static inline void widen_s8_32(__m256i v, vec *out) {
+    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+#if defined(__AVX512F__)
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+#else
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+#endif
 }
 
 /* Its 16 scales times d (each exact in fp32: 11 by 8 significant bits) into ds[16] */
@@ -58,26 +68,28 @@ static inline void q6k_scales(const uint8_t *p, float *ds) {
 #endif
 }
 
-/* fp32 activations: the quants unpacked to int8 on the stack (q6k_quants), then each 16 widened
- * to fp32 as Q8_0's are (widen_s8), dotted with their activations and scaled once by d sc_s.
- * Two accumulators, even and odd groups: sixteen scaled sums a super-block in one chain waited
- * on each other's FMA. blocks: super-blocks of 256. */
+/* fp32 activations: each 32 quants made int8 in a register (q6k_quants), widened to fp32,
+ * dotted with their activations and each 16's sum scaled once by d sc_s. Two accumulators,
+ * even and odd groups: sixteen scaled sums a super-block in one chain waited on each other's
+ * FMA. blocks: super-blocks of 256. */
 static __attribute__((noinline)) float fdot_q6_k(const uint8_t *row, const float *x,
                                                  int64_t blocks) {
-    vec even = vec_zero(), odd = vec_zero(), w[GROUP];
-    uint8_t q[256]; /* int8 values */
+    vec even = vec_zero(), odd = vec_zero(), w[2 * GROUP];
+    __m256i part[4];
     float ds[16];
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = row + b * Q6K_BYTES;
-        const float *xb = x + b * 256;
         prefetch_q6k(p + PREFETCH_AHEAD);
         q6k_scales(p, ds);
-        q6k_quants(p, q);
-        for (int s = 0; s < 16; s += 2) {
-            widen_s8(q + 16 * s, w);
-            even = vec_fma(dot16(w, xb + 16 * s, vec_zero()), vec_set1(ds[s]), even);
-            widen_s8(q + 16 * s + 16, w);
-            odd = vec_fma(dot16(w, xb + 16 * s + 16, vec_zero()), vec_set1(ds[s + 1]), odd);
+        for (int h = 0; h < 2; h++) {
+            q6k_quants(p, h, part);
+            for (int j = 0; j < 4; j++) {
+                int s = 8 * h + 2 * j; /* the first 16's group */
+                const float *xs = x + b * 256 + 16 * s;
+                widen_s8_32(part[j], w);
+                even = vec_fma(dot16(w, xs, vec_zero()), vec_set1(ds[s]), even);
+                odd = vec_fma(dot16(w + GROUP, xs + 16, vec_zero()), vec_set1(ds[s + 1]), odd);
+            }
         }
     }
     return vec_sum(vec_add(even, odd));
