@@ -18,7 +18,9 @@ Figures, one JSON line each:
 
 Models: ``--model default`` (the embedded SmolLM2-135M Q4_1 file), ``--model 1b-q4_0`` (a
 synthetic file with Llama-3.2-1B's layer shapes and SmolLM2's tokenizer and 49152-token
-vocabulary, random weights packed in Q4_0 by yaied, written once into the cache), or a path.
+vocabulary, random weights packed in Q4_0 by yaied, written once into the cache), ``--model
+1b-q4_k_m`` (the same shapes in F16, quantized by llama.cpp's own Q4_K_M: Q4_K with Q6_K for
+the tied head and some layers' V and down projections, as the files people download), or a path.
 
     PYTHONPATH=. python scripts/bench_llamacpp.py --model default --threads 2
     chrt -f 10 python scripts/bench_llamacpp.py --model 1b-q4_0 --skip-serving
@@ -431,7 +433,7 @@ def _eos_ids(gguf: Path) -> list[int]:
 # -- the models ---------------------------------------------------------------------------------
 
 
-def model_file(name: str) -> Path:
+def model_file(name: str, venv: Path = DEFAULT_VENV) -> Path:
     from yaied.worker.model_files import default_cache_dir, find_default_model_gguf
 
     if name == "default":
@@ -441,12 +443,38 @@ def model_file(name: str) -> Path:
         if not path.exists():
             write_1b_q4_0(path, find_default_model_gguf())
         return path
+    if name == "1b-q4_k_m":
+        path = default_cache_dir() / "bench" / "llama-1b-shape-q4_k_m.gguf"
+        if not path.exists():
+            write_1b_q4_k_m(path, find_default_model_gguf(), venv)
+        return path
     return Path(name)
 
 
-def write_1b_q4_0(path: Path, tokenizer_source: Path) -> None:
+def write_1b_q4_k_m(path: Path, tokenizer_source: Path, venv: Path) -> None:
+    """write_1b_q4_0's model in F16, quantized to Q4_K_M by llama.cpp (``venv``'s
+    llama_cpp.llama_model_quantize)."""
+    python = venv / "bin" / "python"
+    f16 = path.with_suffix(".f16.gguf")
+    write_1b_q4_0(f16, tokenizer_source, packed=False)
+    tmp = path.with_suffix(".tmp")
+    _log(f"quantizing {f16} to Q4_K_M with llama.cpp")
+    code = (
+        "import ctypes, sys, llama_cpp\n"
+        "p = llama_cpp.llama_model_quantize_default_params()\n"
+        "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M\n"
+        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
+        "ctypes.byref(p)))"
+    )
+    subprocess.run([str(python), "-c", code, str(f16), str(tmp)], check=True)
+    f16.unlink()
+    tmp.rename(path)
+
+
+def write_1b_q4_0(path: Path, tokenizer_source: Path, packed: bool = True) -> None:
     """Random weights in Llama-3.2-1B's layer shapes, packed in Q4_0 (token embeddings too,
-    tied to the head), with the tokenizer and its metadata copied from ``tokenizer_source``."""
+    tied to the head), with the tokenizer and its metadata copied from ``tokenizer_source``;
+    in F16 where not ``packed``."""
     import gguf
     import numpy as np
     import torch
@@ -478,6 +506,9 @@ def write_1b_q4_0(path: Path, tokenizer_source: Path) -> None:
 
     def add(name: str, rows: int, cols: int) -> None:
         weight = torch.randn(rows, cols, generator=generator) * 0.02
+        if not packed:
+            writer.add_tensor(name, weight.half().numpy())
+            return
         writer.add_tensor(name, quantize(weight, Q4_0).numpy(), raw_dtype=qtype)
 
     add("token_embd.weight", int(vocab), s["hidden"])
@@ -522,7 +553,9 @@ def _copy_field(writer: Any, field: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="default", help="default | 1b-q4_0 | a .gguf path")
+    parser.add_argument(
+        "--model", default="default", help="default | 1b-q4_0 | 1b-q4_k_m | a .gguf path"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quantization", default="gguf", help="yaied's model.quantization")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
@@ -540,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    gguf = model_file(args.model)
+    gguf = model_file(args.model, args.venv)
     python = llama_cpp_python(args.venv, args.build, args.build_timeout, args.cmake_args)
     machine = {"cpu": _cpu_name(), "threads": args.threads, "model": args.model}
     machine["file"] = str(gguf)
