@@ -9,7 +9,7 @@ the best pass of ``--rounds``. For reference, the same process measures ``torch.
 tensor of the same bytes (a plain sequential read) and the copy bandwidth the W-single floor
 uses (scripts/single_stream.py). One JSON line per (level, activations, rows).
 
-``--weights q4_0|q4_1|q4_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables of that type
+``--weights q4_0|q4_1|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables of that type
 instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it is
 arithmetic).
 
@@ -53,7 +53,7 @@ def random_blocks(qtype: cpu_quant.QuantType, n: int, k: int) -> torch.Tensor:
     if qtype is cpu_quant.Q6_K:  # int8 scales, then d last
         blocks[:, :, 208:210] = torch.tensor([0.0002], dtype=torch.float16).view(torch.uint8)
         return blocks.reshape(n, -1).contiguous()
-    halves = 2 if qtype in (cpu_quant.Q4_1, cpu_quant.Q4_K) else 1  # d, then m (Q4_K: dmin)
+    halves = 2 if qtype in (cpu_quant.Q4_1, cpu_quant.Q4_K, cpu_quant.Q5_K) else 1  # d, m/dmin
     for h in range(halves):
         value = torch.tensor([0.01 if h == 0 else -0.08], dtype=torch.float16)
         blocks[:, :, 2 * h : 2 * h + 2] = value.view(torch.uint8)
@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
-        "--weights", default="bf16", choices=["bf16", "q4_0", "q4_1", "q4_k", "q6_k", "q8_0"]
+        "--weights",
+        default="bf16",
+        choices=["bf16", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q8_0"],
     )
     parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()

@@ -24,6 +24,7 @@ from yaied.kernels.cpu_quant import (
     Q4_1,
     Q4_1_GROUPED,
     Q4_K,
+    Q5_K,
     Q6_K,
     Q8_0,
     QUANT_TYPES,
@@ -53,7 +54,7 @@ def quant(isa_level):
 
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
-    Q4_1, Q4_K and Q6_K (whose every bit pattern is a valid block; Q6_K's d is last)."""
+    Q4_1 and the K types (whose every bit pattern is a valid block; Q6_K's d is last)."""
     if qtype in UNGROUPED:
         return group_blocks(UNGROUPED[qtype], table(UNGROUPED[qtype], n, k, seed))[1]
     generator = torch.Generator().manual_seed(seed)
@@ -70,7 +71,7 @@ def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     second = (torch.rand(n, count, generator=generator) * 0.05).half()
     if qtype is Q4_1:
         second = -second
-    if qtype in (Q4_1, Q4_K):
+    if qtype in (Q4_1, Q4_K, Q5_K):
         view[..., 2:4] = second.view(torch.uint8).view(n, count, 2)
     return blocks
 
@@ -147,7 +148,7 @@ def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
     torch.testing.assert_close(got, F.linear(x, reference), rtol=0, atol=1e-5 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K], ids=["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("super_blocks", [1, 2, 3, 8])
 def test_every_count_of_super_blocks_in_a_row(quant, qtype, super_blocks):
     """The K types' fp32 bodies over rows of 1 to 8 super-blocks of 256 (a 1B model's 2048 is
@@ -179,13 +180,13 @@ def test_bf16_activations(quant, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K, Q6_K],
-    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k", "q6_k"],
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K, Q5_K, Q6_K],
+    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k", "q5_k", "q6_k"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
-    """bf16 activations meet Q4 and Q6_K blocks in bf16 dot products where the level has them
-    (each quant as 128 + q, the 128 taken off through the activations' pair sums, Q6_K's -32
+    """bf16 activations meet Q4 and the K types' blocks in bf16 dot products where the level has
+    them (each quant as 128 + q, the 128 taken off through the activations' pair sums, Q6_K's -32
     too): the products are exact, so the result is the fp32 one over the same bf16 values,
     rounded once to bf16, a bf16 step apart at most where the fp32 sums' order tips a rounding.
     (The K types: rows of 1 to 8 super-blocks.)"""
@@ -225,7 +226,7 @@ def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
 
 STACKS = {
     "q4_k_m": [(Q4_K, 128), (Q6_K, 64)],  # a Q4_K_M file's q, k in Q4_K and v in Q6_K
-    "four": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1)],  # one type without bf16
+    "five": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1), (Q5_K, 3)],  # Q8_0: no bf16
 }
 
 
@@ -247,7 +248,7 @@ def test_stacked_parts_are_each_parts_kernel(quant, stack, dtype):
         pieces.append(quant.bind(qtype, blocks, k, bias[first : first + rows], dtype)(x))
         first += rows
     alone = torch.cat(pieces, dim=1)
-    if dtype is torch.bfloat16 and stack == "four" and quant.level == "avx512_bf16":
+    if dtype is torch.bfloat16 and stack == "five" and quant.level == "avx512_bf16":
         # Q8_0 has no bf16 body: the other parts too take the activations in fp32 here
         reference = torch.cat([dequantize_reference(t, b, k) for t, b in parts])
         expected = F.linear(x.float(), reference) + bias.float()

@@ -147,6 +147,11 @@ def q4_k_m(name: str) -> T:
     return T.Q4_K
 
 
+def q5_k_m(name: str) -> T:
+    """llama.cpp's Q5_K_M: q4_k_m's mix with Q5_K in place of Q4_K."""
+    return T.Q5_K if q4_k_m(name) == T.Q4_K else T.Q6_K
+
+
 def every(kind: T) -> Callable[[str], T]:
     return lambda name: kind
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.worker.gguf_files import Shape, T, every, q4_k_m, write_gguf
+from tests.worker.gguf_files import Shape, T, every, q4_k_m, q5_k_m, write_gguf
 from yaied import LLM, SamplingParams
 from yaied.worker.quantized import QuantizedLinear
 
@@ -28,7 +28,8 @@ CASES = {
     "q4_k_m-tied": (Shape(**K_SHAPE, tied=True), q4_k_m, "q4_k+q6_k", False),
     "q5_0": (Shape(), every(T.Q5_0), "", True),
     "q5_1": (Shape(), every(T.Q5_1), "", True),
-    "q5_k": (Shape(**K_SHAPE), every(T.Q5_K), "", True),
+    "q5_k": (Shape(**K_SHAPE), every(T.Q5_K), "q5_k", False),
+    "q5_k_m": (Shape(**K_SHAPE), q5_k_m, "q5_k+q6_k", False),
     "q6_k": (Shape(**K_SHAPE), every(T.Q6_K), "q6_k", False),
     "q3_k": (Shape(**K_SHAPE), every(T.Q3_K), "", True),
     "f16": (Shape(), every(T.F16), "", True),

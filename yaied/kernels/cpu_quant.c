@@ -1,12 +1,13 @@
-/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) for a few rows,
- * and
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) for a few
+ * rows, and
  * the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
  * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
  * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
  * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
- * -8 d, Q4_1's m, Q4_K's mins) through the activations' block sums (Q6_K's -32 in the integers). So the math is fp32 over the
+ * -8 d, Q4_1's m, the K types' mins) through the activations' block sums (Q6_K's -32 in the
+ * integers). So the math is fp32 over the
  * weights' exact values, as in the unpacked matmul of a prefill, up to the order of the sums: a
  * prompt computes the same whether its prefix was cached or recomputed, and greedy output agrees
  * with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
@@ -18,9 +19,9 @@
  *   avx2         the same 8 wide
  *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
- * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1, Q4_K and Q6_K
- * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q6_K's
- * vector bodies are in cpu_quant_k.h.
+ * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
+ * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
+ * Q6_K's vector bodies are in cpu_quant_k.h.
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -35,6 +36,9 @@
  *   Q4_K 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins, 128
  *         bytes: for each 64 weights, 32 bytes whose low nibbles are the first 32 and high
  *         nibbles the next 32                                        w = d sc_j q - dmin m_j
+ *   Q5_K 176 bytes / 256: Q4_K's d, dmin and 12 bytes of scales and mins, then 32 bytes of
+ *         fifth bits (bit j of byte i tops up sub-block j's weight i with 16), then Q4_K's
+ *         128 bytes of nibbles                                      w = d sc_j q - dmin m_j
  *   Q6_K 210 bytes / 256: 128 bytes of low nibbles, 64 of high pairs, int8 scales[16], d last;
  *         for each 128 weights, 64 bytes whose low nibbles are weights 0-31 and 32-63 and high
  *         nibbles 64-95 and 96-127, and 32 bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 top up
@@ -72,6 +76,7 @@ enum {
     TYPE_Q4_1 = 3,
     TYPE_Q8_0 = 8,
     TYPE_Q4_K = 12,
+    TYPE_Q5_K = 13,
     TYPE_Q6_K = 14,
     TYPE_Q4_0_GROUPED = 1002,
     TYPE_Q4_1_GROUPED = 1003,
@@ -184,13 +189,14 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q4_1:
     case TYPE_Q4_1_GROUPED: return 20;
     case TYPE_Q4_K: return 144;
+    case TYPE_Q5_K: return 176;
     case TYPE_Q6_K: return 210;
     default: return -1;
     }
 }
 
 int64_t quant_block_size(int64_t type) {
-    return type == TYPE_Q4_K || type == TYPE_Q6_K ? 256 : QK;
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 256 : QK;
 }
 
 /* One Q6_K super-block at p into o[256] (cpu_quant_k.h has the layout): each weight its scale
@@ -231,9 +237,10 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
                 out[b * QK + i] = d * (float)(q[i] & 0xF) + m;
                 out[b * QK + i + 16] = d * (float)(q[i] >> 4) + m;
             }
-        } else { /* Q4_K */
+        } else { /* Q4_K, Q5_K (its fifth bits before the nibbles) */
             float dmin = half_to_float(p + 2);
-            const uint8_t *q = p + 16;
+            int five = type == TYPE_Q5_K;
+            const uint8_t *q = p + (five ? 48 : 16), *qh = p + 16;
             float *o = out + b * 256;
             q4k_packed packed = q4k_scales_mins(p + 4);
             uint8_t sc[8], mn[8];
@@ -243,8 +250,10 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
                 float d0 = d * sc[2 * c], n0 = dmin * mn[2 * c];
                 float d1 = d * sc[2 * c + 1], n1 = dmin * mn[2 * c + 1];
                 for (int i = 0; i < 32; i++) {
-                    o[64 * c + i] = d0 * (float)(q[32 * c + i] & 0xF) - n0;
-                    o[64 * c + 32 + i] = d1 * (float)(q[32 * c + i] >> 4) - n1;
+                    int top0 = five ? (qh[i] >> (2 * c) & 1) << 4 : 0;
+                    int top1 = five ? (qh[i] >> (2 * c + 1) & 1) << 4 : 0;
+                    o[64 * c + i] = d0 * (float)((q[32 * c + i] & 0xF) | top0) - n0;
+                    o[64 * c + 32 + i] = d1 * (float)((q[32 * c + i] >> 4) | top1) - n1;
                 }
             }
         }
@@ -521,17 +530,17 @@ static inline float sum8(__m256 v) {
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 /* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, and so are
- * Q6_K's 32, so their activations keep theirs */
+ * Q5_K's and Q6_K's 32, so their activations keep theirs */
 static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
 /* out[b QK + i] = x[b QK + order[i]] for each block b, pairs[b QK / 2 + i] =
  * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact unless the pair's magnitudes
  * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. The
- * bias: 136 for Q4_0 (128 and its -8), 160 for Q6_K (128 and its -32), 128 for Q4_1 and Q4_K. */
+ * bias: 136 for Q4_0 (128 and its -8), 160 for Q6_K (128 and its -32), else 128. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
                            int64_t type) {
-    const int8_t *order = type == TYPE_Q4_K || type == TYPE_Q6_K ? IN_ORDER : PERMUTED;
+    const int8_t *order = quant_block_size(type) == 256 ? IN_ORDER : PERMUTED;
     float bias = type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED ? 136.0f
                  : type == TYPE_Q6_K                             ? 160.0f
                                                                  : 128.0f;
@@ -844,6 +853,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     case TYPE_Q4_0_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 0);
     case TYPE_Q4_1: return fdot_q4(row, x, xsum, K / QK, 1);
     case TYPE_Q4_1_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 1);
+    case TYPE_Q5_K: return fdot_q5_k(row, x, xsum, K / 256);
     case TYPE_Q6_K: return fdot_q6_k(row, x, K / 256);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
@@ -877,8 +887,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q4_*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q6_K ||
-           is_grouped(type);
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K ||
+           type == TYPE_Q6_K || is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -956,6 +966,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                         dot = fdot_q4_1_grouped_bf16(row, xp, pm, sums, blocks);
                         break;
                     case TYPE_Q4_K: dot = fdot_q4_k_bf16(row, xp, pm, sums, K / 256); break;
+                    case TYPE_Q5_K: dot = fdot_q5_k_bf16(row, xp, pm, sums, K / 256); break;
                     case TYPE_Q6_K: dot = fdot_q6_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
@@ -1055,7 +1066,7 @@ static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
 /* One row, vectorised for the 32-weight types (each block widened and scaled in registers, as
  * in the dot products); the K types through the plain loop. */
 static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
-    if (type == TYPE_Q4_K || type == TYPE_Q6_K) {
+    if (quant_block_size(type) == 256) {
         dequantize_row(type, row, out, K);
         return;
     }

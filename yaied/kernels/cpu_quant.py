@@ -1,6 +1,7 @@
-"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): their formats, a torch reference
-(unpacking all five, packing Q8_0 and Q4_0 from float weights), and the launcher of cpu_quant.c,
-whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of many rows.
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): their formats, a torch
+reference (unpacking all six, packing Q8_0 and Q4_0 from float weights), and the launcher of
+cpu_quant.c, whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of
+many rows.
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
 blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
@@ -42,8 +43,9 @@ Q8_0 = QuantType("q8_0", 8, 32, 34)
 Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
 Q4_K = QuantType("q4_k", 12, 256, 144)
+Q5_K = QuantType("q5_k", 13, 256, 176)
 Q6_K = QuantType("q6_k", 14, 256, 210)
-QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)}
 # yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
 # SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
 # its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
@@ -145,14 +147,19 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
         return (q * d + m).reshape(n, k)
     if qtype is Q6_K:
         return _q6_k_reference(table, n, k)
-    # Q4_K
+    # Q4_K, and Q5_K: the same with 32 bytes of fifth bits (bit j of byte i: sub-block j's
+    # weight i) before the nibbles
     dmin = _halves(table, 2)
     s = table[..., 4:16].long()
     low = torch.cat([s[..., 0:4] & 63, s[..., 8:12] & 0xF | (s[..., 0:4] >> 6) << 4], dim=-1)
     mins = torch.cat([s[..., 4:8] & 63, s[..., 8:12] >> 4 | (s[..., 4:8] >> 6) << 4], dim=-1)
-    data = table[..., 16:].reshape(n, -1, 4, 32)
-    q = torch.stack([data & 0xF, data >> 4], dim=3).reshape(n, -1, 8, 32).float()
-    weights = q * (d * low.float())[..., None] - (dmin * mins.float())[..., None]
+    data = table[..., 48:] if qtype is Q5_K else table[..., 16:]
+    data = data.reshape(n, -1, 4, 32)
+    q = torch.stack([data & 0xF, data >> 4], dim=3).reshape(n, -1, 8, 32)
+    if qtype is Q5_K:
+        qh = table[..., 16:48].reshape(n, -1, 1, 32)
+        q = q | torch.cat([(qh >> bit & 1) << 4 for bit in range(8)], dim=2)
+    weights = q.float() * (d * low.float())[..., None] - (dmin * mins.float())[..., None]
     return weights.reshape(n, k)
 
 

@@ -1,11 +1,12 @@
-/* The vector bodies of the K types past Q4_K (Q6_K), included by cpu_quant.c inside its AVX2
- * section, after the helpers they share (vec, widen_s8, dot16, half_in_lanes...). The format is
- * in cpu_quant.c's header; in short, Q6_K is 210 bytes / 256 weights: ql[128], qh[64], int8
- * scales[16], fp16 d. Weight 32 j + i (j < 4, i < 32) of each 128 (ql's 64 bytes and qh's 32 of
- * that half) has its low four bits in ql[i + 32 (j & 1)], the low nibble for j < 2 and the high
- * one after, and its high two bits in bits 2 j and 2 j + 1 of qh[i]; w = d scales[s] (q - 32),
- * s = the weight's 16-weight group in the super-block. Nothing here is offset through the
- * activations' sums: q - 32 is taken in the integers (fp32 bodies) or with the bf16 bias. */
+/* The vector bodies of the K types past Q4_K (Q6_K, Q5_K), included by cpu_quant.c inside its
+ * AVX2 section, after the helpers they share (vec, widen_s8, dot16, q4k_block_scales,
+ * half_in_lanes...). The formats are in cpu_quant.c's header; in short, Q6_K is 210 bytes / 256
+ * weights: ql[128], qh[64], int8 scales[16], fp16 d. Weight 32 j + i (j < 4, i < 32) of each 128
+ * (ql's 64 bytes and qh's 32 of that half) has its low four bits in ql[i + 32 (j & 1)], the low
+ * nibble for j < 2 and the high one after, and its high two bits in bits 2 j and 2 j + 1 of
+ * qh[i]; w = d scales[s] (q - 32), s = the weight's 16-weight group in the super-block. Nothing
+ * of Q6_K's is offset through the activations' sums: q - 32 is taken in the integers (fp32
+ * bodies) or with the bf16 bias. Q5_K is further down. */
 
 #define Q6K_BYTES 210
 
@@ -146,5 +147,93 @@ static __attribute__((noinline)) float fdot_q6_k_bf16(const uint8_t *row, const 
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+#endif
+
+/* Q5_K: Q4_K's block with 32 bytes of fifth bits after its scales (d, dmin, 12 bytes of scales
+ * and mins as Q4_K's, qh[32], then Q4_K's 128 bytes of nibbles): sub-block j's weight i is
+ * its nibble plus 16 times bit j of qh[i]; w = d sc_j q - dmin m_j. The bodies are Q4_K's,
+ * each nibble topped up with its bit before it is widened (and the mins through the
+ * activations' sub-block sums, q4k_block_scales). */
+#define Q5K_BYTES 176
+
+/* bit `bit` of each byte of v moved to bit 4 (the value 16), the rest cleared: 16-bit shifts,
+ * and what crosses into a byte from its neighbour lands off bit 4 */
+static inline __m256i fifth_bits(__m256i v, int bit) {
+    if (bit < 4) v = _mm256_slli_epi16(v, 4 - bit);
+    if (bit > 4) v = _mm256_srli_epi16(v, bit - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+static __attribute__((noinline)) float fdot_q5_k(const uint8_t *row, const float *x,
+                                                 const float *xsum, int64_t blocks) {
+    vec acc = vec_zero(), w[2 * GROUP];
+    __m256 offsets = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float ds[8];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q5K_BYTES;
+        prefetch_super_block(p + PREFETCH_AHEAD); /* 3 lines, the fourth the next block's */
+        q4k_block_scales(p, xsum + 8 * b, ds, &offsets);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+        for (int c = 0; c < 4; c++) {
+            __m256i qs = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c));
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(qs, low4), fifth_bits(qh, 2 * c));
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
+                                         fifth_bits(qh, 2 * c + 1));
+            const float *xc = x + b * 256 + 64 * c;
+            widen_s8_32(lo, w);
+            vec t = dot16(w + GROUP, xc + 16, dot16(w, xc, vec_zero()));
+            acc = vec_fma(t, vec_set1(ds[2 * c]), acc);
+            widen_s8_32(hi, w);
+            t = dot16(w + GROUP, xc + 48, dot16(w, xc + 32, vec_zero()));
+            acc = vec_fma(t, vec_set1(ds[2 * c + 1]), acc);
+        }
+    }
+    return vec_sum(acc) + sum8(offsets);
+}
+
+#if defined(__AVX512BF16__)
+/* fifth_bits over words (each a zero-extended byte), with the bf16 bias 0x4300 set:
+ * (shifted & 16) | 0x4300 is the ternary-logic table 0xEA */
+static inline __m512i fifth_bits_bf16(__m512i words, int bit) {
+    if (bit < 4) words = _mm512_slli_epi16(words, 4 - bit);
+    if (bit > 4) words = _mm512_srli_epi16(words, bit - 4);
+    return _mm512_ternarylogic_epi32(words, _mm512_set1_epi16(16), _mm512_set1_epi16(0x4300),
+                                     0xEA);
+}
+
+/* fdot_q4_k_bf16 with each quant 128 + q for q < 32, still exact in bf16 */
+static __attribute__((noinline)) float fdot_q5_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    __m256 offsets = _mm256_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi16(15);
+    float ds[8];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q5K_BYTES;
+        prefetch_super_block(p + PREFETCH_AHEAD);
+        q4k_block_scales(p, sums + 8 * b, ds, &offsets);
+        __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
+        __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)));
+        for (int c = 0; c < 4; c++) {
+            const __m256i *q = (const __m256i *)(p + 48 + 32 * c);
+            __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q));
+            __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(words, low4,
+                                                              fifth_bits_bf16(qh, 2 * c), 0xEA);
+            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4),
+                                                    fifth_bits_bf16(qh, 2 * c + 1));
+            int64_t j = 8 * b + 2 * c; /* the low nibbles' sub-block */
+            __m512 t0 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + j * (QK / 2)), lo,
+                                         (__m512bh)_mm512_loadu_si512(x + j * QK));
+            __m512 t1 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + (j + 1) * (QK / 2)), hi,
+                                         (__m512bh)_mm512_loadu_si512(x + (j + 1) * QK));
+            even = _mm512_fmadd_ps(t0, _mm512_set1_ps(ds[2 * c]), even);
+            odd = _mm512_fmadd_ps(t1, _mm512_set1_ps(ds[2 * c + 1]), odd);
+        }
+    }
+    __m512 both = _mm512_add_ps(even, odd);
+    return _mm512_reduce_add_ps(_mm512_add_ps(both, _mm512_zextps256_ps512(offsets)));
 }
 #endif
