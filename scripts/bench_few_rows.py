@@ -86,6 +86,8 @@ def main() -> None:
     layer_shapes, layers, head = SHAPES[args.shape]
     shapes = layer_shapes * layers + [head]
     qtype = None if args.weights == "bf16" else getattr(cpu_quant, args.weights.upper())
+    if qtype is not None and any(k % qtype.block_size for _, k in shapes):
+        parser.error(f"--shape {args.shape} has rows that are not whole {args.weights} blocks")
     if qtype is None:
         weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for n, k in shapes]
     else:
