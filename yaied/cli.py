@@ -227,6 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
     from yaied.engine.faults import EngineDeadError
+    from yaied.router.build import local_entries
     from yaied.router.ray_cluster import autoscale_ray, check_start
     from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
@@ -254,7 +255,10 @@ def _serve_http(args: argparse.Namespace) -> int:
         {k: v for k, v in router_flags.items() if v is not None},
     )
     start = read_config()
-    check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale))
+    ranks = config.engine.tensor_parallel_size
+    check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale), ranks)
+    if not start.engines and start.router.engines > 1:  # too many for this machine: before the bind
+        local_entries(start.router.engines, config.device.device, ranks)
     try:
         run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
     except EngineDeadError as exc:

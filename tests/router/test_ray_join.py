@@ -164,3 +164,15 @@ def test_a_ray_address_without_ray_engines_is_one_warning_not_a_refusal(
         assert 'no engine is kind = "ray"' in lines[0] and "\n" not in lines[0]
     else:
         assert lines == []
+
+
+def test_the_start_checks_a_ray_engine_of_the_ranks_its_handle_will_place(monkeypatch):
+    """The start-time check asked a node for one rank's bundle whatever
+    --tensor-parallel-size said, while the handle places that many ranks: a cluster that could
+    hold one rank passed, and the placement failed later, after the socket had opened."""
+    checked = []
+    monkeypatch.setattr(ray_cluster, "connect", lambda address: SimpleNamespace())
+    monkeypatch.setattr(ray_cluster, "check_feasible", lambda ray, e, size: checked.append(size))
+    entries = (EngineEntry(kind="ray"), EngineEntry(kind="ray", tensor_parallel_size=4))
+    ray_cluster.check_start(entries, "auto", False, default_size=2)
+    assert checked == [2, 4]

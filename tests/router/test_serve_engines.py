@@ -31,8 +31,9 @@ def test_more_cpu_engines_than_cores_is_one_line_before_any_process_starts(
     capsys, tiny_model_dirs, monkeypatch
 ):
     """--engines had no upper bound: each engine is a process loading torch and the model,
-    and past one per core they only take turns. Found as the engines are built, before any
-    process is spawned; exit 2 (a setting)."""
+    and past one per core they only take turns. Found before the socket opens and any process
+    is spawned; exit 2 (a setting)."""
+    from yaied import daemon
     from yaied.router import build, local_process
 
     monkeypatch.setattr(build, "usable_cores", lambda: 3)
@@ -43,9 +44,11 @@ def test_more_cpu_engines_than_cores_is_one_line_before_any_process_starts(
         raise RuntimeError("an engine process was spawned")
 
     monkeypatch.setattr(local_process.LocalProcessHandle, "_spawn", spawn)
+    served = []  # the check runs before the socket opens, not as the app builds the engines
+    monkeypatch.setattr(daemon, "run_server", lambda *args, **kwargs: served.append(args))
     argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
     code, out, err = run_main(capsys, *argv, "--engines", "4", "--port", str(free_port()))
-    assert (code, out, spawned) == (2, "", []), err
+    assert (code, out, spawned, served) == (2, "", [], []), err
     assert err.splitlines()[-1] == (
         "yaied: error: router.engines (--engines) must be at most 3 here, got 4: CPU engine "
         "processes need a core each, and this daemon may use 3"
@@ -124,3 +127,33 @@ def test_an_engine_that_cannot_load_with_these_settings_is_one_line(tiny_model_d
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("yaied: error: ") and "KV pool" in last, done.stderr
+
+
+async def test_a_reload_counts_each_engines_ranks_against_the_cores(monkeypatch, caplog):
+    """A SIGHUP reload made its local engines as if each had one rank: under tensor
+    parallelism it let through more rank processes than cores, which the start refuses."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from tests.router.test_manager import started
+    from yaied.router import build
+    from yaied.router.autoscale import AutoscaleConfig
+    from yaied.server.config import ServerConfig
+    from yaied.server.keys import KeyTable
+    from yaied.server.reload import DaemonConfig, reload
+
+    monkeypatch.setattr(build, "usable_cores", lambda: 3)
+    manager, _ = await started(1)
+    manager.engine_config = SimpleNamespace(
+        engine=SimpleNamespace(tensor_parallel_size=2), device=SimpleNamespace(device="cpu")
+    )
+    server = SimpleNamespace(
+        manager=manager, draining=False, config=ServerConfig(), keys=KeyTable.parse(())
+    )
+    router = dataclasses.replace(manager.config, engines=2)
+    config = DaemonConfig(ServerConfig(), router, (), AutoscaleConfig())
+    before = sorted(manager.pool)
+    with caplog.at_level("ERROR", logger="yaied.server.reload"):
+        assert not await reload(server, lambda: config)
+    assert "at most 1 here, got 2" in caplog.text and sorted(manager.pool) == before
+    await manager.stop()

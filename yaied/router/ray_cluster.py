@@ -178,10 +178,13 @@ def autoscale_ray(autoscale: Any) -> bool:
     return autoscale is not None and autoscale.enabled and autoscale.kind == "ray"
 
 
-def check_start(entries: Iterable[EngineEntry], address: str, autoscales_ray: bool) -> None:
+def check_start(
+    entries: Iterable[EngineEntry], address: str, autoscales_ray: bool, default_size: int = 1
+) -> None:
     """Before the daemon's socket opens: join the cluster and check that a node could hold each
-    ``kind = "ray"`` entry, so a missing Ray, an address that does not answer or resources no
-    node has stop the start with one line. With no Ray engine, a ``router.ray_address`` is
+    ``kind = "ray"`` entry (of ``default_size`` ranks unless it says, as its handle will place
+    it), so a missing Ray, an address that does not answer or resources no node has stop the
+    start with one line. With no Ray engine, a ``router.ray_address`` is
     used only by Ray engines added later (``POST /v1/engines``, a reload): one warning, not a
     refusal, so that a config file shared with daemons that run Ray engines still starts."""
     ray_entries = [e for e in entries if e.kind == "ray"]
@@ -193,6 +196,4 @@ def check_start(entries: Iterable[EngineEntry], address: str, autoscales_ray: bo
                 address,
             )
         return
-    ray = connect(address)
-    for entry in ray_entries:
-        check_feasible(ray, entry, entry.tensor_parallel_size or 1)
+    _check_all(address, ray_entries, default_size)

@@ -80,8 +80,9 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
         entries = config.engines
         if not entries and config.router.engines > 1 and manager.engine_config is not None:
             # As build_manager makes them at start, so named alike: a reload leaves them be.
-            device = manager.engine_config.device.device
-            entries = await asyncio.to_thread(local_entries, config.router.engines, device)
+            engine = manager.engine_config
+            device, ranks = engine.device.device, engine.engine.tensor_parallel_size
+            entries = await asyncio.to_thread(local_entries, config.router.engines, device, ranks)
         if manager.engine_config is not None:  # else apply_engines refuses ray engines
             # A new ray engine may start or join Ray (seconds): in a thread, before any change.
             known = [e.entry for e in manager.pool.values() if e.origin == "config"]
