@@ -433,7 +433,9 @@ def _eos_ids(gguf: Path) -> list[int]:
 # -- the models ---------------------------------------------------------------------------------
 
 
-def model_file(name: str, venv: Path = DEFAULT_VENV) -> Path:
+def model_file(name: str, llama_python: Path | None = None) -> Path:
+    """The GGUF file of ``name``, written once into the cache for the 1B shapes (1b-q4_k_m is
+    quantized by llama.cpp: ``llama_python``, the venv's python that imports llama_cpp)."""
     from yaied.worker.model_files import default_cache_dir, find_default_model_gguf
 
     if name == "default":
@@ -446,19 +448,17 @@ def model_file(name: str, venv: Path = DEFAULT_VENV) -> Path:
     if name == "1b-q4_k_m":
         path = default_cache_dir() / "bench" / "llama-1b-shape-q4_k_m.gguf"
         if not path.exists():
-            write_1b_q4_k_m(path, find_default_model_gguf(), venv)
+            if llama_python is None:
+                raise SystemExit("bench_llamacpp: --model 1b-q4_k_m needs llama.cpp (--build)")
+            write_1b_q4_k_m(path, find_default_model_gguf(), llama_python)
         return path
     return Path(name)
 
 
-def write_1b_q4_k_m(path: Path, tokenizer_source: Path, venv: Path) -> None:
-    """write_1b_q4_0's model in F16, quantized to Q4_K_M by llama.cpp (``venv``'s
-    llama_cpp.llama_model_quantize)."""
-    python = venv / "bin" / "python"
-    f16 = path.with_suffix(".f16.gguf")
-    write_1b_q4_0(f16, tokenizer_source, packed=False)
-    tmp = path.with_suffix(".tmp")
-    _log(f"quantizing {f16} to Q4_K_M with llama.cpp")
+def write_1b_q4_k_m(path: Path, tokenizer_source: Path, python: Path) -> None:
+    """write_1b_q4_0's model in F16, quantized to Q4_K_M by llama.cpp (``python``'s
+    llama_cpp.llama_model_quantize); the 2 GB F16 file never stays behind."""
+    f16, tmp = path.with_suffix(".f16.gguf"), path.with_suffix(".tmp")
     code = (
         "import ctypes, sys, llama_cpp\n"
         "p = llama_cpp.llama_model_quantize_default_params()\n"
@@ -466,9 +466,14 @@ def write_1b_q4_k_m(path: Path, tokenizer_source: Path, venv: Path) -> None:
         "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
         "ctypes.byref(p)))"
     )
-    subprocess.run([str(python), "-c", code, str(f16), str(tmp)], check=True)
-    f16.unlink()
-    tmp.rename(path)
+    try:
+        write_1b_q4_0(f16, tokenizer_source, packed=False)
+        _log(f"quantizing {f16} to Q4_K_M with llama.cpp")
+        subprocess.run([str(python), "-c", code, str(f16), str(tmp)], check=True)
+        tmp.rename(path)
+    finally:
+        f16.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def write_1b_q4_0(path: Path, tokenizer_source: Path, packed: bool = True) -> None:
@@ -573,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    gguf = model_file(args.model, args.venv)
     python = llama_cpp_python(args.venv, args.build, args.build_timeout, args.cmake_args)
+    gguf = model_file(args.model, python)
     machine = {"cpu": _cpu_name(), "threads": args.threads, "model": args.model}
     machine["file"] = str(gguf)
     paired = paired_batch1(python, gguf, args.threads, args.quantization, args.pairs)

@@ -76,3 +76,25 @@ def test_pairs_below_one_is_a_usage_error(bench, capsys):
         bench.main(["--pairs", "0"])
     assert exit_info.value.code == 2
     assert "--pairs must be at least 1" in capsys.readouterr().err
+
+
+def test_the_q4_k_m_shape_without_llama_cpp_is_one_line(bench, monkeypatch, tmp_path):
+    """It is quantized by llama.cpp: the file was asked for before llama.cpp was found or
+    built, and a machine without it got a traceback."""
+    monkeypatch.setenv("YAIED_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="1b-q4_k_m needs llama.cpp"):
+        bench.model_file("1b-q4_k_m", None)
+
+
+def test_a_failed_quantize_leaves_no_2_gb_file_behind(bench, monkeypatch, tmp_path):
+    def write_f16(path, source, packed=True):
+        path.write_bytes(b"f16")
+
+    monkeypatch.setattr(bench, "write_1b_q4_0", write_f16)
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    target = tmp_path / "model.gguf"
+    with pytest.raises(Exception, match="exit status 3"):
+        bench.write_1b_q4_k_m(target, tmp_path / "source.gguf", failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["python"]
