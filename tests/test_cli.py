@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_CONFIGS, make_tiny_model
+from tests.test_daemon import free_port
 from yaied import cli
 from yaied.core.config import SECTIONS
 from yaied.core.errors import EngineStartError
@@ -274,17 +275,9 @@ def test_a_model_that_cannot_load_is_a_setting_exit_2(
     else:
         kv = "0.00001"
     argv = ["serve", "--model", str(model), "--kv-cache-gib", kv, "--threads", "1"]
-    code, out, err = run_main(capsys, *argv, "--port", str(_free_port()))
+    code, out, err = run_main(capsys, *argv, "--port", str(free_port()))
     assert code == cli.EXIT_USAGE and out == "", err
     assert re.search(pattern, err.splitlines()[-1]), err
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from yaied.kernels.cpu_quant import (
     Q6_K,
     Q8_0,
     QUANT_TYPES,
+    STACKED,
     UNGROUPED,
     CpuQuant,
     QuantType,
@@ -257,6 +258,23 @@ def test_stacked_parts_are_each_parts_kernel(quant, stack, dtype):
         assert torch.equal(got, alone)
     for rows in (1, 3):  # a row's bits alone and in a batch
         assert torch.equal(quant.bind_parts(parts, k, bias, dtype)(x[:rows]), got[:rows])
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [(7, -1), (7, +1), (5, STACKED)],  # rows one short, one over; a stack in a stack
+    ids=["rows-short", "rows-over", "nested"],
+)
+def test_a_stacked_descriptor_that_does_not_make_its_weight_is_refused(quant, field, change):
+    """The C side checks the parts it is given: rows that do not add up to the weight's N, or a
+    part that is itself a stack, is an error, never a read or write past the tables."""
+    k = 512
+    parts = [(qtype, table(qtype, n, k, seed=n)) for qtype, n in STACKS["q4_k_m"]]
+    bound = quant.bind_parts(parts, k)
+    descriptor = bound.descriptor  # [STACKED, 2, type, table, rows, type, table, rows]
+    descriptor[field] = change if field == 5 else descriptor[field] + change
+    with pytest.raises(RuntimeError, match="status -3"):
+        bound(torch.randn(1, k))
 
 
 @KERNEL_TYPES

@@ -122,20 +122,22 @@ def test_with_every_engine_down_calls_get_503_with_retry_after_and_serve_again_l
 
 
 @pytest.mark.parametrize(
-    ("health", "status", "code"),
+    ("health", "draining", "status", "code"),
     [
-        (Health.DOWN, "restarting", "engine_restarting"),  # a process in its restart backoff
-        (Health.STARTING, "restarting", "engine_restarting"),  # ... respawned, loading
-        (Health.STOPPED, "dead", "engine_dead"),  # nothing brings it back
+        (Health.DOWN, False, "restarting", "engine_restarting"),  # in its restart backoff
+        (Health.STARTING, False, "restarting", "engine_restarting"),  # ... respawned, loading
+        (Health.STOPPED, False, "dead", "engine_dead"),  # nothing brings it back
+        (Health.DOWN, True, "dead", "engine_dead"),  # on its way out, not back
     ],
 )
-def test_health_with_no_engine_up_says_whether_one_is_coming_back(health, status, code):
+def test_health_with_no_engine_up_says_whether_one_is_coming_back(health, draining, status, code):
     """It said engine_dead while the router was restarting the engine: a 503 either way (a
     load balancer sends nothing here), but an operator reading it was told the daemon was dead
     when it only had to wait."""
     with serve() as client:
         manager = client.app.state.server.manager
         manager.handles["0"].health = health
+        manager.pool["0"].draining = draining
         answer = client.get("/health")
         assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
         assert answer.json()["status"] == status
@@ -143,6 +145,7 @@ def test_health_with_no_engine_up_says_whether_one_is_coming_back(health, status
         refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == code
         manager.handles["0"].health = Health.UP
+        manager.pool["0"].draining = False
         assert client.get("/health").json()["status"] == "ok"
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -307,13 +308,12 @@ def quantized_types(model: nn.Module) -> str:
     return "+".join(sorted(names))
 
 
-def _gguf_tables(
-    model: nn.Module, gguf_path: Path | None
-) -> dict[str, tuple[QuantType, torch.Tensor] | str]:
+def _gguf_tables(model: nn.Module, gguf_path: Path | None) -> dict[str, Any]:
     """Per projection of the model: its parts [(type, block table [rows, row bytes])] read from
     the file (one, or one per run of its tensors of one type), or a string naming why it stays
-    float ("blk.3.ffn_down.weight (q5_k)"). A block table whose size does not match its tensor's
-    shape stops the load with a ValueError naming the tensor. The head: (type, table)."""
+    float ("blk.3.ffn_down.weight (q3_k)"). A block table whose size does not match its tensor's
+    shape stops the load with a ValueError naming the tensor. Also "lm_head": (type, table)
+    where the head is of a kept type, and "lm_head_is_embedding": whether the file ties it."""
     from yaied.worker.gguf_convert import unpermute_rotary  # deferred: gguf-py
     from yaied.worker.gguf_reader import open_gguf
 
