@@ -113,6 +113,29 @@ def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
     assert torch.equal(quant.dequantize(qtype, blocks, k, dtype, out=buffer), expected)
 
 
+@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K], ids=["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("super_blocks", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_k_types_unpack_bit_for_bit_over_any_scales(quant, qtype, super_blocks, dtype):
+    """The K types' unpacking (a vector body per level) against the reference bit for bit,
+    signed zeros too, over every byte random but the fp16 d and dmin, drawn from all finite
+    fp16 values of either sign (subnormals too): an odd count of rows, 1 to 8 super-blocks."""
+    k, n = 256 * super_blocks, 7
+    generator = torch.Generator().manual_seed(super_blocks)
+    blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), generator=generator, dtype=torch.uint8)
+    view = blocks.view(n, super_blocks, qtype.block_bytes)
+    halves = torch.randint(0, 1 << 16, (n, super_blocks, 2), generator=generator, dtype=torch.int32)
+    halves = halves.to(torch.int16).view(torch.float16)
+    halves = torch.where(halves.isfinite(), halves, torch.zeros_like(halves))
+    at = 208 if qtype is Q6_K else 0  # Q6_K's d is last; Q4_K and Q5_K start with d, dmin
+    size = 2 if qtype is Q6_K else 4
+    view[..., at : at + size] = halves[..., : size // 2].contiguous().view(torch.uint8)
+    expected = dequantize_reference(qtype, blocks, k).to(dtype)
+    got = quant.dequantize(qtype, blocks, k, dtype)
+    bits = torch.int32 if dtype is torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), expected.view(bits))
+
+
 @KERNEL_TYPES
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 13, 200])

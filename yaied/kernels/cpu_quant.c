@@ -21,7 +21,7 @@
  *
  * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
  * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
- * Q6_K's vector bodies are in cpu_quant_k.h.
+ * Q6_K's vector bodies are in cpu_quant_k.h, and so are the K types' unpacking (unpack_q*_k).
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -331,8 +331,12 @@ static inline vec dot16(const vec *w, const float *x, vec acc) {
 }
 #if defined(__AVX512F__)
 static inline vec vec_set1(float f) { return _mm512_set1_ps(f); }
+static inline vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
 #else
 static inline vec vec_set1(float f) { return _mm256_set1_ps(f); }
+static inline vec vec_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 /* 16 bytes of nibble pairs at p: each byte widened once to a 32-bit lane, both its nibbles taken
  * from there (an and, a shift), so 32 weights cost one widening shuffle per vector of lanes
@@ -1058,17 +1062,14 @@ DEFINE_LINEAR(uint16_t, bf16)
 
 /* ---- unpacking for matmuls of many rows ---- */
 #if defined(__AVX2__)
-#if defined(__AVX512F__)
-static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
-#else
-static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
-#endif
-/* One row, vectorised for the 32-weight types (each block widened and scaled in registers, as
- * in the dot products); the K types through the plain loop. */
+/* One row, each block widened and scaled in registers as in the dot products (the K types'
+ * bodies, unpack_q*_k, are in cpu_quant_k.h). */
 static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
-    if (quant_block_size(type) == 256) {
-        dequantize_row(type, row, out, K);
-        return;
+    switch (type) {
+    case TYPE_Q4_K: unpack_q4_k(row, out, K / 256); return;
+    case TYPE_Q5_K: unpack_q5_k(row, out, K / 256); return;
+    case TYPE_Q6_K: unpack_q6_k(row, out, K / 256); return;
+    default: break;
     }
     int64_t bytes = quant_block_bytes(type);
     int grouped = is_grouped(type), with_min = has_min(type);

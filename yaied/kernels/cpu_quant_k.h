@@ -6,7 +6,8 @@
  * nibble for j < 2 and the high one after, and its high two bits in bits 2 j and 2 j + 1 of
  * qh[i]; w = d scales[s] (q - 32), s = the weight's 16-weight group in the super-block. Nothing
  * of Q6_K's is offset through the activations' sums: q - 32 is taken in the integers (fp32
- * bodies) or with the bf16 bias. Q5_K is further down. */
+ * bodies) or with the bf16 bias. Q5_K is further down, then the unpacking of all three K types
+ * (unpack_row's bodies, from the same helpers). */
 
 #define Q6K_BYTES 210
 
@@ -237,3 +238,90 @@ static __attribute__((noinline)) float fdot_q5_k_bf16(const uint8_t *row, const 
     return _mm512_reduce_add_ps(_mm512_add_ps(both, _mm512_zextps256_ps512(offsets)));
 }
 #endif
+
+/* ---- the K types unpacked to fp32 (unpack_row), blocks: super-blocks of 256 ----
+ * The same weights as dequantize_row's plain loops, bit for bit: d sc_j, dmin m_j and Q6_K's
+ * d sc_s are exact in fp32 (at most 11 by 8 significant bits), and so is each quant times
+ * its scale, so the one rounding of a fused multiply-add is the plain loop's rounding of
+ * d sc_j q - dmin m_j; Q6_K's weights are a plain product, as there. Each 32 quants are widened
+ * from registers, as the dot products widen them. */
+
+/* 32 widened quants (2 GROUP vectors) times scale plus offset into o[32] */
+static inline void store_32(float *o, const vec *w, float scale, float offset) {
+    for (int g = 0; g < 2 * GROUP; g++)
+        vec_store(o + g * LANES, vec_fma(w[g], vec_set1(scale), vec_set1(offset)));
+}
+
+/* Q4_K and Q5_K's eight d sc_j and eight -dmin m_j of the super-block at p */
+static inline void q4k_unpack_scales(const uint8_t *p, float *ds, float *offsets) {
+    q4k_packed packed = q4k_scales_mins(p + 4);
+    __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)packed.scales)));
+    __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)packed.mins)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(sc8, _mm256_set1_ps(half_to_float(p))));
+    /* -(dmin m): the negation exact, x + (-y) is x - y */
+    _mm256_storeu_ps(offsets, _mm256_mul_ps(m8, _mm256_set1_ps(-half_to_float(p + 2))));
+}
+
+static __attribute__((noinline)) void unpack_q4_k(const uint8_t *row, float *out,
+                                                  int64_t blocks) {
+    float ds[8], offsets[8];
+    vec lo[2 * GROUP], hi[2 * GROUP];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * 144;
+        q4k_unpack_scales(p, ds, offsets);
+        for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high */
+            const uint8_t *q = p + 16 + 32 * c;
+            widen_nibbles(q, lo, hi);
+            widen_nibbles(q + 16, lo + GROUP, hi + GROUP);
+            float *o = out + b * 256 + 64 * c;
+            store_32(o, lo, ds[2 * c], offsets[2 * c]);
+            store_32(o + 32, hi, ds[2 * c + 1], offsets[2 * c + 1]);
+        }
+    }
+}
+
+static __attribute__((noinline)) void unpack_q5_k(const uint8_t *row, float *out,
+                                                  int64_t blocks) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float ds[8], offsets[8];
+    vec w[2 * GROUP];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q5K_BYTES;
+        q4k_unpack_scales(p, ds, offsets);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+        for (int c = 0; c < 4; c++) { /* as fdot_q5_k tops up each nibble with its bit */
+            __m256i qs = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * c));
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(qs, low4), fifth_bits(qh, 2 * c));
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
+                                         fifth_bits(qh, 2 * c + 1));
+            float *o = out + b * 256 + 64 * c;
+            widen_s8_32(lo, w);
+            store_32(o, w, ds[2 * c], offsets[2 * c]);
+            widen_s8_32(hi, w);
+            store_32(o + 32, w, ds[2 * c + 1], offsets[2 * c + 1]);
+        }
+    }
+}
+
+static __attribute__((noinline)) void unpack_q6_k(const uint8_t *row, float *out,
+                                                  int64_t blocks) {
+    float ds[16];
+    __m256i part[4];
+    vec w[2 * GROUP];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q6K_BYTES;
+        q6k_scales(p, ds);
+        for (int h = 0; h < 2; h++) {
+            q6k_quants(p, h, part); /* q - 32, in the weights' order */
+            for (int j = 0; j < 4; j++) {
+                int s = 8 * h + 2 * j; /* the first 16's scale */
+                float *o = out + b * 256 + 128 * h + 32 * j;
+                widen_s8_32(part[j], w);
+                for (int g = 0; g < GROUP; g++) {
+                    vec_store(o + g * LANES, vec_mul(w[g], vec_set1(ds[s])));
+                    vec_store(o + 16 + g * LANES, vec_mul(w[GROUP + g], vec_set1(ds[s + 1])));
+                }
+            }
+        }
+    }
+}
