@@ -21,7 +21,7 @@
  *
  * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
  * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
- * Q6_K's vector bodies are in cpu_quant_k.h, and so are the K types' unpacking (unpack_q*_k).
+ * Q6_K's vector bodies are in cpu_quant_k.h, and so are the K types' unpacking (unpack_k_*).
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -1063,13 +1063,11 @@ DEFINE_LINEAR(uint16_t, bf16)
 /* ---- unpacking for matmuls of many rows ---- */
 #if defined(__AVX2__)
 /* One row, each block widened and scaled in registers as in the dot products (the K types'
- * bodies, unpack_q*_k, are in cpu_quant_k.h). */
+ * bodies are in cpu_quant_k.h). */
 static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
-    switch (type) {
-    case TYPE_Q4_K: unpack_q4_k(row, out, K / 256); return;
-    case TYPE_Q5_K: unpack_q5_k(row, out, K / 256); return;
-    case TYPE_Q6_K: unpack_q6_k(row, out, K / 256); return;
-    default: break;
+    if (quant_block_size(type) == 256) {
+        unpack_k_f32(type, row, out, K);
+        return;
     }
     int64_t bytes = quant_block_bytes(type);
     int grouped = is_grouped(type), with_min = has_min(type);
@@ -1137,6 +1135,12 @@ int dequantize_bf16(int64_t type, const uint8_t *blocks, uint16_t *out, int64_t 
         }
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
+#if defined(__AVX512BF16__) /* the K types straight to bf16 (cpu_quant_k.h) */
+            if (quant_block_size(type) == 256) {
+                unpack_k_bf16(type, blocks + n * row_bytes, out + n * K, K);
+                continue;
+            }
+#endif
             if (!row) continue;
             unpack_row(type, blocks + n * row_bytes, row, K);
             store_bf16(row, out + n * K, K);
