@@ -1,16 +1,14 @@
-/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) for a few
- * rows, and
- * the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) for
+ * a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
  * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
  * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
  * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
  * -8 d, Q4_1's m, the K types' mins) through the activations' block sums (Q6_K's -32 in the
- * integers). So the math is fp32 over the
- * weights' exact values, as in the unpacked matmul of a prefill, up to the order of the sums: a
- * prompt computes the same whether its prefix was cached or recomputed, and greedy output agrees
- * with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
+ * integers). So the math is fp32 over the weights' exact values, as in the unpacked matmul of a
+ * prefill, up to the order of the sums: a prompt computes the same whether its prefix was cached
+ * or recomputed, and greedy output agrees with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
  * dot products, llama.cpp's way, made this kernel about 1.5x faster at 4 bits, but the default
  * model's greedy output then parted from fp32's within a few tokens on most prompts.) The bodies,
  * by the ISA level the file is built for (yaied/kernels/cpu_isa.py):
@@ -888,7 +886,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 }
 #endif
 
-/* Whether a bf16 body (fdot_q4_*_bf16) takes this weight's pairs with bf16 activations. */
+/* Whether a bf16 body (fdot_q*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
     return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K ||
