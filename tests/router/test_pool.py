@@ -23,15 +23,26 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class SlowStart(FakeEngine):
-    """Takes ``delay`` seconds to come up, like a process loading a model."""
+    """Takes ``delay`` seconds to come up, like a process loading a model; with a ``gate``, comes
+    up only once the test opens it."""
 
-    def __init__(self, engine_id: str, delay: float = 0.2, fail: bool = False) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        delay: float = 0.2,
+        fail: bool = False,
+        gate: asyncio.Event | None = None,
+    ) -> None:
         super().__init__(engine_id)
-        self.delay, self.fail = delay, fail
+        self.delay, self.fail, self.gate = delay, fail, gate
         self.stopped = False
+        self.loading = False
 
     async def start(self) -> None:
+        self.loading = True
         await asyncio.sleep(self.delay)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail:
             raise RuntimeError("the model does not load")
         self.health = Health.UP
@@ -42,16 +53,26 @@ class SlowStart(FakeEngine):
 
 
 async def test_an_added_engine_joins_routing_once_up():
+    # The long call held engine 0 for 20 ticks of 0.01 s while engine 1 took 0.2 s to start: the
+    # two timers fell due together whenever the loop woke a little late, the long call ended
+    # first, and one of the later calls went to an idle engine 0 (1 run in 6). Now engine 1
+    # comes up when the test says so, and the long call outlasts the test: it is cancelled.
     manager, engines = await started(1)
-    new = SlowStart("1", delay=0.2)
+    gate = asyncio.Event()
+    new = SlowStart("1", delay=0, gate=gate)
     assert manager.add_engine(new, origin="api") == "1"
+    await async_wait_until(lambda: new.loading, timeout=10, what="the start")
     assert manager.engine_state("1") == "starting"
-    before = [await manager.submit_request(prompt=[1], sampling_params=params(20))]
-    assert before[0].engine_id == "0"  # not routed while starting
+    long = await manager.submit_request(prompt=[1], sampling_params=params(8000))  # 80 s of ticks
+    assert long.engine_id == "0"  # not routed while starting
+    gate.set()
     assert await manager.wait_started("1") == "up"
+    assert manager.lifecycle.get(long.request_id).state in (CallState.PENDING, CallState.RUNNING)
     after = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(2)]
     assert {h.engine_id for h in after} == {"1"}  # engine 0 has the long call: least loaded
-    assert all(o.finish_reason is FinishReason.LENGTH for o in await gather(before + after))
+    assert all(o.finish_reason is FinishReason.LENGTH for o in await gather(after))
+    await long.cancel()
+    assert (await long.result()).finish_reason is FinishReason.ABORT
     await manager.stop()
 
 
