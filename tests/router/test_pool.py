@@ -64,15 +64,17 @@ async def test_an_added_engine_joins_routing_once_up():
     await async_wait_until(lambda: new.loading, timeout=10, what="the start")
     assert manager.engine_state("1") == "starting"
     long = await manager.submit_request(prompt=[1], sampling_params=params(8000))  # 80 s of ticks
-    assert long.engine_id == "0"  # not routed while starting
+    short = await manager.submit_request(prompt=[1], sampling_params=params())
+    assert (long.engine_id, short.engine_id) == ("0", "0")  # not routed while starting
     gate.set()
     assert await manager.wait_started("1") == "up"
     assert manager.lifecycle.get(long.request_id).state in (CallState.PENDING, CallState.RUNNING)
     after = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(2)]
     assert {h.engine_id for h in after} == {"1"}  # engine 0 has the long call: least loaded
-    assert all(o.finish_reason is FinishReason.LENGTH for o in await gather(after))
+    assert all(o.finish_reason is FinishReason.LENGTH for o in await gather([short, *after]))
     await long.cancel()
     assert (await long.result()).finish_reason is FinishReason.ABORT
+    assert manager.migrations["moved"] == 0  # none was offered to an engine not up yet
     await manager.stop()
 
 
