@@ -78,6 +78,29 @@ async def test_an_added_engine_joins_routing_once_up():
     await manager.stop()
 
 
+class StartsDown(FakeEngine):
+    """A remote daemon that answered no probe yet: its start ends with the engine down."""
+
+    async def start(self) -> None:
+        self.health = Health.DOWN
+
+
+@pytest.mark.parametrize(
+    ("engine", "state", "line"),
+    [(StartsDown, "down", "down: takes calls once up"), (SlowStart, "up", "up: takes calls\n")],
+)
+async def test_an_added_engine_that_starts_down_is_not_logged_as_taking_calls(
+    caplog, engine, state, line
+):
+    """The log said "is down: it takes calls" of a remote not yet probed up, which takes none."""
+    manager, _ = await started(1)
+    with caplog.at_level("INFO", logger="yaied.router.pool"):
+        manager.add_engine(engine("1"), origin="api")
+        assert await manager.wait_started("1") == state
+    assert f"engine 1 (engine-1) is {line}" in caplog.text, caplog.text
+    await manager.stop()
+
+
 async def test_an_engine_that_fails_to_start_is_removed_with_its_error():
     manager, _ = await started(1)
     manager.add_engine(SlowStart("1", delay=0.01, fail=True), origin="api")

@@ -195,7 +195,8 @@ class EnginePool:
             await handle.stop(ENGINE_STOP_SECONDS)  # a process half up is killed
             self._retire(engine_id, error=str(exc))
             return
-        log.info("engine %s (%s) is %s: it takes calls", engine_id, entry.name, handle.health)
+        later = "" if handle.health is Health.UP else " once up"  # a remote not probed up yet
+        log.info("engine %s (%s) is %s: takes calls%s", engine_id, entry.name, handle.health, later)
 
     async def wait_started(self, engine_id: str) -> str:
         """Wait for an added engine's start to end; returns its state then."""
