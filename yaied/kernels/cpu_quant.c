@@ -760,42 +760,6 @@ static __attribute__((noinline)) float fdot_q4_1_bf16(const uint8_t *row, const 
                                                       int64_t blocks) {
     return q4_bf16(row, x, pairs, sums, blocks, 1);
 }
-
-/* Q4_K: each 32 bytes of quants hold two sub-blocks, the low nibbles one, the high the next,
- * both in order: the bytes widened to words once, each half made bf16 (128 + q) by one or two
- * instructions, one vdpbf16ps a sub-block, whose accumulator starts at -128 x the pair sums.
- * Each sub-block's scale d sc_j applies to its sums; the mins, dmin m_j, go through the
- * activations' sub-block sums, eight lanes at a time. blocks: super-blocks of 256. */
-static __attribute__((noinline)) float fdot_q4_k_bf16(const uint8_t *row, const uint16_t *x,
-                                                      const float *pairs, const float *sums,
-                                                      int64_t blocks) {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    __m256 offsets = _mm256_setzero_ps();
-    __m512i bias = _mm512_set1_epi16(0x4300);
-    float ds[8];
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = row + b * 144;
-        prefetch_super_block(p + PREFETCH_AHEAD);
-        q4k_block_scales(p, sums + 8 * b, ds, &offsets);
-        __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
-        for (int c = 0; c < 4; c++) {
-            const __m256i *q = (const __m256i *)(p + 16 + 32 * c);
-            __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q));
-            __m512bh lo =
-                (__m512bh)_mm512_ternarylogic_epi32(words, _mm512_set1_epi16(15), bias, 0xEA);
-            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
-            int64_t j = 8 * b + 2 * c; /* the low nibbles' sub-block */
-            __m512 t0 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + j * (QK / 2)), lo,
-                                         (__m512bh)_mm512_loadu_si512(x + j * QK));
-            __m512 t1 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + (j + 1) * (QK / 2)), hi,
-                                         (__m512bh)_mm512_loadu_si512(x + (j + 1) * QK));
-            even = _mm512_fmadd_ps(t0, _mm512_set1_ps(ds[2 * c]), even);
-            odd = _mm512_fmadd_ps(t1, _mm512_set1_ps(ds[2 * c + 1]), odd);
-        }
-    }
-    __m512 both = _mm512_add_ps(even, odd);
-    return _mm512_reduce_add_ps(_mm512_add_ps(both, _mm512_zextps256_ps512(offsets)));
-}
 #endif
 
 static __attribute__((noinline)) float fdot_q8_0(const uint8_t *row, const float *x,

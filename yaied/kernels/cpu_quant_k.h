@@ -204,27 +204,36 @@ static inline __m512i fifth_bits_bf16(__m512i words, int bit) {
                                      0xEA);
 }
 
-/* fdot_q4_k_bf16 with each quant 128 + q for q < 32, still exact in bf16 */
-static __attribute__((noinline)) float fdot_q5_k_bf16(const uint8_t *row, const uint16_t *x,
-                                                      const float *pairs, const float *sums,
-                                                      int64_t blocks) {
+/* Q4_K: each 32 bytes of quants hold two sub-blocks, the low nibbles one, the high the next,
+ * both in order: the bytes widened to words once, each half made bf16 (128 + q) by one or two
+ * instructions, one vdpbf16ps a sub-block, whose accumulator starts at -128 x the pair sums.
+ * Each sub-block's scale d sc_j applies to its sums; the mins, dmin m_j, go through the
+ * activations' sub-block sums, eight lanes at a time. blocks: super-blocks of 256. Q5_K (five)
+ * the same, each quant 128 + q for q < 32, still exact in bf16: its fifth bits set with the
+ * bias. Inlined into each type's body with five a constant. */
+static inline __attribute__((always_inline)) float qk_bf16(const uint8_t *row, const uint16_t *x,
+                                                           const float *pairs,
+                                                           const float *sums, int64_t blocks,
+                                                           int five) {
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     __m256 offsets = _mm256_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i low4 = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    const int64_t bytes = five ? Q5K_BYTES : 144, quants = five ? 48 : 16;
     float ds[8];
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *p = row + b * Q5K_BYTES;
+        const uint8_t *p = row + b * bytes;
         prefetch_super_block(p + PREFETCH_AHEAD);
         q4k_block_scales(p, sums + 8 * b, ds, &offsets);
         __asm__ volatile("" ::: "memory"); /* each d sc_j a broadcast load, not a permute */
-        __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)));
+        __m512i qh = five ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)))
+                          : _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            const __m256i *q = (const __m256i *)(p + 48 + 32 * c);
+            const __m256i *q = (const __m256i *)(p + quants + 32 * c);
             __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q));
-            __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(words, low4,
-                                                              fifth_bits_bf16(qh, 2 * c), 0xEA);
-            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4),
-                                                    fifth_bits_bf16(qh, 2 * c + 1));
+            __m512i lo_top = five ? fifth_bits_bf16(qh, 2 * c) : bias;
+            __m512i hi_top = five ? fifth_bits_bf16(qh, 2 * c + 1) : bias;
+            __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(words, low4, lo_top, 0xEA);
+            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), hi_top);
             int64_t j = 8 * b + 2 * c; /* the low nibbles' sub-block */
             __m512 t0 = _mm512_dpbf16_ps(_mm512_loadu_ps(pairs + j * (QK / 2)), lo,
                                          (__m512bh)_mm512_loadu_si512(x + j * QK));
@@ -236,6 +245,18 @@ static __attribute__((noinline)) float fdot_q5_k_bf16(const uint8_t *row, const 
     }
     __m512 both = _mm512_add_ps(even, odd);
     return _mm512_reduce_add_ps(_mm512_add_ps(both, _mm512_zextps256_ps512(offsets)));
+}
+
+static __attribute__((noinline)) float fdot_q4_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    return qk_bf16(row, x, pairs, sums, blocks, 0);
+}
+
+static __attribute__((noinline)) float fdot_q5_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, const float *sums,
+                                                      int64_t blocks) {
+    return qk_bf16(row, x, pairs, sums, blocks, 1);
 }
 #endif
 
