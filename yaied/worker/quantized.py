@@ -76,22 +76,27 @@ class _UnpackBuffer:
         return buffer
 
 
+def _kept(qtype: QuantType, blocks: torch.Tensor, k: int) -> tuple[QuantType, torch.Tensor]:
+    """A checked table [rows, row bytes] of a [rows, k] weight, in the kernels' layout (Q4_0
+    and Q4_1 regrouped: cpu_quant.py)."""
+    check_table(qtype, blocks, blocks.shape[0], k, "weight")
+    return group_blocks(qtype, blocks) if qtype in GROUPED else (qtype, blocks)
+
+
 class QuantizedLinear(nn.Module):
     """Drop-in for a linear layer whose weight is a block table, or (``stacked``) tables of
     different types for its runs of rows. ``few_rows`` (once ``bind`` has run) is the kernel
     over the blocks, with BoundLinear's interface, for the decode loop; forward unpacks the
-    weight for the matmul. ``qtype`` and ``blocks`` are the first part's."""
+    weight for the matmul. ``qtype`` and ``blocks`` are the first part's: the whole table of a
+    one-part weight (the LM head, whose rows the tied embeddings read)."""
 
     def __init__(
         self, qtype: QuantType, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        check_table(qtype, blocks, self.out_features, in_features, "weight")
-        if qtype in GROUPED:  # the kernels' own layout of the same blocks (cpu_quant.py)
-            qtype, blocks = group_blocks(qtype, blocks)
-        self.qtype, self.blocks = qtype, blocks
-        self.parts = [(qtype, blocks)]
+        self.parts = [_kept(qtype, blocks, in_features)]
+        self.qtype, self.blocks = self.parts[0]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel: CpuQuant | None = None
         self.few_rows = None
@@ -119,11 +124,9 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None,
     ) -> QuantizedLinear:
         """A weight whose rows are ``parts`` (type, table [rows, row bytes]) in order."""
-        layers = [cls(qtype, blocks, in_features, None) for qtype, blocks in parts]
-        module = layers[0]
-        module.parts = [(m.qtype, m.blocks) for m in layers]
-        module.out_features = sum(m.out_features for m in layers)
-        module.bias = None if bias is None else bias.detach().float().contiguous()
+        module = cls(*parts[0], in_features, bias)
+        module.parts += [_kept(qtype, blocks, in_features) for qtype, blocks in parts[1:]]
+        module.out_features = sum(blocks.shape[0] for _, blocks in module.parts)
         return module
 
     def unpacked(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
