@@ -53,28 +53,3 @@ def test_a_large_tensor_sits_on_huge_pages_where_the_system_has_them():
     assert tensor.data_ptr() % host_memory.HUGE_PAGE == 0
     # All of it where the kernel found free huge pages; at least some on any system with THP.
     assert _huge_kib_of(tensor) >= 2048
-
-
-def test_available_memory_is_known_on_linux():
-    """MemAvailable (or a cgroup's room, where less): what a KV pool is checked against."""
-    available = host_memory.available_bytes()
-    assert available is not None and 0 < available < 2**50
-
-
-def test_available_memory_is_the_tightest_of_meminfo_and_the_cgroups_above(tmp_path):
-    """A service's own MemoryMax, or a slice's above it, caps what a pool may take; the v1
-    lines of /proc/self/cgroup name no v2 group."""
-    proc, root = tmp_path / "proc", tmp_path / "cgroup"
-    (proc / "self").mkdir(parents=True)
-    (proc / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
-    (proc / "self" / "cgroup").write_text("4:memory:/x\n0::/app.slice/yaied.service\n")
-    service = root / "app.slice" / "yaied.service"
-    service.mkdir(parents=True)
-    (service / "memory.max").write_text("max\n")
-    assert host_memory.available_bytes(proc, root) == 4_000_000 * 1024  # MemAvailable
-    (root / "app.slice" / "memory.max").write_text(f"{3 * 2**30}\n")
-    (root / "app.slice" / "memory.current").write_text(f"{2**30}\n")
-    assert host_memory.available_bytes(proc, root) == 2 * 2**30  # the slice's room
-    (service / "memory.max").write_text(f"{2**30}\n")
-    (service / "memory.current").write_text(f"{2**29}\n")
-    assert host_memory.available_bytes(proc, root) == 2**29  # the service's, tighter still

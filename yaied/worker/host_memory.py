@@ -18,9 +18,10 @@ import contextlib
 import ctypes
 import math
 import mmap
-from pathlib import Path
 
 import torch
+
+from yaied.core.host_memory import available_bytes  # noqa: F401  (the worker's KV check)
 
 HUGE_PAGE = 2 << 20  # bytes; x86-64's and most arm64 kernels' transparent huge page
 
@@ -43,26 +44,3 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor keeps the mapping alive (frombuffer holds the buffer until the storage goes).
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).view(shape).zero_()
-
-
-def available_bytes(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """What this process may still take: the kernel's MemAvailable, or less where a cgroup v2
-    (a container, a systemd MemoryMax, or a slice above them) caps the process's group or one
-    of its ancestors; None where neither is known. ``proc``, ``root``: where to read (tests)."""
-    found = []
-    with contextlib.suppress(OSError, ValueError):
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    with contextlib.suppress(OSError, StopIteration):
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
-        group = next(line for line in lines if line.startswith("0::"))[3:]  # the v2 hierarchy
-        folder = root / group.lstrip("/")
-        for level in (folder, *folder.parents):
-            if not level.is_relative_to(root):
-                break
-            with contextlib.suppress(OSError, ValueError):  # the root group has no memory.max
-                limit = (level / "memory.max").read_text().strip()
-                if limit != "max":
-                    found.append(int(limit) - int((level / "memory.current").read_text()))
-    return min(found) if found else None

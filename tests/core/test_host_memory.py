@@ -1,0 +1,83 @@
+"""The machine's memory as a start sees it (yaied/core/host_memory.py): /proc and cgroup v2 files
+read from fake folders, and the arithmetic of whether CPU engines fit, with injected figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from yaied.core.host_memory import (
+    GIB,
+    PROCESS_OVERHEAD_BYTES,
+    EngineMemory,
+    available_bytes,
+    check_fits,
+)
+
+
+def test_available_memory_is_known_on_linux():
+    """MemAvailable (or a cgroup's room, where less): what a KV pool is checked against."""
+    available = available_bytes()
+    assert available is not None and 0 <= available < 2**50
+
+
+def _machine(tmp_path, meminfo_kib: int = 4_000_000):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 8000000 kB\nMemAvailable: {meminfo_kib} kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/x\n0::/app.slice/yaied.service\n")
+    service = root / "app.slice" / "yaied.service"
+    service.mkdir(parents=True)
+    (service / "memory.max").write_text("max\n")
+    return proc, root, service
+
+
+def test_available_memory_is_the_tightest_of_meminfo_and_the_cgroups_above(tmp_path):
+    """A service's own MemoryMax, or a slice's above it, caps what a pool may take; the v1
+    lines of /proc/self/cgroup name no v2 group."""
+    proc, root, service = _machine(tmp_path)
+    assert available_bytes(proc, root) == 4_000_000 * 1024  # MemAvailable
+    (root / "app.slice" / "memory.max").write_text(f"{3 * GIB}\n")
+    (root / "app.slice" / "memory.current").write_text(f"{GIB}\n")
+    assert available_bytes(proc, root) == 2 * GIB  # the slice's room
+    (service / "memory.max").write_text(f"{GIB}\n")
+    (service / "memory.current").write_text(f"{2**29}\n")
+    assert available_bytes(proc, root) == 2**29  # the service's, tighter still
+
+
+def test_a_cgroups_reclaimable_file_cache_is_room_and_its_room_is_never_negative(tmp_path):
+    """memory.current counts the page cache of the model files a group read, which the kernel
+    drops before it kills anyone: a group full of it read as no room at all, and one charged
+    past its memory.max (it happens, briefly) as negative bytes."""
+    proc, root, service = _machine(tmp_path)
+    (service / "memory.max").write_text(f"{4 * GIB}\n")
+    (service / "memory.current").write_text(f"{4 * GIB}\n")
+    (service / "memory.stat").write_text(f"anon {GIB}\ninactive_file {3 * GIB}\nactive_file 0\n")
+    assert available_bytes(proc, root) == 3 * GIB
+    (service / "memory.stat").write_text("anon 0\n")
+    (service / "memory.current").write_text(f"{5 * GIB}\n")
+    assert available_bytes(proc, root) == 0
+
+
+def test_engines_that_need_more_than_is_available_are_refused_with_the_figures():
+    one = EngineMemory(weight_bytes=GIB, kv_bytes=2 * GIB)
+    assert one.total == 3 * GIB + PROCESS_OVERHEAD_BYTES
+    need = 4 * one.total  # 16 GiB with a 1 GiB overhead
+    with pytest.raises(ValueError) as raised:
+        check_fits([one] * 4, need - 1, "router.engines (--engines) = 4", "--kv-cache-gib")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("router.engines (--engines) = 4: 4 CPU engine(s) need ~16.0 GiB")
+    assert "weights ~1.0 GiB + KV pool 2.0 GiB + 1.0 GiB a process" in message
+    assert "more than the 16.0 GiB of memory available here" in message
+    assert message.endswith("lower --kv-cache-gib")
+
+
+def test_engines_that_fit_with_little_headroom_are_a_warning_and_with_room_nothing():
+    one = EngineMemory(weight_bytes=GIB, kv_bytes=2 * GIB, ranks=2)
+    assert one.total == GIB + 2 * (2 * GIB + PROCESS_OVERHEAD_BYTES)
+    warning = check_fits([one], int(one.total / 0.95), "the engine", "--kv-cache-gib")
+    assert warning is not None and "leaving under 10%" in warning
+    assert "KV pool 2.0 GiB x 2 ranks" in warning
+    assert check_fits([one], int(one.total / 0.85), "the engine", "--kv-cache-gib") is None
+    assert check_fits([one], None, "the engine", "x") is None  # not known: not checked
+    assert check_fits([], 0, "the engine", "x") is None  # no CPU engine: nothing to hold

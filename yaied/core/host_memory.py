@@ -1,0 +1,117 @@
+"""The machine's memory, as a start sees it: what may still be taken, and whether the CPU engines
+a config asks for fit in it. Pure Python over /proc and /sys/fs/cgroup (tests point both at
+folders of fake files), so that the CLI checks before any engine loads or the daemon listens.
+
+A CPU engine process holds three things that scale with the config:
+
+    weights   its own copy of the model (estimated from the files: yaied/worker/weight_bytes.py)
+    KV pool   cache.kv_cache_gib, once per tensor-parallel rank (each rank zeroes its own pool)
+    overhead  PROCESS_OVERHEAD_BYTES per process (rank): Python, torch and its thread pools, the
+              C kernels, the tokenizer, the step's activations at the default token budget
+
+Past what the machine (or the cgroup: a container, systemd's MemoryMax) has, the kernel's OOM
+killer ends an engine mid-serve and a supervisor restarts it, into the same end. GPU engines
+(their memory is the device's, sized by gpu_memory_utilization) and remote or Ray engines
+(another machine's, or a node Ray picks) are not counted here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+# An engine process's resident memory beyond its weights and KV pool, measured after a first
+# request (torch 2.13, x86-64, dtype auto, shared machine: indicative): 0.87 GiB for SmolLM2-135M
+# (the interpreter with torch, transformers and yaied imported is 0.26 GiB of it), 0.36 GiB for a
+# 0.4B-parameter dummy model under float32. Loading peaks above it (a dummy model's random init
+# holds a second copy for a moment) are not counted: the check is for settings that cannot fit.
+PROCESS_OVERHEAD_BYTES = GIB
+HEADROOM = 0.10  # a start that leaves less than this share of available memory is warned about
+
+
+def available_bytes(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process may still take: the kernel's MemAvailable, or less where a cgroup v2
+    (a container, a systemd MemoryMax, or a slice above them) caps the process's group or one
+    of its ancestors; None where neither is known. ``proc``, ``root``: where to read (tests).
+
+    A group's room is memory.max less its working set: memory.current counts the page cache
+    of files it read (model files, logs), which the kernel reclaims before it kills anyone, so
+    its inactive_file (memory.stat) is not counted as taken. Never below 0."""
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, StopIteration):
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+        group = next(line for line in lines if line.startswith("0::"))[3:]  # the v2 hierarchy
+        folder = root / group.lstrip("/")
+        for level in (folder, *folder.parents):
+            if not level.is_relative_to(root):
+                break
+            with contextlib.suppress(OSError, ValueError):  # the root group has no memory.max
+                limit = (level / "memory.max").read_text().strip()
+                if limit != "max":
+                    used = int((level / "memory.current").read_text()) - _inactive_file(level)
+                    found.append(max(0, int(limit) - max(0, used)))
+    return min(found) if found else None
+
+
+def _inactive_file(level: Path) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in (level / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "inactive_file":
+                return int(value)
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMemory:
+    """What one CPU engine process (all its ranks) takes."""
+
+    weight_bytes: int  # its copy of the weights (the ranks' shards together)
+    kv_bytes: int  # one rank's KV pool (cache.kv_cache_gib)
+    ranks: int = 1  # processes: tensor_parallel_size on CPU
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.ranks * (self.kv_bytes + PROCESS_OVERHEAD_BYTES)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def check_fits(
+    engines: list[EngineMemory], available: int | None, what: str, fix: str
+) -> str | None:
+    """A ValueError, one line naming the figures and ``fix`` (the settings to lower), when the
+    ``engines`` need more than ``available``; else a warning line when they leave it less than
+    HEADROOM, else None. ``what`` names the engines (their setting) in the message. Nothing is
+    checked where the available memory is unknown (not Linux)."""
+    if available is None or not engines:
+        return None
+    need = sum(e.total for e in engines)
+    first = engines[0]
+    parts = (
+        f"each: weights ~{gib(first.weight_bytes)} + KV pool {gib(first.kv_bytes)}"
+        f"{f' x {first.ranks} ranks' if first.ranks > 1 else ''} + "
+        f"{gib(PROCESS_OVERHEAD_BYTES)} a process"
+    )
+    uniform = all(e == first for e in engines)
+    detail = parts if uniform else f"the first: {parts.removeprefix('each: ')}"
+    summary = f"{what}: {len(engines)} CPU engine(s) need ~{gib(need)} ({detail})"
+    if need > available:
+        raise ValueError(
+            f"{summary}, more than the {gib(available)} of memory available here "
+            f"(MemAvailable, or the cgroup's memory.max where tighter); lower {fix}"
+        )
+    if need > (1 - HEADROOM) * available:
+        return (
+            f"{summary} of the {gib(available)} available here, leaving under "
+            f"{HEADROOM:.0%}: the OOM killer may end one under load; consider lowering {fix}"
+        )
+    return None
