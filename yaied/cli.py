@@ -227,10 +227,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_http(args: argparse.Namespace) -> int:
     from yaied.daemon import run_server  # the server packages load only for the daemon
     from yaied.engine.faults import EngineDeadError
-    from yaied.router.build import local_entries
+    from yaied.router.capacity import check_capacity
     from yaied.router.ray_cluster import autoscale_ray, check_start
     from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
+    from yaied.worker.weight_bytes import estimate_weight_bytes
 
     config = load_cli_config(args)
     check_model_reference(config.model.model, load_format=config.model.load_format)
@@ -257,10 +258,11 @@ def _serve_http(args: argparse.Namespace) -> int:
     start = read_config()
     ranks = config.engine.tensor_parallel_size
     check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale), ranks)
-    if not start.engines and start.router.engines > 1:  # too many for this machine: before the bind
-        local_entries(start.router.engines, config.device.device, ranks)
+    # CPU engines past this machine's cores or memory: one line before any loads or the bind
+    weights = estimate_weight_bytes(config.model)
+    autoscale = check_capacity(config, start.router, start.engines, start.autoscale, weights)
     try:
-        run_server(config, start.server, start.router, start.engines, read_config, start.autoscale)
+        run_server(config, start.server, start.router, start.engines, read_config, autoscale)
     except EngineDeadError as exc:
         print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         sys.stderr.flush()

@@ -157,3 +157,28 @@ async def test_a_reload_counts_each_engines_ranks_against_the_cores(monkeypatch,
         assert not await reload(server, lambda: config)
     assert "at most 1 here, got 2" in caplog.text and sorted(manager.pool) == before
     await manager.stop()
+
+
+def test_cpu_engines_past_the_memory_are_one_line_before_any_process_starts(
+    capsys, tiny_model_dirs, monkeypatch
+):
+    """N engines of a KV pool and a copy of the weights each were not checked against the
+    memory: past it the OOM killer ended one mid-serve, and systemd restarted it into the same
+    end. Refused before the socket opens and any engine loads; exit 2 (a setting)."""
+    from yaied import daemon
+    from yaied.router import build, capacity
+
+    monkeypatch.setattr(build, "usable_cores", lambda: 4)
+    monkeypatch.setattr(capacity, "usable_cores", lambda: 4)
+    monkeypatch.setattr(capacity, "available_bytes", lambda: 5 * 2**30)
+    served = []
+    monkeypatch.setattr(daemon, "run_server", lambda *args, **kwargs: served.append(args))
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
+    argv += ["--kv-cache-gib", "2", "--port", str(free_port())]
+    code, out, err = run_main(capsys, *argv, "--engines", "2")
+    assert (code, out, served) == (2, "", []), err
+    last = err.splitlines()[-1]
+    assert last.startswith("yaied: error: router.engines (--engines) = 2: 2 CPU engine(s) need")
+    assert "more than the 5.0 GiB of memory available here" in last
+    assert "lower cache.kv_cache_gib (--kv-cache-gib) or router.engines (--engines)" in last
+    assert run_main(capsys, *argv, "--engines", "1")[0] == 0 and len(served) == 1
