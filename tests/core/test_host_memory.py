@@ -7,6 +7,7 @@ import pytest
 
 from yaied.core.host_memory import (
     GIB,
+    PROCESS_LEAST_BYTES,
     PROCESS_OVERHEAD_BYTES,
     EngineMemory,
     available_bytes,
@@ -58,18 +59,26 @@ def test_a_cgroups_reclaimable_file_cache_is_room_and_its_room_is_never_negative
     assert available_bytes(proc, root) == 0
 
 
-def test_engines_that_need_more_than_is_available_are_refused_with_the_figures():
+def test_engines_that_cannot_fit_even_at_their_least_are_refused_with_the_figures():
     one = EngineMemory(weight_bytes=GIB, kv_bytes=2 * GIB)
-    assert one.total == 3 * GIB + PROCESS_OVERHEAD_BYTES
-    need = 4 * one.total  # 16 GiB with a 1 GiB overhead
+    assert one.least == 3 * GIB + PROCESS_LEAST_BYTES
+    least = 4 * one.least  # 13 GiB with a quarter GiB a process
     with pytest.raises(ValueError) as raised:
-        check_fits([one] * 4, need - 1, "router.engines (--engines) = 4", "--kv-cache-gib")
+        check_fits([one] * 4, least - 1, "router.engines (--engines) = 4", "--kv-cache-gib")
     message = str(raised.value)
     assert "\n" not in message
-    assert message.startswith("router.engines (--engines) = 4: 4 CPU engine(s) need ~16.0 GiB")
-    assert "weights ~1.0 GiB + KV pool 2.0 GiB + 1.0 GiB a process" in message
-    assert "more than the 16.0 GiB of memory available here" in message
+    assert message.startswith("router.engines (--engines) = 4: 4 CPU engine(s) need ~13.0 GiB")
+    assert "weights ~1.0 GiB + KV pool 2.0 GiB + 256 MiB a process at the least" in message
+    assert "more than the 13.0 GiB of memory available here" in message
     assert message.endswith("lower --kv-cache-gib")
+
+
+def test_engines_past_the_estimate_but_not_their_least_are_only_a_warning():
+    """The 1 GiB a process is an estimate: it must not refuse a start that would run."""
+    one = EngineMemory(weight_bytes=GIB, kv_bytes=2 * GIB)
+    warning = check_fits([one], one.least, "the engine", "--kv-cache-gib")
+    assert warning is not None and "need ~4.0 GiB" in warning
+    assert "+ 1.0 GiB a process as estimated), more than the 3.2 GiB available here" in warning
 
 
 def test_engines_that_fit_with_little_headroom_are_a_warning_and_with_room_nothing():

@@ -8,13 +8,14 @@ import logging
 import pytest
 
 from yaied.core.config import load_config
-from yaied.core.host_memory import GIB, PROCESS_OVERHEAD_BYTES
+from yaied.core.host_memory import GIB, PROCESS_LEAST_BYTES, PROCESS_OVERHEAD_BYTES
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.capacity import check_capacity
 from yaied.router.config import EngineEntry, RouterConfig
 
 CPU = load_config(overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
 ONE = GIB + 2 * GIB + PROCESS_OVERHEAD_BYTES  # an engine: weights, its KV pool, a process
+LEAST = GIB + 2 * GIB + PROCESS_LEAST_BYTES  # what it cannot run in less than: refused below
 
 
 @pytest.fixture
@@ -27,15 +28,15 @@ def four_cores(monkeypatch):
 
 def test_engines_past_the_memory_are_refused_naming_the_flags(four_cores):
     router = RouterConfig(engines=3)
-    check_capacity(CPU, router, (), None, GIB, cores=4, available=3 * ONE)
+    check_capacity(CPU, router, (), None, GIB, cores=4, available=3 * LEAST)
     with pytest.raises(ValueError, match=r"^router.engines \(--engines\) = 3: 3 CPU") as raised:
-        check_capacity(CPU, router, (), None, GIB, cores=4, available=3 * ONE - 1)
+        check_capacity(CPU, router, (), None, GIB, cores=4, available=3 * LEAST - 1)
     assert "--kv-cache-gib" in str(raised.value) and "--engines" in str(raised.value)
 
 
 def test_the_daemons_own_engine_is_checked_too():
     with pytest.raises(ValueError, match="^the engine: 1 CPU engine"):
-        check_capacity(CPU, RouterConfig(), (), None, GIB, cores=4, available=ONE - 1)
+        check_capacity(CPU, RouterConfig(), (), None, GIB, cores=4, available=LEAST - 1)
 
 
 def test_little_headroom_is_a_warning(caplog, four_cores):
@@ -50,9 +51,9 @@ def test_gpu_and_remote_entries_are_not_counted():
         EngineEntry(kind="remote", url="http://10.0.0.2:8000"),
         EngineEntry(device="cpu", name="here"),
     )
-    check_capacity(CPU, RouterConfig(), entries, None, GIB, cores=1, available=ONE)
+    check_capacity(CPU, RouterConfig(), entries, None, GIB, cores=1, available=LEAST)
     with pytest.raises(ValueError, match=r"^\[\[engines\]\]: 1 CPU engine"):
-        check_capacity(CPU, RouterConfig(), entries, None, GIB, cores=1, available=ONE - 1)
+        check_capacity(CPU, RouterConfig(), entries, None, GIB, cores=1, available=LEAST - 1)
 
 
 def test_entries_threads_past_the_cores_are_refused():

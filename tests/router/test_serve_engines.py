@@ -170,7 +170,7 @@ def test_cpu_engines_past_the_memory_are_one_line_before_any_process_starts(
 
     monkeypatch.setattr(build, "usable_cores", lambda: 4)
     monkeypatch.setattr(capacity, "usable_cores", lambda: 4)
-    monkeypatch.setattr(capacity, "available_bytes", lambda: 5 * 2**30)
+    monkeypatch.setattr(capacity, "available_bytes", lambda: 4 * 2**30)  # 2 x 2 GiB + more
     served = []
     monkeypatch.setattr(daemon, "run_server", lambda *args, **kwargs: served.append(args))
     argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
@@ -179,6 +179,6 @@ def test_cpu_engines_past_the_memory_are_one_line_before_any_process_starts(
     assert (code, out, served) == (2, "", []), err
     last = err.splitlines()[-1]
     assert last.startswith("yaied: error: router.engines (--engines) = 2: 2 CPU engine(s) need")
-    assert "more than the 5.0 GiB of memory available here" in last
+    assert "more than the 4.0 GiB of memory available here" in last
     assert "lower cache.kv_cache_gib (--kv-cache-gib) or router.engines (--engines)" in last
     assert run_main(capsys, *argv, "--engines", "1")[0] == 0 and len(served) == 1

@@ -28,6 +28,10 @@ GIB = 2**30
 # 0.4B-parameter dummy model under float32. Loading peaks above it (a dummy model's random init
 # holds a second copy for a moment) are not counted: the check is for settings that cannot fit.
 PROCESS_OVERHEAD_BYTES = GIB
+# What every engine process takes at the least: the interpreter with torch and yaied imported
+# (0.26 GiB measured). A start is refused only when it cannot fit even with this; between this
+# and the estimate above it is a warning, so that the estimate never refuses one that would run.
+PROCESS_LEAST_BYTES = GIB // 4
 HEADROOM = 0.10  # a start that leaves less than this share of available memory is warned about
 
 
@@ -78,7 +82,13 @@ class EngineMemory:
 
     @property
     def total(self) -> int:
+        """The estimate: weights, KV pools and PROCESS_OVERHEAD_BYTES a process."""
         return self.weight_bytes + self.ranks * (self.kv_bytes + PROCESS_OVERHEAD_BYTES)
+
+    @property
+    def least(self) -> int:
+        """What it cannot run in less than: PROCESS_LEAST_BYTES a process."""
+        return self.weight_bytes + self.ranks * (self.kv_bytes + PROCESS_LEAST_BYTES)
 
 
 def gib(nbytes: float) -> str:
@@ -89,29 +99,39 @@ def check_fits(
     engines: list[EngineMemory], available: int | None, what: str, fix: str
 ) -> str | None:
     """A ValueError, one line naming the figures and ``fix`` (the settings to lower), when the
-    ``engines`` need more than ``available``; else a warning line when they leave it less than
-    HEADROOM, else None. ``what`` names the engines (their setting) in the message. Nothing is
-    checked where the available memory is unknown (not Linux)."""
+    ``engines`` cannot fit in ``available`` even at their least; else a warning line when their
+    estimate leaves it less than HEADROOM (or exceeds it), else None. ``what`` names the engines
+    (their setting) in the message. Nothing is checked where the available memory is unknown
+    (not Linux)."""
     if available is None or not engines:
         return None
-    need = sum(e.total for e in engines)
     first = engines[0]
-    parts = (
-        f"each: weights ~{gib(first.weight_bytes)} + KV pool {gib(first.kv_bytes)}"
-        f"{f' x {first.ranks} ranks' if first.ranks > 1 else ''} + "
-        f"{gib(PROCESS_OVERHEAD_BYTES)} a process"
-    )
-    uniform = all(e == first for e in engines)
-    detail = parts if uniform else f"the first: {parts.removeprefix('each: ')}"
-    summary = f"{what}: {len(engines)} CPU engine(s) need ~{gib(need)} ({detail})"
-    if need > available:
-        raise ValueError(
-            f"{summary}, more than the {gib(available)} of memory available here "
-            f"(MemAvailable, or the cgroup's memory.max where tighter); lower {fix}"
+
+    def summary(need: int, process: int, how: str) -> str:
+        parts = (
+            f"each: weights ~{gib(first.weight_bytes)} + KV pool {gib(first.kv_bytes)}"
+            f"{f' x {first.ranks} ranks' if first.ranks > 1 else ''} + "
+            f"{gib(process) if process >= GIB else f'{process >> 20} MiB'} a process{how}"
         )
+        detail = parts if all(e == first for e in engines) else parts.replace("each:", "the first:")
+        return f"{what}: {len(engines)} CPU engine(s) need ~{gib(need)} ({detail})"
+
+    least = sum(e.least for e in engines)
+    if least > available:
+        raise ValueError(
+            f"{summary(least, PROCESS_LEAST_BYTES, ' at the least')}, more than the "
+            f"{gib(available)} of memory available here (MemAvailable, or the cgroup's "
+            f"memory.max where tighter); lower {fix}"
+        )
+    need = sum(e.total for e in engines)
     if need > (1 - HEADROOM) * available:
+        room = (
+            f"more than the {gib(available)} available here"
+            if need > available
+            else f"of the {gib(available)} available here, leaving under {HEADROOM:.0%}"
+        )
         return (
-            f"{summary} of the {gib(available)} available here, leaving under "
-            f"{HEADROOM:.0%}: the OOM killer may end one under load; consider lowering {fix}"
+            f"{summary(need, PROCESS_OVERHEAD_BYTES, ' as estimated')}, {room}: the OOM killer "
+            f"may end one under load; consider lowering {fix}"
         )
     return None

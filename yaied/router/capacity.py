@@ -180,7 +180,7 @@ def _autoscaled_engine(
 
 
 def _device(device: str) -> str:
-    """"cpu" or "cuda": what an engine of ``device`` runs on (auto: CUDA when torch sees it)."""
+    """ "cpu" or "cuda": what an engine of ``device`` runs on (auto: CUDA when torch sees it)."""
     if device != "auto":
         return "cpu" if device == "cpu" else "cuda"
     import torch  # deferred: only a device left to auto asks
