@@ -566,3 +566,49 @@ def test_readme_names_every_environment_variable_yaied_reads():
     assert names, "no environment variable found: the pattern is stale"
     missing = sorted(n for n in names if n not in text)
     assert not missing, f"README does not name {missing}"
+
+
+def readme_commands(text: str) -> list[str]:
+    """Each command of the README's sh blocks, continuation lines joined, comments cut."""
+    blocks = re.findall(r"^```(?:sh|bash)\n(.*?)^```", text, re.M | re.S)
+    joined = "\n".join(blocks).replace("\\\n", " ")
+    return [line.split("  #")[0] for line in joined.splitlines() if line.strip()]
+
+
+def test_readme_dummy_shapes_fit_the_default_kv_pool_on_cpu():
+    # A random-weight shape is served at its config's whole context unless --max-model-len says
+    # otherwise, and on CPU the pool is cache.kv_cache_gib: a command that does not fit stops
+    # with "the KV pool holds N tokens, less than one request's context". The GPU section's
+    # commands size the pool from the device's memory instead.
+    import json
+    import types
+
+    import torch
+
+    from yaied.core.config import CacheConfig
+    from yaied.worker.worker import kv_bytes_per_token
+
+    text = README.read_text()
+    cpu_text = re.sub(r"^## The GPU path.*?(?=^## )", "", text, flags=re.M | re.S)
+    checked = 0
+    for command in readme_commands(cpu_text):
+        shape_file = re.search(r"--model (config/models/\S+\.json)", command)
+        if "--load-format dummy" not in command or shape_file is None:
+            continue
+        config = json.loads((README.parent / shape_file.group(1)).read_text())
+        shape = types.SimpleNamespace(
+            num_layers=config["num_hidden_layers"],
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim")
+            or config["hidden_size"] // config["num_attention_heads"],
+        )
+        gib = re.search(r"--kv-cache-gib (\S+)", command)
+        pool_bytes = float(gib.group(1) if gib else CacheConfig().kv_cache_gib) * 2**30
+        # bf16 pools, the smallest any dtype makes: a command refused even then is wrong
+        pool_tokens = pool_bytes // kv_bytes_per_token(shape, torch.bfloat16)
+        length = re.search(r"--max-model-len (\d+)", command)
+        context = int(length.group(1)) if length else config["max_position_embeddings"]
+        assert context <= pool_tokens, f"README: `{command.strip()}` needs --max-model-len"
+        checked += 1
+    assert checked, "no dummy-shape command found: the pattern is stale"
+
