@@ -612,3 +612,18 @@ def test_readme_dummy_shapes_fit_the_default_kv_pool_on_cpu():
         checked += 1
     assert checked, "no dummy-shape command found: the pattern is stale"
 
+
+def test_readme_names_every_responses_stream_event():
+    # The server's event types, as literals in yaied/server; the README writes a pair as
+    # `response.x.delta`/`.done` (or "`response.x.delta`, ..., then `.done`").
+    sources = "\n".join(p.read_text() for p in (README.parent / "yaied" / "server").glob("*.py"))
+    emitted = set(re.findall(r'"(response\.[a-z_]+\.[a-z_.]+)"', sources))
+    named, last = set(), ""
+    for span in re.findall(r"`([^`\n]+)`", README.read_text()):
+        if span.startswith("response."):
+            named.add(last := span)
+        elif re.fullmatch(r"\.[a-z_]+", span) and last:
+            named.add(last.rsplit(".", 1)[0] + span)
+    assert emitted, "no event type found: the pattern is stale"
+    missing = sorted(emitted - named)
+    assert not missing, f"README's Responses stream does not name {missing}"
