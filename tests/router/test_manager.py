@@ -183,6 +183,29 @@ async def test_a_lost_engine_retries_unstreamed_calls_and_fails_streamed_ones():
     await manager.stop()
 
 
+async def test_a_call_only_local_engines_take_says_why_when_none_is_up():
+    # A pool of remote daemons serves no logprobs and no embeddings (RemoteHandle.supports):
+    # the 503 says so, rather than that no engine is healthy while every one is up.
+    class RemoteLike(FakeEngine):
+        def supports(self, params):
+            return params.logprobs is None and not params.pooling
+
+    manager = EngineManager(RouterConfig())
+    manager.add_engine(RemoteLike("0"))
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(8192, 256))
+    await manager.start()
+    plain = await manager.submit_request(prompt=[1, 2], sampling_params=params())
+    assert (await plain.result()).finish_reason is FinishReason.LENGTH
+    with pytest.raises(NoEngineAvailable, match="asks for logprobs: remote engines do not"):
+        await manager.submit_request(
+            prompt=[1, 2], sampling_params=SamplingParams(max_tokens=2, logprobs=1)
+        )
+    embedding = SamplingParams(max_tokens=1, pooling="mean")
+    with pytest.raises(NoEngineAvailable, match="asks for an embedding: remote engines do not"):
+        await manager.submit_request(prompt=[1, 2], sampling_params=embedding)
+    await manager.stop()
+
+
 async def test_client_ids_may_repeat_and_cancel_matches_them_exactly():
     manager, engines = await started()
     foo = [

@@ -214,7 +214,11 @@ class EngineManager(ManagerStatus, EnginePool, CallMigration, ContextLimits):
 
     def _why_none_takes(self, call: Call) -> str:
         length = call_length(len(call.prompt_ids), call.params)
-        up = [h for i, h in self.handles.items() if self.routable(i) and h.supports(call.params)]
+        routable = [h for i, h in self.handles.items() if self.routable(i)]
+        up = [h for h in routable if h.supports(call.params)]
+        if routable and not up:  # remote engines only: they refuse these (RemoteHandle.supports)
+            asks = "an embedding" if call.params.pooling else "logprobs"
+            return f"no engine up takes a call that asks for {asks}: remote engines do not"
         if up and not any(holds(h, length) for h in up):
             largest = max(h.info.max_model_len for h in up if h.info is not None)
             return f"no engine up holds a call of {length} tokens (the largest up holds {largest})"
