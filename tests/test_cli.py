@@ -627,3 +627,32 @@ def test_readme_names_every_responses_stream_event():
     assert emitted, "no event type found: the pattern is stale"
     missing = sorted(emitted - named)
     assert not missing, f"README's Responses stream does not name {missing}"
+
+
+def test_architecture_names_only_code_that_exists():
+    # docs/architecture.md names files and functions at each step of a token's path; each name
+    # in backticks that looks like code (snake_case, CamelCase, a.b) must still be in the code.
+    # Spans with a placeholder (`fc_<response>_<n>`) or a glob (`test_x*.py`) are patterns.
+    root = README.parent
+    text = (root / "docs" / "architecture.md").read_text()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    paths = [*root.joinpath("yaied").rglob("*"), *root.joinpath("scripts").iterdir()]
+    paths += [*root.joinpath("tests").rglob("*.py"), root / "pyproject.toml"]
+    code = "\n".join(
+        p.read_text(errors="replace")
+        for p in paths
+        if p.is_file() and p.suffix in ("", ".py", ".c", ".h", ".sh", ".toml")
+    )
+    words = set(re.findall(r"\w+", code))
+    missing = set()
+    for span in re.findall(r"`([^`]+)`", text):
+        if "<" in span or "*" in span:
+            continue
+        for name in re.findall(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", span):
+            if not ("_" in name or "." in name or re.match(r"[A-Z][a-z]+[A-Z]", name)):
+                continue
+            parts = name.split(".")
+            if parts[-1] in ("py", "c", "h", "md", "toml", "json"):
+                continue
+            missing |= {p for p in parts if len(p) > 2 and p not in words}
+    assert not missing, f"docs/architecture.md names {sorted(missing)}, which the code lacks"
