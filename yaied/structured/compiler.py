@@ -21,14 +21,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from yaied.core.grammar_spec import GrammarSpec, StructuredOutputError
+from yaied.structured.backend import xgrammar
 from yaied.structured.schema_prepare import prepare_schema_source, prepare_structural_tag_source
 from yaied.structured.tokenizer import build_tokenizer_info
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class GrammarCompiler:
             self._json_options: dict[str, Any] = {"max_whitespace_cnt": max_json_whitespace}
         else:
             self._json_options = {"any_whitespace": False}
-        self._xgr = xgr.GrammarCompiler(
+        self._xgr = xgrammar().GrammarCompiler(
             self.tokenizer_info, max_threads=threads_per_compile, cache_enabled=False
         )
         # One torch thread each: a live thread that runs a parallel torch op keeps an OpenMP team,
@@ -300,14 +304,16 @@ class GrammarCompiler:
         return _convert(self._xgr, spec, self._json_options)
 
 
-class _GrammarOnly:
+def _grammar_only() -> SimpleNamespace:
     """GrammarCompiler's methods without the vocabulary: xgrammar's Grammar constructors, which
     refuse what a compile refuses (the same converters) in a fraction of its time."""
-
-    compile_json_schema = staticmethod(xgr.Grammar.from_json_schema)
-    compile_regex = staticmethod(xgr.Grammar.from_regex)
-    compile_grammar = staticmethod(xgr.Grammar.from_ebnf)
-    compile_structural_tag = staticmethod(xgr.Grammar.from_structural_tag)
+    grammar = xgrammar().Grammar
+    return SimpleNamespace(
+        compile_json_schema=grammar.from_json_schema,
+        compile_regex=grammar.from_regex,
+        compile_grammar=grammar.from_ebnf,
+        compile_structural_tag=grammar.from_structural_tag,
+    )
 
 
 def check_spec(spec: GrammarSpec) -> None:
@@ -315,14 +321,14 @@ def check_spec(spec: GrammarSpec) -> None:
     nothing is compiled against a vocabulary, nothing cached. To find which part of a larger
     spec that did not compile is at fault (one tool's schema among a request's tools)."""
     try:
-        _convert(_GrammarOnly, spec, {"any_whitespace": False})
+        _convert(_grammar_only(), spec, {"any_whitespace": False})
     except Exception as e:
         raise StructuredOutputError(spec.param, _reason(spec, e)) from None
 
 
 def _convert(builder: Any, spec: GrammarSpec, json_options: dict[str, Any]) -> Any:
-    """`spec` through `builder`'s compile_* methods (xgrammar's GrammarCompiler, or _GrammarOnly),
-    each schema prepared first (schema_prepare.py)."""
+    """`spec` through `builder`'s compile_* methods (xgrammar's GrammarCompiler, or
+    _grammar_only's), each schema prepared first (schema_prepare.py)."""
     if spec.kind == "json_schema":
         source = prepare_schema_source(spec.source)
         try:

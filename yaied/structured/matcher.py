@@ -26,12 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
+from yaied.structured.backend import xgrammar
 from yaied.structured.compiler import CompiledGrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Dtypes xgrammar's CPU and CUDA kernels take; anything else goes through the torch fallback.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,7 +106,7 @@ def apply_bitmask(
         bitmask.device_copy[:used].copy_(bitmask.host[:used], non_blocking=True)
         mask = bitmask.device_copy
     if logits.dtype in _KERNEL_DTYPES and logits.device.type in ("cpu", "cuda"):
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+        xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
     else:
         _apply_torch(logits, mask, rows, vocab)
     _ban_past(logits, bitmask, rows)
@@ -159,7 +163,7 @@ class SequenceMatcher:
     @classmethod
     def create(cls, compiled: CompiledGrammar) -> SequenceMatcher:
         # Microseconds: the compiled grammar is shared, the matcher holds only the parse state.
-        return cls(compiled, xgr.GrammarMatcher(compiled.grammar))
+        return cls(compiled, xgrammar().GrammarMatcher(compiled.grammar))
 
     @property
     def failed(self) -> bool:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+from yaied.structured.backend import xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 def build_tokenizer_info(
@@ -19,6 +22,7 @@ def build_tokenizer_info(
     token the detokenizer then drops. Blanking them (xgrammar's mark for a special token) bans
     them everywhere; the stop tokens stay allowed where the grammar may end.
     """
+    xgr = xgrammar()
     stops = list(stop_token_ids) if stop_token_ids else None
     base = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stops
