@@ -464,3 +464,58 @@ def test_quantization_that_does_not_fit_the_model_is_one_line(tiny_gguf, tmp_pat
     assert load_model(config, CPU, show_progress=False).quantization == "none"
     loaded = _load(tiny_gguf, "auto", tmp_path, model_impl="transformers")
     assert loaded.quantization == "none"
+
+
+def _read_names(monkeypatch) -> list[str]:
+    """The checkpoint tensors the loader reads from then on (model_files' iterator, spied)."""
+    from yaied.worker import model_files
+
+    read: list[str] = []
+    original = model_files.iter_safetensors_weights
+
+    def spy(*args, **kwargs):
+        for name, tensor in original(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(model_files, "iter_safetensors_weights", spy)
+    return read
+
+
+@pytest.mark.parametrize("case", ["mixed types, untied", "qwen2 q4_0, tied"])
+def test_gguf_blocks_replace_float_weights_that_are_never_read(case, tiny_gguf, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """The float copies of what the blocks replace are not read from the converted checkpoint
+    (a 606 MB Q4_0 file's load peaked at 8.5 GB holding them in fp32): the projections kept in
+    blocks, and a tied head's embeddings. What stays float (a type without a kernel, the norms,
+    Qwen2's biases) is read and loaded as before."""
+    if case.startswith("mixed"):
+        path = tiny_gguf
+        kept = {"layers.1.self_attn.q_proj", "layers.1.mlp.gate_proj", "layers.0.mlp.down_proj",
+                "layers.1.mlp.down_proj"}  # fmt: skip
+        float_too = {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"}  # f16, f32
+    else:
+        shape, q4_0 = gguf_files.Shape(arch="qwen2", tied=True), gguf_files.every(gguf_files.T.Q4_0)
+        path = gguf_files.write_gguf(tmp_path / "tied.gguf", shape, q4_0)
+        projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                       "mlp.down_proj")  # fmt: skip
+        kept = {f"layers.{i}.{p}" for i in range(2) for p in projections} | {"embed_tokens"}
+        float_too = {"model.layers.0.self_attn.q_proj.bias", "model.norm.weight"}
+    kept = {f"model.{name}.weight" for name in kept}
+    reference = _load(path, "none", tmp_path).model
+    read = _read_names(monkeypatch)
+    model = _load(path, "gguf", tmp_path).model
+    assert read and not kept & set(read)
+    assert float_too <= set(read)
+    # the same model as one that read every weight: blocks, biases and float weights
+    expected = dict(reference.named_parameters(remove_duplicate=False))  # a tied head's too
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            weight = dequantize_reference(module.qtype, module.blocks, module.in_features)
+            if len(module.parts) == 1:
+                assert torch.equal(weight, expected[f"{name}.weight"].detach()), name
+            if module.bias is not None:
+                assert torch.equal(module.bias, expected[f"{name}.bias"].detach()), name
+    for name, param in model.named_parameters():
+        assert torch.equal(param, expected[name]), name

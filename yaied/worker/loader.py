@@ -157,14 +157,23 @@ def _load_native(
 ) -> nn.Module:
     # Quantized projections are packed from (or replace) fp32 weights: one rounding, not two.
     model = build_model(hf_config, device, torch.float32 if quantization != "none" else dtype)
+    tables, absent = None, set()
+    if quantization == "gguf":
+        from yaied.worker.gguf_tables import read_tables, replaced_weights  # deferred: gguf-py
+
+        # The blocks first: the float weights they replace are then never read, and their
+        # memory (build_model's, never written) never touched.
+        tables = read_tables(model, gguf_path)
+        absent = replaced_weights(model, tables)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        model.load_weights(
-            model_files.iter_safetensors_weights(folder, show_progress=show_progress)
+        weights = model_files.iter_safetensors_weights(
+            folder, show_progress=show_progress, skip=absent
         )
+        model.load_weights(weights, absent=absent)
     if quantization != "none":
-        quantize_model(model, quantization, gguf_path)
+        quantize_model(model, quantization, tables)
     model = model.to(dtype)
     if quantization != "none":
         return_freed_memory()  # the fp32 weights the blocks replaced

@@ -20,7 +20,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -275,9 +275,10 @@ def load_generation_defaults(folder: Path) -> dict[str, float | int]:
 
 
 def iter_safetensors_weights(
-    folder: Path, *, show_progress: bool = True
+    folder: Path, *, show_progress: bool = True, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in every `*.safetensors` file of the folder, on the CPU."""
+    """(name, tensor) for every tensor in every `*.safetensors` file of the folder, on the CPU,
+    but those named in ``skip`` (never read)."""
     from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
 
@@ -297,7 +298,8 @@ def iter_safetensors_weights(
                 bar.total = (bar.total or 0) + len(names)
                 bar.refresh()
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    if name not in skip:
+                        yield name, handle.get_tensor(name)
                     bar.update(1)
 
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from yaied.kernels.cpu_quant import (
-    BY_GGML_ID,
     GROUPED,
     MAX_ROWS,
     Q8_0,
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # The projections of a native decoder layer that are quantized, and the GGUF tensors each is
 # made of (in row order).
-_PARTS = {
+PARTS = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
@@ -226,19 +225,22 @@ def resolve_quantization(setting: str, model: str, gguf_path: Path | None) -> st
     return setting
 
 
-def quantize_model(model: nn.Module, mode: str, gguf_path: Path | None = None) -> int:
+def quantize_model(model: nn.Module, mode: str, tables: dict[str, Any] | None = None) -> int:
     """Replace the decoder layers' projections of a native model by QuantizedLinear: from the
-    GGUF file's blocks (``gguf``; a projection with a part of a type without a kernel keeps the
-    float weight, with one log line; parts of different types are stacked) or packed from the
-    weights (``q8_0``, ``q4_0``). Returns how many were replaced."""
+    GGUF file's blocks (``gguf``: ``tables``, gguf_tables.read_tables'; a projection with a part
+    of a type without a kernel keeps the float weight, with one log line; parts of different
+    types are stacked) or packed from the weights (``q8_0``, ``q4_0``). Returns how many were
+    replaced."""
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError("quantized weights run on the native models only")
-    tables = _gguf_tables(model, gguf_path) if mode == "gguf" else None
+    if mode == "gguf" and tables is None:
+        raise ValueError("model.quantization = gguf needs the GGUF file's block tables")
+    tables = tables if mode == "gguf" else None
     kept: list[str] = []
     replaced = 0
     for index, layer in enumerate(layers):
-        for name in _PARTS:
+        for name in PARTS:
             linear = layer.get_submodule(name)
             full_name = f"layers.{index}.{name}"
             if tables is not None:
@@ -309,86 +311,3 @@ def quantized_types(model: nn.Module) -> str:
     modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     names = {qtype.name for m in modules for qtype, _ in m.parts}
     return "+".join(sorted(names))
-
-
-def _gguf_tables(model: nn.Module, gguf_path: Path | None) -> dict[str, Any]:
-    """Per projection of the model: its parts [(type, block table [rows, row bytes])] read from
-    the file (one, or one per run of its tensors of one type), or a string naming why it stays
-    float ("blk.3.ffn_down.weight (q3_k)"). A block table whose size does not match its tensor's
-    shape stops the load with a ValueError naming the tensor. Also "lm_head": (type, table)
-    where the head is of a kept type, and "lm_head_is_embedding": whether the file ties it."""
-    from yaied.worker.gguf_convert import unpermute_rotary  # deferred: gguf-py
-    from yaied.worker.gguf_reader import open_gguf
-
-    if gguf_path is None:
-        raise ValueError("model.quantization = gguf needs a .gguf model file")
-    reader = open_gguf(gguf_path)
-    field = reader.get_field("general.architecture")
-    arch = field.contents() if field is not None else ""
-    tensors = {t.name: t for t in reader.tensors}
-    shape = model.shape
-    heads = {"attn_q": shape.num_heads, "attn_k": shape.num_kv_heads}
-    tables: dict = {}
-    for index, layer in enumerate(model.layers):
-        for name, parts in _PARTS.items():
-            linear = layer.get_submodule(name)
-            k = linear.in_features
-            pieces, types = [], set()
-            for part in parts:
-                tensor_name = f"blk.{index}.{part}.weight"
-                tensor = tensors.get(tensor_name)
-                if tensor is None:
-                    raise ValueError(f"GGUF file {gguf_path} lacks {tensor_name}")
-                qtype = BY_GGML_ID.get(int(tensor.tensor_type))
-                types.add(qtype.name if qtype else tensor.tensor_type.name.lower())
-                pieces.append((tensor_name, tensor, qtype))
-            if any(piece[2] is None for piece in pieces):
-                names = "+".join(p[0] for p in pieces)
-                tables[f"layers.{index}.{name}"] = f"{names} ({'/'.join(sorted(types))})"
-                continue
-            blocks = []
-            for tensor_name, tensor, qtype in pieces:
-                rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
-                data = tensor.data
-                if int(tensor.shape[0]) != k:
-                    raise ValueError(
-                        f"{tensor_name}: {int(tensor.shape[0])} columns, the model expects {k}"
-                    )
-                table = torch.from_numpy(data.reshape(-1).copy()).view(torch.uint8)
-                expected = rows * (k // qtype.block_size) * qtype.block_bytes
-                if table.numel() != expected or k % qtype.block_size:
-                    raise ValueError(
-                        f"{tensor_name}: the {qtype.name} block table holds {table.numel()} "
-                        f"bytes, a [{rows}, {k}] weight needs {expected}: truncated or corrupt"
-                    )
-                table = table.view(rows, -1)
-                part = tensor_name.split(".")[2]
-                if arch == "llama" and part in heads:
-                    table = torch.from_numpy(unpermute_rotary(table.numpy(), heads[part]))
-                blocks.append(table)
-            runs: list[tuple[QuantType, list[torch.Tensor]]] = []  # tensors of one type in a row
-            for (_, _, qtype), table in zip(pieces, blocks, strict=True):
-                if runs and runs[-1][0] is qtype:
-                    runs[-1][1].append(table)
-                else:
-                    runs.append((qtype, [table]))
-            # copies: the file's mapping can close
-            found = [(qtype, torch.cat(run).contiguous()) for qtype, run in runs]
-            if sum(table.shape[0] for _, table in found) != linear.out_features:
-                raise ValueError(
-                    f"blk.{index}.{'+'.join(parts)}: rows do not make the model's "
-                    f"{linear.out_features}: corrupt tensors"
-                )
-            tables[f"layers.{index}.{name}"] = found
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    tables["lm_head_is_embedding"] = "output.weight" not in tensors
-    qtype = BY_GGML_ID.get(int(head.tensor_type)) if head is not None else None
-    if qtype is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        linear = model.lm_head
-        table = torch.from_numpy(head.data.reshape(-1).copy())
-        expected = linear.out_features * (linear.in_features // qtype.block_size)
-        if table.numel() == expected * qtype.block_bytes:
-            table = table.view(linear.out_features, -1)
-            check_table(qtype, table, linear.out_features, linear.in_features, head.name)
-            tables["lm_head"] = (qtype, table)
-    return tables

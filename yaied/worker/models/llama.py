@@ -12,6 +12,7 @@ decode step of a few streams runs every layer in one C call (models/decode_loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -271,10 +272,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [rows, vocab], fp32 for the sampler
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], absent: Iterable[str] = ()
+    ) -> None:
+        """Copy ``weights`` in. ``absent``: checkpoint names left out of ``weights`` on purpose
+        (projections that quantized blocks replace next), counted as loaded, never written."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        named: Iterable[tuple[str, torch.Tensor | None]] = weights
+        for hf_name, tensor in itertools.chain(named, ((n, None) for n in absent)):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -283,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
             parts = name.split(".")
             fused = next((p for p in parts if p in self.FUSED), None)
             if fused is None:
-                self._copy(params, name, tensor)
+                if tensor is not None:
+                    self._copy(params, name, tensor)
                 loaded.add(name)
                 continue
             target, shard = self.FUSED[fused]
@@ -293,6 +300,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name}")
             offset, size = self._shard_range(target, shard)
             rows = param.data[offset : offset + size]
+            if tensor is None:
+                loaded.add(f"{name}#{shard}")
+                continue
             if rows.shape != tensor.shape:  # copy_ would broadcast a [rows, 1] without a word
                 raise ValueError(
                     f"weight {hf_name}: shape {tuple(tensor.shape)} != {tuple(rows.shape)}"
