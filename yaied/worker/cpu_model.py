@@ -26,7 +26,8 @@ from yaied.worker.cpu_linear import (
     store_linears_bf16,
     store_linears_panels,
 )
-from yaied.worker.loader import LoadedModel, return_freed_memory
+from yaied.worker.host_memory import return_freed_memory
+from yaied.worker.loader import LoadedModel
 from yaied.worker.models.llama import LlamaForCausalLM
 from yaied.worker.quantized import bind_quantized
 

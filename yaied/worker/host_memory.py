@@ -44,3 +44,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # The tensor keeps the mapping alive (frombuffer holds the buffer until the storage goes).
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).view(shape).zero_()
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    what was freed stays resident in the heap otherwise, for tensors under glibc's mmap
+    threshold and for whatever a library's loading parsed and dropped."""
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -15,6 +15,7 @@ from torch import nn
 from yaied.core.config import ModelConfig
 from yaied.kernels.cpu_isa import has_bf16_math, selected_level
 from yaied.worker import model_files
+from yaied.worker.host_memory import return_freed_memory
 from yaied.worker.models import build_model, check_supported
 from yaied.worker.models.transformers_backend import build_transformers_model, check_remote_code
 from yaied.worker.quantized import quantize_model, resolve_quantization
@@ -179,18 +180,6 @@ def _load_native(
         return_freed_memory()  # the fp32 weights the blocks replaced
     model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
     return model.eval()
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
-    tensors under glibc's mmap threshold stay in the heap after they are freed."""
-    import contextlib
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _resolve_config(config: ModelConfig, show_progress: bool) -> tuple[Path | None, object]:
