@@ -262,7 +262,9 @@ def _serve_http(args: argparse.Namespace) -> int:
     weights = estimate_weight_bytes(config.model)
     autoscale = check_capacity(config, start.router, start.engines, start.autoscale, weights)
     try:
-        run_server(config, start.server, start.router, start.engines, read_config, autoscale)
+        run_server(
+            config, start.server, start.router, start.engines, read_config, autoscale, weights
+        )
     except EngineDeadError as exc:
         print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         sys.stderr.flush()

@@ -43,6 +43,7 @@ from yaied.core.forwarding import is_loopback
 from yaied.core.processes import freeze_loaded_objects
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.room import HostRoom
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 from yaied.server.reload import ConfigReader, reload
@@ -135,11 +136,13 @@ def run_server(
     engines: tuple[EngineEntry, ...] = (),
     read_config: ConfigReader | None = None,
     autoscale: AutoscaleConfig | None = None,
+    weight_bytes: int | None = None,
 ) -> None:
     """Serve until a signal. One engine runs in this process unless `[[engines]]` entries or
     ``router.engines > 1`` ask for engine processes or remote daemons behind the router.
     ``read_config`` reads the config files again on SIGHUP (None: a reload changes nothing);
-    ``autoscale`` turns the autoscaler on where it is enabled."""
+    ``autoscale`` turns the autoscaler on where it is enabled; ``weight_bytes``: the CLI's
+    estimate of an engine's weights, for the memory check of CPU engines added while serving."""
     failure: list[BaseException] = []
     server: DrainingServer | None = None
     router_config = router_config or RouterConfig()
@@ -156,6 +159,7 @@ def run_server(
             engine.on_dead = engine_died
             manager = EngineManager.single(engine, router_config)
         manager.autoscale = autoscale or manager.autoscale
+        manager.room = HostRoom(weight_bytes)
         freeze_loaded_objects()
         return manager
 

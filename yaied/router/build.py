@@ -6,7 +6,7 @@ from yaied.core.config import EngineConfig
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.local_process import usable_cores
 from yaied.router.manager import EngineManager
-from yaied.router.pool import entry_names
+from yaied.router.names import entry_names
 
 
 def build_manager(

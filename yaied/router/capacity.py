@@ -15,36 +15,25 @@ the supervisor restarts into the same end.
 The autoscaler's ``max_engines`` is a ceiling, not a count to start: where its CPU engines
 would not fit, it is lowered to what does, with a warning (the autoscaler then stops adding
 there), and only a ``min_engines`` that does not fit is refused. GPU engines (their memory is
-the device's) and remote or Ray engines (another machine's) are out of scope here.
+the device's) and remote or Ray engines (another machine's) are out of scope here. Engines added
+while the daemon serves are checked against what is left then, with the same pieces (room.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 from yaied.core.config import EngineConfig
-from yaied.core.host_memory import GIB, EngineMemory, available_bytes, check_fits, gib
+from yaied.core.host_memory import EngineMemory, available_bytes, check_fits, gib
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.build import local_entries
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.local_process import usable_cores
-from yaied.router.pool import entry_names
+from yaied.router.names import entry_names
+from yaied.router.room import CpuEngine, check_cores, cpu_engine, engine_device, memory_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CpuEngine:
-    name: str
-    ranks: int  # processes (tensor-parallel ranks), each with its own KV pool
-    threads: int  # torch threads it sets for itself; 0 = a share of the cores
-
-    @property
-    def cores(self) -> int:
-        """The cores it needs to itself: one a rank, or its threads."""
-        return max(self.ranks, self.threads)
 
 
 def check_capacity(
@@ -63,9 +52,8 @@ def check_capacity(
     cores = usable_cores() if cores is None else cores
     available = available_bytes() if available == -1 else available
     cpu, num_local = cpu_engines(engine_config, router, entries)
-    check_cores(cpu, cores, bool(entries))
-    kv = int(engine_config.cache.kv_cache_gib * GIB)
-    memory = [EngineMemory(weight_bytes or 0, kv, e.ranks) for e in cpu]
+    check_cores(cpu, cores, "engines.threads" if entries else "device.threads (--threads)")
+    memory = memory_of(cpu, engine_config, weight_bytes)
     if entries:
         what, fix = "[[engines]]", "cache.kv_cache_gib (--kv-cache-gib) or the local entries"
     elif router.engines > 1:
@@ -77,8 +65,9 @@ def check_capacity(
     warning = check_fits(memory, available, what, fix)
     new = _autoscaled_engine(engine_config, autoscale)
     if autoscale is not None and new is not None:
+        one = memory_of([new], engine_config, weight_bytes)[0]
         autoscale, memory = _bound_autoscale(
-            autoscale, new, cpu, memory, num_local, cores, available, weight_bytes or 0, kv
+            autoscale, new, cpu, memory, num_local, cores, available, one
         )
         warning = check_fits(memory, available, f"{what} and the autoscaler's", fix) or warning
     if warning:
@@ -94,34 +83,15 @@ def cpu_engines(
     default_threads = engine_config.device.threads
     if not entries:
         if router.engines == 1:  # the daemon's own process runs it
-            if _device(engine_config.device.device) != "cpu":
+            if engine_device(engine_config.device.device) != "cpu":
                 return [], 1
             return [CpuEngine("0", size, default_threads)], 1
         # Refuses more than the cores (one a rank) with its own message, as it always did.
         entries = local_entries(router.engines, engine_config.device.device, size)
     local = [e for e in entries if e.kind == "local"]
-    found = []
-    for entry, name in zip(entries, entry_names(entries), strict=True):
-        device = engine_config.device.device if entry.device == "auto" else entry.device
-        if entry.kind != "local" or _device(device) != "cpu":
-            continue
-        ranks = entry.tensor_parallel_size or len(entry.device_ids) or size
-        found.append(CpuEngine(name, ranks, entry.threads or default_threads))
+    named = zip(entries, entry_names(entries), strict=True)
+    found = [cpu for e, name in named if (cpu := cpu_engine(e, engine_config, name)) is not None]
     return found, len(local)
-
-
-def check_cores(engines: list[CpuEngine], cores: int, from_entries: bool) -> None:
-    """A ValueError when more than one CPU engine needs more cores than this daemon may use."""
-    need = sum(e.cores for e in engines)
-    if len(engines) < 2 or need <= cores:
-        return
-    each = ", ".join(f"{e.name}: {e.cores}" for e in engines)
-    where = "engines.threads" if from_entries else "device.threads (--threads)"
-    raise ValueError(
-        f"{len(engines)} local CPU engines need {need} cores ({each}: a core a rank, or the "
-        f"threads each sets), more than the {cores} this daemon may use; lower {where} or run "
-        "fewer engines"
-    )
 
 
 def _bound_autoscale(
@@ -132,15 +102,13 @@ def _bound_autoscale(
     num_local: int,
     cores: int,
     available: int | None,
-    weight_bytes: int,
-    kv: int,
+    one: EngineMemory,
 ) -> tuple[AutoscaleConfig, list[EngineMemory]]:
-    """``autoscale`` with max_engines lowered to the CPU engines that fit, and the memory of
-    the engines at its ceiling."""
+    """``autoscale`` with max_engines lowered to the CPU engines that fit (``one``: the memory
+    of one it adds), and the memory of the engines at its ceiling."""
     extra = autoscale.max_engines - num_local
     if extra <= 0:
         return autoscale, memory
-    one = EngineMemory(weight_bytes, kv, new.ranks)
     # One engine alone runs on what it is given; beside others, each needs its own cores.
     by_cores = max((cores - sum(e.cores for e in cpu)) // new.cores, 0 if cpu else 1)
     room = extra if available is None else (available - sum(m.total for m in memory)) // one.total
@@ -173,16 +141,7 @@ def _autoscaled_engine(
     if autoscale is None or not autoscale.enabled or autoscale.kind != "local":
         return None
     device = engine_config.device.device if autoscale.device == "auto" else autoscale.device
-    if _device(device) != "cpu":
+    if engine_device(device) != "cpu":
         return None
     threads = autoscale.threads or engine_config.device.threads
     return CpuEngine("autoscaled", engine_config.engine.tensor_parallel_size, threads)
-
-
-def _device(device: str) -> str:
-    """ "cpu" or "cuda": what an engine of ``device`` runs on (auto: CUDA when torch sees it)."""
-    if device != "auto":
-        return "cpu" if device == "cpu" else "cuda"
-    import torch  # deferred: only a device left to auto asks
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,12 +27,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from yaied.core.metric_names import ENGINE_GAUGES
 from yaied.router.autoscale import AutoscaleConfig, Autoscaler
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle, Health, Stats
+from yaied.router.names import base_name, entry_names, first_free
+from yaied.router.room import HostRoom
 
 if TYPE_CHECKING:
     from yaied.core.config import EngineConfig
@@ -66,42 +67,6 @@ class PoolEntry:
     added_at: float = 0.0
 
 
-def base_name(entry: EngineEntry) -> str:
-    """An engine's name when its entry gives none: what it is and where."""
-    if entry.name:
-        return entry.name
-    if entry.kind == "remote":
-        return "remote-" + (urlsplit(entry.url).netloc or entry.url)
-    if entry.kind == "ray":
-        return f"ray-{entry.node}" if entry.node else "ray"
-    return f"local-{entry.device}"
-
-
-def entry_names(entries: Iterable[EngineEntry]) -> list[str]:
-    """Each entry's name, in order; unnamed alike entries count up (``local-cpu``,
-    ``local-cpu-2``), so the same config file always names its engines the same. Two entries
-    given the same name are a ValueError."""
-    entries = list(entries)
-    given = [e.name for e in entries if e.name]
-    if len(set(given)) != len(given):
-        raise ValueError("two [[engines]] entries share a name")
-    names: list[str] = []
-    for entry in entries:
-        name = base_name(entry)
-        if not entry.name:
-            name = _first_free(name, set(names) | set(given))
-        names.append(name)
-    return names
-
-
-def _first_free(base: str, taken: set[str]) -> str:
-    name, n = base, 1
-    while name in taken:
-        n += 1
-        name = f"{base}-{n}"
-    return name
-
-
 class EnginePool:
     # The manager's tables and methods this mixin uses: _lost, _engine_lost, step_observer
     # (manager.py) and get_engine_status (status.py).
@@ -123,6 +88,7 @@ class EnginePool:
         self._waiters: set[asyncio.Task] = set()  # removals waiting for their replacements
         self.autoscale = AutoscaleConfig()  # set before start() to turn the autoscaler on
         self.autoscaler: Autoscaler | None = None
+        self.room = HostRoom()  # what local CPU engines added while serving must fit (room.py)
 
     # -- adding ------------------------------------------------------------------------------
 
@@ -145,7 +111,7 @@ class EnginePool:
             entry = config
             handle = self._build_handle(str(self._next_id), entry)
             self._next_id += 1
-            name = name or _first_free(base_name(entry), self._names_in_use())
+            name = name or first_free(base_name(entry), self._names_in_use())
         if handle.engine_id in self.handles or handle.engine_id in self.removed:
             raise ValueError(f"engine id {handle.engine_id!r} is already in use")
         if name in self._names_in_use():
