@@ -11,11 +11,14 @@ import pytest
 
 from tests.router.test_manager import FakeEngine
 from tests.server.conftest import in_process_server
+from yaied.core.config import load_config
+from yaied.core.host_memory import GIB
 from yaied.core.model_info import ModelInfo
 from yaied.engine.inputs import InputProcessor
-from yaied.router.config import RouterConfig
+from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.handle import Health
 from yaied.router.manager import EngineManager
+from yaied.router.room import HostRoom
 from yaied.server.config import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -199,3 +202,50 @@ def test_a_name_clash_is_409_and_other_refusals_are_400_whatever_they_say(monkey
         answer = client.post("/v1/engines", json=UNREACHABLE, headers=ADMIN)
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["message"] == "device cuda:0 is already held by engine 0"
+
+
+def cpu_manager() -> EngineManager:
+    """fake_manager's, with the engine config local CPU engines are made from."""
+    manager = fake_manager()
+    config = {"device.device": "cpu", "cache.kv_cache_gib": 2.0}
+    manager.engine_config = load_config(env={}, overrides=config)
+    return manager
+
+
+def test_a_local_cpu_engine_past_the_memory_or_cores_left_is_409_and_starts_nothing(monkeypatch):
+    """An engine added over HTTP was started whatever the machine had left: past the memory,
+    the OOM killer ended one mid-serve. Checked as a start is, against what is left now."""
+    with in_process_server(ServerConfig(api_keys=KEYS), cpu_manager, "tiny") as client:
+        manager = client.app.state.server.manager
+        built: list[EngineEntry] = []
+
+        def build(engine_id, entry):
+            built.append(entry)
+            return FakeEngine(engine_id)
+
+        monkeypatch.setattr(manager, "_build_handle", build)
+
+        def add(body: dict, available: int, cores: int):
+            manager.room = HostRoom(GIB, available=lambda: available, cores=lambda: cores)
+            return client.post("/v1/engines", json={"kind": "local", **body}, headers=ADMIN)
+
+        # weights 1 GiB + KV pool 2 GiB + 256 MiB a process at the least: 3.25 GiB
+        answer = add({"device": "cpu", "name": "big"}, 3 * GIB, 4)
+        assert answer.status_code == 409, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "insufficient_memory" and error["type"] == "invalid_request_error"
+        assert "need ~3.2 GiB" in error["message"] and "the 3.0 GiB" in error["message"]
+        assert "big" in error["message"] and "kv_cache_gib" in error["message"]
+        listing = client.get("/v1/engines", headers=ADMIN).json()["data"]
+        assert built == [] and [engine["name"] for engine in listing] == ["first"]
+        assert add({"device": "cpu", "name": "a"}, 64 * GIB, 2).status_code == 202
+        wait_for(lambda: manager.engine_state(manager.find_engine("a")) == "up")
+        # a, 1 core (its rank), and b's 2 threads: past the 2 cores
+        answer = add({"device": "cpu", "name": "b", "threads": 2}, 64 * GIB, 2)
+        assert answer.status_code == 409, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "insufficient_cores"
+        assert "need 3 cores (a: 1, b: 2" in error["message"] and "the 2 this" in error["message"]
+        assert [e.name for e in built] == ["a"]
+        # GPU and remote engines are not this machine's memory: not checked here
+        assert add({"device": "cuda:0", "name": "gpu"}, 0, 1).status_code == 202

@@ -113,7 +113,7 @@ def _live_cpu_engines(
         if cpu is None:
             continue
         running.append(cpu)
-        if kind == "local" and manager.engine_state(engine_id) in ("starting", "down"):
+        if kind != "inprocess" and manager.engine_state(engine_id) in ("starting", "down"):
             pending.append(cpu)
     return running, pending
 

@@ -6,7 +6,9 @@
                                     {"kind": "remote", "url": ..., "api_key": ...}, and "name";
                                     202, it takes calls once its state is "up"; 400 for
                                     a remote that is this daemon (core/forwarding.py); 409
-                                    (engine_name_taken) for a name a serving engine holds
+                                    (engine_name_taken) for a name a serving engine holds;
+                                    409 (insufficient_memory, insufficient_cores) for a local
+                                    CPU engine this machine cannot hold now (router/room.py)
     POST   /v1/engines/{id}/drain   no new calls go there; in-flight ones finish
     DELETE /v1/engines/{id}?timeout=30
                                     drain, then stop it after its calls finish (or the timeout);
@@ -20,6 +22,7 @@ logged with the key's name.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -30,9 +33,11 @@ from starlette.routing import Route
 
 from yaied.router.config import EngineEntry, parse_engine_entry, refuse_own_address
 from yaied.router.manager import EngineManager
+from yaied.router.names import base_name
 from yaied.router.pool import EngineNameTaken
 from yaied.router.ray_cluster import join_for
 from yaied.router.remote import instance_at
+from yaied.router.room import NoRoom, check_room, engine_device
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
@@ -108,6 +113,9 @@ async def add_engine(request: Request) -> Response:
     entry = engine_entry(await read_json(request))
     await _refuse_self(request, manager, entry)
     await _check_ray(manager, entry)
+    if entry.kind == "local":  # device auto asks torch, imported the first time: off the loop
+        await asyncio.to_thread(engine_device, "auto")
+        _check_room(manager, entry)
     try:
         engine_id = manager.add_engine(entry, name=entry.name or None, origin="api")
     except EngineNameTaken as exc:
@@ -156,6 +164,24 @@ async def _check_ray(manager: EngineManager, entry: EngineEntry) -> None:
         await join_for(manager.config.ray_address, [entry], size)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def _check_room(manager: EngineManager, entry: EngineEntry) -> None:
+    """409 for a local CPU engine past the memory or the cores this machine has left now, as a
+    start past them is refused: started, the OOM killer would end one engine mid-serve."""
+    name = base_name(entry)  # its name, else what it is (local-cpu)
+    fix = (
+        "the memory in use first (remove an engine), or at a restart cache.kv_cache_gib "
+        "(--kv-cache-gib) or model.quantization"
+    )
+    try:
+        warning = check_room(
+            manager, {name: entry}, f"engine {name} added", fix, where="the body's threads"
+        )
+    except NoRoom as exc:
+        raise APIError(409, str(exc), code=f"insufficient_{exc.resource}") from None
+    if warning:
+        log.warning("engines: %s", warning)
 
 
 async def _refuse_self(request: Request, manager: EngineManager, entry: EngineEntry) -> None:
