@@ -10,6 +10,8 @@ import pytest
 
 from tests.router.test_manager import FakeEngine, params, started
 from tests.waiting import async_wait_until
+from yaied.core.config import load_config
+from yaied.core.host_memory import GIB
 from yaied.core.model_info import ModelInfo
 from yaied.core.request import FinishReason
 from yaied.engine.inputs import InputProcessor
@@ -18,6 +20,7 @@ from yaied.router.handle import Health
 from yaied.router.lifecycle import CallState
 from yaied.router.manager import EngineManager
 from yaied.router.pool import entry_names
+from yaied.router.room import HostRoom
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -278,4 +281,44 @@ async def test_a_removed_engine_is_listed_with_its_counters_and_no_gauges():
     assert listed["0"]["state"] == "removed"
     assert listed["0"]["stats"] == {"num_pages": 8, "prefix_cache_hits": 7}  # frozen
     assert (await call.result()).finish_reason is FinishReason.LENGTH  # moved to engine 1
+    await manager.stop()
+
+
+async def test_a_reload_past_the_memory_or_cores_left_changes_nothing(monkeypatch):
+    """A reload started its new local CPU engines whatever the machine had left: past the memory,
+    the OOM killer ended one mid-serve. Checked as a start is, before any change."""
+    config = load_config(env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
+    manager = EngineManager(RouterConfig(), engine_config=config)
+    gate = asyncio.Event()
+    monkeypatch.setattr(manager, "_build_handle", lambda i, e: SlowStart(i, delay=0, gate=gate))
+    manager.add_engine(EngineEntry(device="cpu", name="a"))
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
+    gate.set()
+    await manager.start()
+    gate.clear()
+
+    def cpu(name: str, threads: int = 0) -> EngineEntry:
+        return EngineEntry(device="cpu", name=name, threads=threads)
+
+    def room(available: int, cores: int) -> None:
+        manager.room = HostRoom(GIB, available=lambda: available, cores=lambda: cores)
+
+    before = dict(manager.pool)
+    room(6 * GIB, 8)  # a new engine: 1 GiB weights + 2 GiB KV pool + 256 MiB at the least
+    with pytest.raises(ValueError, match=r"^\[\[engines\]\] added by the reload: 2 CPU en"):
+        manager.apply_engines([cpu("a"), cpu("b"), cpu("c")])
+    room(64 * GIB, 2)
+    with pytest.raises(ValueError, match=r"^3 local CPU engines need 3 cores \(a: 1, b: 1"):
+        manager.apply_engines([cpu("a"), cpu("b"), cpu("c")])
+    assert manager.pool == before and not manager.pool["0"].draining  # nothing changed
+    # A replaced engine's cores go to its replacement: a (1) becomes a (2), b (1) joins.
+    room(64 * GIB, 3)
+    assert manager.apply_engines([cpu("a", threads=2), cpu("b")])["replaced"] == ["a"]
+    # Those two still load: their memory is not taken yet, so it is counted with c's.
+    room(4 * GIB, 8)
+    with pytest.raises(ValueError, match=r"\(with 2 starting or restarting"):
+        manager.apply_engines([cpu("a", threads=2), cpu("b"), cpu("c")])
+    room(10 * GIB, 8)
+    assert manager.apply_engines([cpu("a", threads=2), cpu("b"), cpu("c")])["added"] == ["c"]
+    gate.set()
     await manager.stop()

@@ -33,7 +33,7 @@ from yaied.router.autoscale import AutoscaleConfig, Autoscaler
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle, Health, Stats
 from yaied.router.names import base_name, entry_names, first_free
-from yaied.router.room import HostRoom
+from yaied.router.room import HostRoom, check_room
 
 if TYPE_CHECKING:
     from yaied.core.config import EngineConfig
@@ -272,7 +272,8 @@ class EnginePool:
         start, missing ones are removed once the new ones have started (so the pool never
         shrinks to nothing in between), changed ones are replaced, the rest are untouched.
         Engines added over the API or by the autoscaler are not the config's, and stay. Every
-        check runs before any change: a ValueError means nothing changed."""
+        check runs before any change, new local CPU engines past the memory or the cores left now
+        among them (room.py): a ValueError means nothing changed."""
         entries = list(entries)
         names = entry_names(entries)
         wanted = dict(zip(names, entries, strict=True))
@@ -289,13 +290,14 @@ class EnginePool:
             raise ValueError("the config lists no engine: the daemon would have none")
         changed = [n for n in wanted if n in current and self.pool[current[n]].entry != wanted[n]]
         leaving = [current[n] for n in current if n not in wanted or n in changed]
+        starting = {n: wanted[n] for n in names if n not in current or n in changed}
+        fix = "the engines added, or at a restart cache.kv_cache_gib or model.quantization"
+        what, where = "[[engines]] added by the reload", "engines.threads"
+        if warning := check_room(self, starting, what, fix, where=where, leaving=leaving):
+            log.warning("%s", warning)
         for name in changed:  # its name goes to the new engine at once
             self.drain_engine(current[name])
-        new = [
-            self.add_engine(wanted[n], name=n, origin="config")
-            for n in names
-            if n not in current or n in changed
-        ]
+        new = [self.add_engine(entry, name=n, origin="config") for n, entry in starting.items()]
         if leaving:
             task = asyncio.get_running_loop().create_task(
                 self._remove_after_start(new, leaving, timeout)

@@ -5,7 +5,8 @@ applied, nothing else touched.
       a config that does not load is logged and changes nothing
     keys      the table swapped in whole: the next request sees the new keys
     engines   a diff by name (router/pool.py apply_engines): new ones start, missing ones drain
-              and stop once the new ones are up, changed ones are replaced, the rest untouched
+              and stop once the new ones are up, changed ones are replaced, the rest untouched;
+              new local CPU engines past the memory or cores left now: nothing changes
     the rest  other settings take a restart: a reload that changes them says so in the log
 
 The daemon tells systemd RELOADING=1 before and READY=1 after (daemon.py).
@@ -25,6 +26,7 @@ from yaied.router.autoscale import AutoscaleConfig, load_autoscale_config
 from yaied.router.build import local_entries
 from yaied.router.config import EngineEntry, RouterConfig, load_router_config, refuse_own_address
 from yaied.router.ray_cluster import join_for
+from yaied.router.room import engine_device
 from yaied.server.config import ServerConfig, load_server_config
 from yaied.server.keys import KeyTable
 from yaied.server.state import ServerState
@@ -83,6 +85,8 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
             engine = manager.engine_config
             device, ranks = engine.device.device, engine.engine.tensor_parallel_size
             entries = await asyncio.to_thread(local_entries, config.router.engines, device, ranks)
+        if any(e.kind == "local" for e in entries):  # device auto asks torch (the fit check)
+            await asyncio.to_thread(engine_device, "auto")  # imported the first time: off the loop
         if manager.engine_config is not None:  # else apply_engines refuses ray engines
             # A new ray engine may start or join Ray (seconds): in a thread, before any change.
             known = [e.entry for e in manager.pool.values() if e.origin == "config"]

@@ -1,0 +1,57 @@
+"""A reload (server/reload.py) over a manager of fake engines: what it logs and keeps when the
+config's new engines cannot be applied. The daemon's SIGHUP path: tests/test_reload.py."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from tests.router.test_manager import FakeEngine
+from yaied.core.config import load_config
+from yaied.core.host_memory import GIB
+from yaied.core.model_info import ModelInfo
+from yaied.engine.inputs import InputProcessor
+from yaied.router.autoscale import AutoscaleConfig
+from yaied.router.config import EngineEntry, RouterConfig
+from yaied.router.manager import EngineManager
+from yaied.router.room import HostRoom
+from yaied.server.config import ServerConfig
+from yaied.server.keys import KeyTable
+from yaied.server.reload import DaemonConfig, reload
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_new_cpu_engines_past_the_memory_left_are_one_error_line_and_nothing_changes(
+    monkeypatch, caplog
+):
+    config = load_config(env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
+    manager = EngineManager(RouterConfig(), engine_config=config)
+    monkeypatch.setattr(manager, "_build_handle", lambda engine_id, entry: FakeEngine(engine_id))
+    manager.add_engine(EngineEntry(device="cpu", name="a"))
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
+    await manager.start()
+    # 1 GiB of weights + a 2 GiB KV pool + 256 MiB a process at the least, in 3 GiB
+    manager.room = HostRoom(GIB, available=lambda: 3 * GIB, cores=lambda: 8)
+    server = SimpleNamespace(
+        manager=manager, draining=False, keys=KeyTable.parse(["old"]), config=ServerConfig()
+    )
+    entries = (EngineEntry(device="cpu", name="a"), EngineEntry(device="cpu", name="b"))
+
+    def read() -> DaemonConfig:
+        return DaemonConfig(
+            ServerConfig(api_keys=("new",)), RouterConfig(), entries, AutoscaleConfig()
+        )
+
+    with caplog.at_level(logging.INFO, logger="yaied"):
+        assert await reload(server, read) is False
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, caplog.text
+    message = errors[0].getMessage()
+    assert message.startswith("reload failed, nothing changed: [[engines]] added by the reload")
+    assert "need ~3.2 GiB" in message and "the 3.0 GiB" in message
+    assert [e.name for e in manager.pool.values()] == ["a"] and manager.engine_state("0") == "up"
+    assert server.keys.lookup(b"old") is not None and server.keys.lookup(b"new") is None
+    await manager.stop()
