@@ -4,6 +4,8 @@ once), and the loop around it over fake engines with a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -11,11 +13,14 @@ from types import SimpleNamespace
 import pytest
 
 from tests.router.test_manager import FakeEngine, params, started
+from yaied.core.config import load_config
+from yaied.core.host_memory import GIB
 from yaied.core.model_info import ModelInfo
 from yaied.engine.inputs import InputProcessor
 from yaied.router.autoscale import (
     AutoscaleConfig,
     Autoscaler,
+    Decision,
     EngineSample,
     Memory,
     PoolSample,
@@ -24,6 +29,7 @@ from yaied.router.autoscale import (
 )
 from yaied.router.config import RouterConfig
 from yaied.router.manager import EngineManager
+from yaied.router.room import HostRoom
 from yaied.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -149,7 +155,7 @@ async def test_the_loop_scales_a_manager_up_and_down_on_a_fake_clock():
     for t in range(11, 80):
         now[0] = float(t)
         scaler.tick()
-    assert scaler.events == {"up": 1, "down": 1}
+    assert scaler.events == {"up": 1, "down": 1, "up_refused": 0}
     await asyncio.gather(*list(manager._removals.values()))
     assert manager.engine_state("1") == "removed" and manager.engine_state("0") == "up"
     manager.autoscaler = scaler
@@ -209,3 +215,56 @@ def test_readme_table_names_every_autoscale_setting():
     named = set(re.findall(r"`(\w+)`", table))
     missing = [name for name in AutoscaleConfig.__dataclass_fields__ if name not in named]
     assert not missing, f"README's [autoscale] table lacks {missing}"
+
+
+def test_an_up_with_no_room_adds_nothing_and_keeps_the_window_and_no_cooldown():
+    """decide: the sample says why an engine would not fit; the up waits for room, not for a
+    cooldown or another window."""
+    sample = PoolSample(100.0, 50, 1, (EngineSample("0", "up", 9, False),), no_room="no memory")
+    decision, memory = decide(CONFIG, sample, Memory(high_since=0.0))
+    assert decision == Decision("up_refused", None, "no memory")
+    assert memory.high_since == 0.0 and memory.last_event_at == float("-inf")
+    roomy = dataclasses.replace(sample, now=101.0, no_room=None)
+    assert decide(CONFIG, roomy, memory)[0].direction == "up"  # at once, once there is room
+    below_min = PoolSample(0.0, 0, 0, (), no_room="no memory")
+    assert decide(CONFIG, below_min, Memory())[0].direction == "up_refused"
+
+
+async def test_a_scale_up_past_the_memory_left_adds_nothing_warns_once_and_counts_once(caplog):
+    """Its ups started local CPU engines whatever the machine had left: past the memory, the
+    OOM killer ended one mid-serve. Checked as a start is, against what is left now."""
+    manager, engines = await started(1)
+    manager.engine_config = load_config(
+        env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0}
+    )
+    engines[0].tick = 0.3
+    now = [0.0]
+    config = dataclasses.replace(CONFIG, device="cpu")
+    added: list[str] = []
+
+    def new_engine() -> FakeEngine:
+        added.append(manager_next(manager))
+        return FakeEngine(added[-1])
+
+    scaler = Autoscaler(manager, config, clock=lambda: now[0], new_engine=new_engine)
+    # 1 GiB of weights + a 2 GiB KV pool + 256 MiB a process at the least, in 3 GiB
+    available = [3 * GIB]
+    manager.room = HostRoom(GIB, available=lambda: available[0], cores=lambda: 8)
+    waiting = [await manager.submit_request(prompt=[1], sampling_params=params()) for _ in range(6)]
+    with caplog.at_level(logging.WARNING, logger="yaied.router.autoscale"):
+        for t in range(0, 40):
+            now[0] = float(t)
+            scaler.tick()
+    assert added == [] and list(manager.pool) == ["0"]
+    refusals = [r.getMessage() for r in caplog.records if "no engine added" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # once for the episode, not every tick
+    assert "the 3.0 GiB of memory available" in refusals[0]
+    assert scaler.events == {"up": 0, "down": 0, "up_refused": 1}
+    available[0] = 64 * GIB  # an engine elsewhere on the machine ended: room again
+    now[0] = 40.0
+    decision = scaler.tick()
+    assert decision is not None and decision.direction == "up" and added == ["1"]
+    assert scaler.events == {"up": 1, "down": 0, "up_refused": 1}
+    for handle in waiting:
+        await manager.cancel_request(handle.request_id)
+    await manager.stop()

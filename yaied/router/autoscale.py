@@ -10,13 +10,16 @@ function of that sample, the settings and what it remembers from earlier samples
     down  an engine the autoscaler added has had no call for ``scale_down_idle_seconds``, the
           queue is not high, and more than ``min_engines`` local engines remain
     min   fewer than ``min_engines`` local engines: up without waiting for a window
+    room  an up whose local CPU engine does not fit the memory or cores left now (room.py, as a
+          start is checked) is ``up_refused``: nothing added, no cooldown, the window kept, so
+          it is added at the first sample with room; warned about and counted once an episode
     after an up or a down, nothing for ``cooldown_seconds``: a load near a threshold does not
           make the pool flap, and an engine that fails to start is not respawned at once
 
 Only engines the autoscaler added are scaled down; the config's and the API's are the
 operator's. A scale-down is a ``remove_engine``: its calls finish first. "Local" means not
 remote: engine processes here, and the in-process engine. Decisions are logged and counted
-(``events``, exported as ``yaied:autoscale_events_total{direction}``).
+(``events``, exported as ``yaied:autoscale_events_total{direction}``: up, down, up_refused).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from yaied.core.config import load_section, read_toml
 from yaied.router.config import EngineEntry
 from yaied.router.handle import EngineHandle
 from yaied.router.ray_cluster import join_for
+from yaied.router.room import NoRoom, check_room
 
 log = logging.getLogger(__name__)
 COUNTED = ("starting", "up", "down")  # states that count towards min and max (down: restarting)
@@ -103,6 +107,7 @@ class PoolSample:
     num_waiting: int  # calls without a token yet, all engines
     num_serving: int  # engines taking calls (up, not draining), remote ones too
     local: tuple[EngineSample, ...]  # the local engines, draining ones too
+    no_room: str | None = None  # why the engine an up adds would not fit now; None: it would
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +121,7 @@ class Memory:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    direction: str  # up | down
+    direction: str  # up | down | up_refused (an up that does not fit: nothing added)
     engine_id: str | None  # down: the engine to remove
     reason: str
 
@@ -139,11 +144,15 @@ def decide(
     if now - memory.last_event_at < config.cooldown_seconds:
         return None, memory  # also between ups to min: an engine that fails to start is
     if len(counted) < config.min_engines:  # not respawned every interval
+        if sample.no_room is not None:
+            return Decision("up_refused", None, sample.no_room), memory
         reason = f"{len(counted)} local engines, min {config.min_engines}"
         return _event(now, "up", None, reason, memory)
     starting = any(e.state == "starting" for e in counted)
     if high_since is not None and now - high_since >= config.scale_up_window_seconds:
         if len(counted) < config.max_engines and not starting:
+            if sample.no_room is not None:  # no event: the window holds until there is room
+                return Decision("up_refused", None, sample.no_room), memory
             reason = f"{per_engine:.1f} calls waiting per engine for {now - high_since:.0f} s"
             return _event(now, "up", None, reason, dataclasses.replace(memory, high_since=None))
         return None, memory
@@ -184,8 +193,9 @@ class Autoscaler:
         self.clock = clock
         self.new_engine = new_engine or config.new_entry
         self.memory = Memory()
-        self.events: Counter[str] = Counter({"up": 0, "down": 0})
+        self.events: Counter[str] = Counter({"up": 0, "down": 0, "up_refused": 0})
         self._added = 0
+        self._refusing = False  # the last decision was up_refused: warned and counted once
         self._task: asyncio.Task | None = None
 
     def sample(self) -> PoolSample:
@@ -219,16 +229,48 @@ class Autoscaler:
         return self._apply(decision, engine)
 
     def _decide(self) -> tuple[Decision | None, EngineEntry | EngineHandle | None]:
-        """One sample's decision (the memory carried on), and the engine an up adds."""
-        decision, self.memory = decide(self.config, self.sample(), self.memory)
+        """One sample's decision (the memory carried on), and the engine an up adds. Whether
+        that engine fits is read only when the sample says up (room.py reads /proc)."""
+        sample = self.sample()
+        decision, memory = decide(self.config, sample, self.memory)
+        if decision is not None and decision.direction == "up":
+            no_room = self._no_room()
+            if no_room is not None:  # the same sample, told why: refused, the memory as before
+                sample = dataclasses.replace(sample, no_room=no_room)
+                decision, memory = decide(self.config, sample, self.memory)
+        self.memory = memory
         up = decision is not None and decision.direction == "up"
         return decision, self.new_engine() if up else None
+
+    def _no_room(self) -> str | None:
+        """Why the local CPU engine an up adds does not fit this machine now, else None (a fit
+        that leaves little memory is a warning). GPU and Ray engines are not checked here."""
+        if self.config.kind != "local":
+            return None
+        name = f"auto-{self._added + 1}"
+        fix = "autoscale.max_engines, or at a restart cache.kv_cache_gib or model.quantization"
+        what = f"the autoscaler's engine {name}"
+        try:
+            entries = {name: self.config.new_entry()}
+            warning = check_room(self.manager, entries, what, fix, where="autoscale.threads")
+        except NoRoom as exc:
+            return str(exc)
+        if warning:
+            log.warning("autoscale: %s", warning)
+        return None
 
     def _apply(
         self, decision: Decision | None, engine: EngineEntry | EngineHandle | None
     ) -> Decision | None:
+        refusing = self._refusing
+        self._refusing = decision is not None and decision.direction == "up_refused"
         if decision is None:
             return None
+        if decision.direction == "up_refused":
+            if not refusing:  # once an episode: the ticks while it lasts say nothing new
+                self.events["up_refused"] += 1
+                log.warning("autoscale: no engine added until one fits: %s", decision.reason)
+            return decision
         self.events[decision.direction] += 1
         if engine is not None:
             self._added += 1

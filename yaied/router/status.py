@@ -84,7 +84,8 @@ class ManagerStatus:
     def autoscale_events(self) -> dict[str, int]:
         """Scaling events so far by direction (``yaied:autoscale_events_total``)."""
         scaler = getattr(self, "autoscaler", None)
-        return {"up": 0, "down": 0} if scaler is None else dict(scaler.events)
+        none = {"up": 0, "down": 0, "up_refused": 0}
+        return none if scaler is None else dict(scaler.events)
 
     def get_stats(self) -> dict[str, Any]:
         live = self.lifecycle.live()

@@ -189,7 +189,8 @@ class PoolCollector:
             engines.add_metric([self._model_name, state], count)
         scaling = CounterMetricFamily(
             "yaied:autoscale_events",
-            "Engines the autoscaler added (up) and removed (down).",
+            "Engines the autoscaler added (up) and removed (down), and times an up found no "
+            "room for its engine in this machine's memory or cores (up_refused).",
             labels=["model_name", "direction"],
         )
         for direction, count in events.items():
