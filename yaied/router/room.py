@@ -120,8 +120,10 @@ def _live_cpu_engines(
 
 def cpu_engine(entry: EngineEntry, engine_config: EngineConfig, name: str) -> CpuEngine | None:
     """The CPU engine ``entry`` starts; None for one on a GPU, remote or Ray."""
+    if entry.kind != "local":
+        return None
     device = engine_config.device.device if entry.device == "auto" else entry.device
-    if entry.kind != "local" or engine_device(device) != "cpu":
+    if engine_device(device) != "cpu":
         return None
     ranks = entry.tensor_parallel_size or len(entry.device_ids)
     ranks = ranks or engine_config.engine.tensor_parallel_size
