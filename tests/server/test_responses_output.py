@@ -5,6 +5,7 @@ response (and the stored one) gives it, whatever the response ended with."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,3 +61,16 @@ def test_the_body_carries_completed_at_and_its_conversation():
     assert completed["conversation"] == {"id": "conv_1"}
     alone = Turn(parse_responses({"input": "Hi"}), "resp_x", "m")
     assert alone.body("completed")["conversation"] is None
+
+
+def test_the_usage_validates_as_the_clients_response_usage():
+    """The official client's ResponseUsage requires input_tokens_details.cache_write_tokens:
+    left out, the client read it as None, which breaks a sum over a usage's counts."""
+    from openai.types.responses import ResponseUsage
+
+    turn = Turn(parse_responses({"input": "Hi"}), "resp_abc", "m")
+    run = SimpleNamespace(usage=(31, 4, 16))  # (prompt, output, cached) tokens, as AgentRun's
+    usage = ResponseUsage.model_validate(turn.body("completed", run)["usage"])
+    assert usage.input_tokens_details.cached_tokens == 16
+    assert usage.input_tokens_details.cache_write_tokens == 0
+    assert usage.total_tokens == 35

@@ -133,8 +133,12 @@ class Turn:
             body["output_text"] = "".join(b.text for b in self.blocks.blocks if b.kind == "text")
         if run is not None:
             prompt, output_tokens, cached = run.usage
+            # cache_write_tokens: the newer client's model requires it (None in its place
+            # breaks arithmetic); 0 as /v1/messages' cache_creation_input_tokens: no token
+            # is billed for its write, the radix cache keeps what it prefills on its own
+            details = {"cached_tokens": cached, "cache_write_tokens": 0}
             body["usage"] = {
-                "input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "input_tokens": prompt, "input_tokens_details": details,
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + output_tokens,
             }  # fmt: skip
