@@ -86,3 +86,26 @@ def test_autoscale_max_engines_is_lowered_to_what_fits(caplog):
         check_capacity(
             CPU, RouterConfig(), (), AutoscaleConfig(enabled=True, min_engines=4), 0, cores=3
         )
+
+
+def test_autoscale_min_engines_is_refused_only_where_they_cannot_fit_at_their_least(caplog):
+    """The 1 GiB a process is an estimate: min_engines refused on it refused starts that run
+    (2 engines at 2 x 3.25 GiB at their least, in 6.5 GiB). Past the estimate, a warning."""
+    scale = AutoscaleConfig(enabled=True, min_engines=2, max_engines=4)
+    with caplog.at_level(logging.WARNING, logger="yaied.router.capacity"):
+        fits = check_capacity(CPU, RouterConfig(), (), scale, GIB, cores=8, available=2 * LEAST)
+    assert (fits.min_engines, fits.max_engines) == (2, 2)
+    assert "autoscale.max_engines lowered from 4 to 2" in caplog.text
+    assert "as estimated), more than the 6.5 GiB available here" in caplog.text
+    with pytest.raises(ValueError, match=r"min_engines = 2 local engines do not fit") as raised:
+        check_capacity(CPU, RouterConfig(), (), scale, GIB, cores=8, available=2 * LEAST - 1)
+    assert "6.5 GiB of memory, ~3.2 GiB a new engine at the least" in str(raised.value)
+
+
+def test_the_max_engines_warning_names_no_memory_where_it_is_not_known(caplog):
+    """It said "0.0 GiB of memory" where the available memory is not known (not Linux)."""
+    scale = AutoscaleConfig(enabled=True, min_engines=1, max_engines=8)
+    with caplog.at_level(logging.WARNING, logger="yaied.router.capacity"):
+        check_capacity(CPU, RouterConfig(), (), scale, GIB, cores=3, available=None)
+    assert "lowered from 8 to 3 local engines: what fits 3 cores (each new" in caplog.text
+    assert "memory" not in caplog.text

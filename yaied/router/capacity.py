@@ -13,16 +13,18 @@ the supervisor restarts into the same end.
             leaving under 10% of it is a warning.
 
 The autoscaler's ``max_engines`` is a ceiling, not a count to start: where its CPU engines
-would not fit, it is lowered to what does, with a warning (the autoscaler then stops adding
-there), and only a ``min_engines`` that does not fit is refused. GPU engines (their memory is
-the device's) and remote or Ray engines (another machine's) are out of scope here. Engines added
-while the daemon serves are checked against what is left then, with the same pieces (room.py).
+would not fit as estimated, it is lowered to what does, with a warning (the autoscaler then
+stops adding there), and only a ``min_engines`` that cannot fit even at its least is refused.
+GPU engines (their memory is the device's) and remote or Ray engines (another machine's) are out
+of scope here. Engines added while the daemon serves are checked against what is left then, with
+the same pieces (room.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from yaied.core.config import EngineConfig
 from yaied.core.host_memory import EngineMemory, available_bytes, check_fits, gib
@@ -104,44 +106,54 @@ def _bound_autoscale(
     available: int | None,
     one: EngineMemory,
 ) -> tuple[AutoscaleConfig, list[EngineMemory]]:
-    """``autoscale`` with max_engines lowered to the CPU engines that fit (``one``: the memory
-    of one it adds), and the memory of the engines at its ceiling."""
+    """``autoscale`` with max_engines lowered to the CPU engines that fit as estimated (``one``:
+    the memory of one it adds), and the memory of the engines at its ceiling. A min_engines
+    refused only where they cannot fit even at their least (host_memory.py), as check_fits does:
+    past the estimate max_engines stays at min_engines, and check_fits warns."""
     extra = autoscale.max_engines - num_local
     if extra <= 0:
         return autoscale, memory
     # One engine alone runs on what it is given; beside others, each needs its own cores.
     by_cores = max((cores - sum(e.cores for e in cpu)) // new.cores, 0 if cpu else 1)
-    room = extra if available is None else (available - sum(m.total for m in memory)) // one.total
-    fit = max(0, min(extra, by_cores, room))
+
+    def fitting(size: Callable[[EngineMemory], int]) -> int:
+        room = extra if available is None else (available - sum(map(size, memory))) // size(one)
+        return max(0, min(extra, by_cores, room))
+
+    fit = fitting(lambda m: m.total)
     if fit < extra:
-        most = num_local + fit
-        why = (
-            f"{cores} cores (each new engine needs {new.cores}); {gib(available or 0)} of "
-            f"memory, ~{gib(one.total)} a new engine"
-        )
-        if most < max(autoscale.min_engines, 1):
+        at_least = num_local + fitting(lambda m: m.least)
+        least = max(autoscale.min_engines, 1)
+        if at_least < least:
             raise ValueError(
                 f"autoscale.min_engines = {autoscale.min_engines} local engines do not fit here "
-                f"(at most {most}: {why}); lower autoscale.min_engines or cache.kv_cache_gib"
+                f"(at most {at_least}: {_why(cores, new, available, one.least, ' at the least')});"
+                " lower autoscale.min_engines or cache.kv_cache_gib"
             )
+        most = max(num_local + fit, least)
         log.warning(
             "autoscale.max_engines lowered from %d to %d local engines: what fits %s",
             autoscale.max_engines,
             most,
-            why,
+            _why(cores, new, available, one.total, ""),
         )
         autoscale = dataclasses.replace(autoscale, max_engines=most)
+        fit = most - num_local
     return autoscale, memory + [one] * fit
+
+
+def _why(cores: int, new: CpuEngine, available: int | None, each: int, how: str) -> str:
+    """The figures a bound on the autoscaler's engines comes from (memory: where known)."""
+    why = f"{cores} cores (each new engine needs {new.cores})"
+    if available is None:
+        return why
+    return f"{why}; {gib(available)} of memory, ~{gib(each)} a new engine{how}"
 
 
 def _autoscaled_engine(
     engine_config: EngineConfig, autoscale: AutoscaleConfig | None
 ) -> CpuEngine | None:
     """The CPU engine the autoscaler would add; None where it adds none here, or not on CPU."""
-    if autoscale is None or not autoscale.enabled or autoscale.kind != "local":
+    if autoscale is None or not autoscale.enabled:
         return None
-    device = engine_config.device.device if autoscale.device == "auto" else autoscale.device
-    if engine_device(device) != "cpu":
-        return None
-    threads = autoscale.threads or engine_config.device.threads
-    return CpuEngine("autoscaled", engine_config.engine.tensor_parallel_size, threads)
+    return cpu_engine(autoscale.new_entry(), engine_config, "autoscaled")
