@@ -90,3 +90,56 @@ def test_engines_that_fit_with_little_headroom_are_a_warning_and_with_room_nothi
     assert check_fits([one], int(one.total / 0.85), "the engine", "--kv-cache-gib") is None
     assert check_fits([one], None, "the engine", "x") is None  # not known: not checked
     assert check_fits([], 0, "the engine", "x") is None  # no CPU engine: nothing to hold
+
+
+NO_LIMIT_V1 = 9223372036854771712  # cgroup v1's "no limit": LONG_MAX rounded down to a page
+
+
+def _machine_v1(tmp_path, line: str = "7:memory:/docker/abc", meminfo_kib: int = 4_000_000):
+    """A cgroup v1 (or hybrid) host: the memory controller's own hierarchy under memory/."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 8000000 kB\nMemAvailable: {meminfo_kib} kB\n")
+    (proc / "self" / "cgroup").write_text(f"9:cpuset:/docker/abc\n{line}\n0::/docker/abc\n")
+    mount = root / "memory"
+    mount.mkdir(parents=True)
+    (mount / "memory.limit_in_bytes").write_text(f"{NO_LIMIT_V1}\n")  # the root group
+    (mount / "memory.usage_in_bytes").write_text(f"{6 * GIB}\n")
+    return proc, mount
+
+
+def _limit_v1(folder, limit: int, usage: int, inactive_file: int = 0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    stat = f"cache {inactive_file}\ninactive_file 0\ntotal_inactive_file {inactive_file}\n"
+    (folder / "memory.stat").write_text(stat)
+
+
+def test_a_cgroup_v1_memory_limit_and_its_ancestors_cap_the_available_memory(tmp_path):
+    """Older Docker, CentOS 7, Kubernetes on cgroup v1: memory.limit_in_bytes was not read, so
+    a container's limit was taken for the whole machine's MemAvailable."""
+    proc, mount = _machine_v1(tmp_path)
+    assert available_bytes(proc, mount.parent) == 4_000_000 * 1024  # no limit: MemAvailable
+    _limit_v1(mount / "docker", 3 * GIB, GIB)
+    (mount / "docker" / "abc").mkdir()
+    assert available_bytes(proc, mount.parent) == 2 * GIB  # the parent's room
+    _limit_v1(mount / "docker" / "abc", 2 * GIB, 2 * GIB, inactive_file=GIB)
+    assert available_bytes(proc, mount.parent) == GIB  # its own, less its reclaimable cache
+    _limit_v1(mount / "docker" / "abc", NO_LIMIT_V1, 5 * GIB)
+    (mount / "docker" / "memory.limit_in_bytes").write_text(f"{2**62}\n")
+    assert available_bytes(proc, mount.parent) == 4_000_000 * 1024  # huge values: no limit
+
+
+def test_a_cgroup_v1_memory_line_shared_with_other_controllers_is_read(tmp_path):
+    proc, mount = _machine_v1(tmp_path, "4:cpu,memory,cpuacct:/batch/job")
+    _limit_v1(mount / "batch" / "job", GIB, 2**29)
+    assert available_bytes(proc, mount.parent) == 2**29
+
+
+def test_a_container_that_sees_its_v1_group_at_the_mount_root_reads_the_roots_limit(tmp_path):
+    """Inside a container /proc/self/cgroup names the host's path (/docker/abc), which is not
+    under the container's mount: its own group is the mount's root."""
+    proc, mount = _machine_v1(tmp_path)
+    _limit_v1(mount, 3 * GIB, 2 * GIB, inactive_file=2**29)
+    assert available_bytes(proc, mount.parent) == GIB + 2**29

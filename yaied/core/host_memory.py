@@ -9,10 +9,10 @@ A CPU engine process holds three things that scale with the config:
     overhead  PROCESS_OVERHEAD_BYTES per process (rank): Python, torch and its thread pools, the
               C kernels, the tokenizer, the step's activations at the default token budget
 
-Past what the machine (or the cgroup: a container, systemd's MemoryMax) has, the kernel's OOM
-killer ends an engine mid-serve and a supervisor restarts it, into the same end. GPU engines
-(their memory is the device's, sized by gpu_memory_utilization) and remote or Ray engines
-(another machine's, or a node Ray picks) are not counted here.
+Past what the machine (or the cgroup, v2 or v1: a container, systemd's MemoryMax) has, the
+kernel's OOM killer ends an engine mid-serve and a supervisor restarts it, into the same end.
+GPU engines (their memory is the device's, sized by gpu_memory_utilization) and remote or Ray
+engines (another machine's, or a node Ray picks) are not counted here.
 """
 
 from __future__ import annotations
@@ -36,38 +36,72 @@ HEADROOM = 0.10  # a start that leaves less than this share of available memory 
 
 
 def available_bytes(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """What this process may still take: the kernel's MemAvailable, or less where a cgroup v2
-    (a container, a systemd MemoryMax, or a slice above them) caps the process's group or one
-    of its ancestors; None where neither is known. ``proc``, ``root``: where to read (tests).
+    """What this process may still take: the kernel's MemAvailable, or less where a cgroup (a
+    container, a systemd MemoryMax, or a slice above them) caps the process's group or one of
+    its ancestors; None where neither is known. ``proc``, ``root``: where to read (tests).
 
-    A group's room is memory.max less its working set: memory.current counts the page cache
-    of files it read (model files, logs), which the kernel reclaims before it kills anyone, so
-    its inactive_file (memory.stat) is not counted as taken. Never below 0."""
+    cgroup v2: the group of /proc/self/cgroup's "0::" line under ``root``, its memory.max.
+    cgroup v1 (and hybrid hosts): the group of its memory controller's line ("N:memory:/path",
+    or "N:cpu,memory:/path") under ``root``/memory, its memory.limit_in_bytes; inside a
+    container that path is the host's, not there: the container's own group is the mount's root.
+
+    A group's room is its limit less its working set: its usage counts the page cache of files
+    it read (model files, logs), which the kernel reclaims before it kills anyone, so the
+    inactive files of memory.stat are not counted as taken. Never below 0."""
     found = []
     with contextlib.suppress(OSError, ValueError):
         for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append(int(line.split()[1]) * 1024)
-    with contextlib.suppress(OSError, StopIteration):
+    with contextlib.suppress(OSError):
         lines = (proc / "self" / "cgroup").read_text().splitlines()
-        group = next(line for line in lines if line.startswith("0::"))[3:]  # the v2 hierarchy
-        folder = root / group.lstrip("/")
-        for level in (folder, *folder.parents):
-            if not level.is_relative_to(root):
-                break
-            with contextlib.suppress(OSError, ValueError):  # the root group has no memory.max
-                limit = (level / "memory.max").read_text().strip()
-                if limit != "max":
-                    used = int((level / "memory.current").read_text()) - _inactive_file(level)
-                    found.append(max(0, int(limit) - max(0, used)))
+        for line in lines:
+            fields = line.split(":", 2)  # hierarchy:controllers:group
+            if len(fields) != 3:
+                continue
+            hierarchy, controllers, group = fields
+            if hierarchy == "0" and not controllers:  # the v2 hierarchy
+                found += _rooms(root, root / group.lstrip("/"), _V2)
+            elif "memory" in controllers.split(","):  # v1's memory controller
+                mount = root / "memory"
+                folder = mount / group.lstrip("/")
+                found += _rooms(mount, folder if folder.is_dir() else mount, _V1)
     return min(found) if found else None
 
 
-def _inactive_file(level: Path) -> int:
+@dataclass(frozen=True, slots=True)
+class _Files:
+    """Where a cgroup version keeps a group's limit, usage and reclaimable file cache."""
+
+    limit: str
+    usage: str
+    inactive_file: str  # memory.stat's key
+    no_limit: int  # limits from this one up are none (v1: LONG_MAX rounded to a page)
+
+
+_V2 = _Files("memory.max", "memory.current", "inactive_file", 2**63)  # "max": no limit
+_V1 = _Files("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", 2**62)
+
+
+def _rooms(top: Path, folder: Path, files: _Files) -> list[int]:
+    """The room of ``folder``'s group and of each ancestor up to ``top`` that has a limit."""
+    rooms = []
+    for level in (folder, *folder.parents):
+        if not level.is_relative_to(top):
+            break
+        with contextlib.suppress(OSError, ValueError):  # a root group has no memory.max
+            limit = (level / files.limit).read_text().strip()
+            if limit != "max" and int(limit) < files.no_limit:
+                used = int((level / files.usage).read_text()) - _stat(level, files.inactive_file)
+                rooms.append(max(0, int(limit) - max(0, used)))
+    return rooms
+
+
+def _stat(level: Path, key: str) -> int:
     with contextlib.suppress(OSError, ValueError):
         for line in (level / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "inactive_file":
+            name, _, value = line.partition(" ")
+            if name == key:
                 return int(value)
     return 0
 
