@@ -55,3 +55,44 @@ async def test_new_cpu_engines_past_the_memory_left_are_one_error_line_and_nothi
     assert [e.name for e in manager.pool.values()] == ["a"] and manager.engine_state("0") == "up"
     assert server.keys.lookup(b"old") is not None and server.keys.lookup(b"new") is None
     await manager.stop()
+
+
+async def test_a_reload_whose_cpu_engines_do_not_fit_starts_or_joins_no_ray(monkeypatch, caplog):
+    """A reload adding a ray engine and a CPU engine past the memory left started or joined
+    Ray (seconds, a cluster joined for nothing) before the fit check said nothing changed."""
+    pytest.importorskip("ray")  # a ray entry needs Ray installed; none is started here
+    from yaied.server import reload as reload_module
+
+    config = load_config(env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
+    manager = EngineManager(RouterConfig(), engine_config=config)
+    monkeypatch.setattr(manager, "_build_handle", lambda engine_id, entry: FakeEngine(engine_id))
+    manager.add_engine(EngineEntry(device="cpu", name="a"))
+    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
+    await manager.start()
+    manager.room = HostRoom(GIB, available=lambda: 3 * GIB, cores=lambda: 8)
+    joined = []
+
+    async def join_for(address, entries, size):
+        joined.append([e.name for e in entries])
+
+    monkeypatch.setattr(reload_module, "join_for", join_for)
+    server = SimpleNamespace(
+        manager=manager, draining=False, keys=KeyTable.parse(["old"]), config=ServerConfig()
+    )
+    entries = (
+        EngineEntry(device="cpu", name="a"),
+        EngineEntry(kind="ray", name="r"),
+        EngineEntry(device="cpu", name="b"),
+    )
+
+    def read() -> DaemonConfig:
+        return DaemonConfig(
+            ServerConfig(api_keys=("old",)), RouterConfig(), entries, AutoscaleConfig()
+        )
+
+    with caplog.at_level(logging.INFO, logger="yaied"):
+        assert await reload(server, read) is False
+    assert joined == []
+    assert "reload failed, nothing changed: [[engines]] added by the reload" in caplog.text
+    assert [e.name for e in manager.pool.values()] == ["a"]
+    await manager.stop()

@@ -52,6 +52,18 @@ _REMOVED_KEPT = 64  # removed engines still listed (an autoscaler can churn thro
 _GAUGES = frozenset({*ENGINE_GAUGES, "num_free_pages", "num_cached_pages"})
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What apply_engines does, every check passed (names: engine names; ids: the pool's)."""
+
+    wanted: dict[str, EngineEntry]  # the config's engines, by name, in its order
+    current: dict[str, str]  # name -> id of the config's engines serving now
+    changed: list[str]  # names whose entry changed: replaced
+    leaving: list[str]  # ids removed once the new ones have started
+    starting: dict[str, EngineEntry]  # name -> entry of the engines to start
+    warning: str | None  # the fit check's, where the new CPU engines leave little memory
+
+
 class EngineNameTaken(ValueError):
     """An engine added under a name a serving engine holds (HTTP: 409, not bad input)."""
 
@@ -274,9 +286,35 @@ class EnginePool:
         Engines added over the API or by the autoscaler are not the config's, and stay. Every
         check runs before any change, new local CPU engines past the memory or the cores left now
         among them (room.py): a ValueError means nothing changed."""
-        entries = list(entries)
-        names = entry_names(entries)
-        wanted = dict(zip(names, entries, strict=True))
+        plan = self._plan_engines(list(entries))
+        if plan.warning:
+            log.warning("%s", plan.warning)
+        current, wanted, changed = plan.current, plan.wanted, plan.changed
+        for name in changed:  # its name goes to the new engine at once
+            self.drain_engine(current[name])
+        new = [self.add_engine(e, name=n, origin="config") for n, e in plan.starting.items()]
+        if plan.leaving:
+            task = asyncio.get_running_loop().create_task(
+                self._remove_after_start(new, plan.leaving, timeout)
+            )
+            self._waiters.add(task)
+            task.add_done_callback(self._waiters.discard)
+        diff = {
+            "added": [n for n in wanted if n not in current],
+            "removed": [n for n in current if n not in wanted],
+            "replaced": changed,
+            "unchanged": [n for n in current if n in wanted and n not in changed],
+        }
+        log.info("engines from the config: %s", diff)
+        return diff
+
+    def check_engines(self, entries: Iterable[EngineEntry]) -> None:
+        """apply_engines' checks alone, changing and logging nothing: a ValueError where
+        ``entries`` cannot be applied now. A reload runs them before it starts or joins Ray."""
+        self._plan_engines(list(entries))
+
+    def _plan_engines(self, entries: list[EngineEntry]) -> _Plan:
+        wanted = dict(zip(entry_names(entries), entries, strict=True))
         current = {
             e.name: i for i, e in self.pool.items() if e.origin == "config" and not e.draining
         }
@@ -290,28 +328,11 @@ class EnginePool:
             raise ValueError("the config lists no engine: the daemon would have none")
         changed = [n for n in wanted if n in current and self.pool[current[n]].entry != wanted[n]]
         leaving = [current[n] for n in current if n not in wanted or n in changed]
-        starting = {n: wanted[n] for n in names if n not in current or n in changed}
+        starting = {n: e for n, e in wanted.items() if n not in current or n in changed}
         fix = "the engines added, or at a restart cache.kv_cache_gib or model.quantization"
         what, where = "[[engines]] added by the reload", "engines.threads"
-        if warning := check_room(self, starting, what, fix, where=where, leaving=leaving):
-            log.warning("%s", warning)
-        for name in changed:  # its name goes to the new engine at once
-            self.drain_engine(current[name])
-        new = [self.add_engine(entry, name=n, origin="config") for n, entry in starting.items()]
-        if leaving:
-            task = asyncio.get_running_loop().create_task(
-                self._remove_after_start(new, leaving, timeout)
-            )
-            self._waiters.add(task)
-            task.add_done_callback(self._waiters.discard)
-        diff = {
-            "added": [n for n in names if n not in current],
-            "removed": [n for n in current if n not in wanted],
-            "replaced": changed,
-            "unchanged": [n for n in current if n in wanted and n not in changed],
-        }
-        log.info("engines from the config: %s", diff)
-        return diff
+        warning = check_room(self, starting, what, fix, where=where, leaving=leaving)
+        return _Plan(wanted, current, changed, leaving, starting, warning)
 
     async def _remove_after_start(self, new: list[str], leaving: list[str], timeout: float):
         await asyncio.gather(*(self.wait_started(i) for i in new), return_exceptions=True)

@@ -6,7 +6,8 @@ applied, nothing else touched.
     keys      the table swapped in whole: the next request sees the new keys
     engines   a diff by name (router/pool.py apply_engines): new ones start, missing ones drain
               and stop once the new ones are up, changed ones are replaced, the rest untouched;
-              new local CPU engines past the memory or cores left now: nothing changes
+              new local CPU engines past the memory or cores left now: nothing changes, and
+              Ray is not started or joined for the new ray engines
     the rest  other settings take a restart: a reload that changes them says so in the log
 
 The daemon tells systemd RELOADING=1 before and READY=1 after (daemon.py).
@@ -87,6 +88,9 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
             entries = await asyncio.to_thread(local_entries, config.router.engines, device, ranks)
         if any(e.kind == "local" for e in entries):  # device auto asks torch (the fit check)
             await asyncio.to_thread(engine_device, "auto")  # imported the first time: off the loop
+        # apply_engines' checks (the new local CPU engines' fit among them) before Ray: a
+        # reload that changes nothing starts or joins no Ray. apply_engines runs them again.
+        manager.check_engines(entries)
         if manager.engine_config is not None:  # else apply_engines refuses ray engines
             # A new ray engine may start or join Ray (seconds): in a thread, before any change.
             known = [e.entry for e in manager.pool.values() if e.origin == "config"]
