@@ -60,7 +60,7 @@ def test_pool_too_small_for_one_context_is_refused(tiny_model_dirs):
 
 def test_a_pool_past_the_memory_left_is_refused_before_it_is_zeroed(tiny_model_dirs, monkeypatch):
     """Zeroing a pool larger than the machine's memory would end in the OOM killer."""
-    from yaied.worker import host_memory
+    from yaied.core import host_memory
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**20)  # 1 MiB left
     with pytest.raises(ValueError, match="kv_cache_gib = 0.02: the KV pool would take more"):

@@ -21,8 +21,6 @@ import mmap
 
 import torch
 
-from yaied.core.host_memory import available_bytes  # noqa: F401  (the worker's KV check)
-
 HUGE_PAGE = 2 << 20  # bytes; x86-64's and most arm64 kernels' transparent huge page
 
 

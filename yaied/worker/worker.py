@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from yaied.core import host_memory
 from yaied.core.config import EngineConfig
 from yaied.core.model_info import ModelInfo
 from yaied.core.step import Batch, StepOutput
 from yaied.kernels.cpu_isa import LEVELS, detected_level, selected_level
-from yaied.worker import host_memory
 from yaied.worker.batch_invariant import check_device as check_batch_invariant
 from yaied.worker.batch_invariant import check_kernels as check_batch_invariant_kernels
 from yaied.worker.cpu_model import prepare_cpu_model
