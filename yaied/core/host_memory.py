@@ -154,8 +154,8 @@ def check_fits(
     if least > available:
         raise ValueError(
             f"{summary(least, PROCESS_LEAST_BYTES, ' at the least')}, more than the "
-            f"{gib(available)} of memory available here (MemAvailable, or the cgroup's "
-            f"memory.max where tighter); lower {fix}"
+            f"{gib(available)} of memory available here (MemAvailable, or a cgroup's "
+            f"limit where tighter); lower {fix}"
         )
     need = sum(e.total for e in engines)
     if need > (1 - HEADROOM) * available:
