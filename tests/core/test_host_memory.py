@@ -143,3 +143,15 @@ def test_a_container_that_sees_its_v1_group_at_the_mount_root_reads_the_roots_li
     proc, mount = _machine_v1(tmp_path)
     _limit_v1(mount, 3 * GIB, 2 * GIB, inactive_file=2**29)
     assert available_bytes(proc, mount.parent) == GIB + 2**29
+
+
+def test_only_the_weights_copies_always_kept_refuse_the_rest_warn():
+    """The weights' estimate (worker/weight_bytes.py) has a least (one copy of each) and an
+    expected figure (with the CPU path's copies that fit): a start that fits its least runs."""
+    one = EngineMemory(weight_bytes=3 * GIB, kv_bytes=2 * GIB, least_weight_bytes=GIB)
+    assert one.least == 3 * GIB + PROCESS_LEAST_BYTES
+    assert one.total == 5 * GIB + PROCESS_OVERHEAD_BYTES
+    warning = check_fits([one], one.least, "the engine", "--kv-cache-gib")
+    assert warning is not None and "weights ~3.0 GiB" in warning
+    with pytest.raises(ValueError, match=r"weights ~1\.0 GiB \+ KV pool 2\.0 GiB \+ 256 MiB"):
+        check_fits([one], one.least - 1, "the engine", "--kv-cache-gib")

@@ -109,3 +109,14 @@ def test_the_max_engines_warning_names_no_memory_where_it_is_not_known(caplog):
         check_capacity(CPU, RouterConfig(), (), scale, GIB, cores=3, available=None)
     assert "lowered from 8 to 3 local engines: what fits 3 cores (each new" in caplog.text
     assert "memory" not in caplog.text
+
+
+def test_the_weights_least_refuses_and_their_expected_copies_warn(caplog):
+    """(least, expected) weights, as the CLI estimates them: refused only below the least."""
+    weights = (GIB, 3 * GIB)
+    check_capacity(CPU, RouterConfig(), (), None, weights, cores=4, available=LEAST)
+    with pytest.raises(ValueError, match="^the engine: 1 CPU engine"):
+        check_capacity(CPU, RouterConfig(), (), None, weights, cores=4, available=LEAST - 1)
+    with caplog.at_level(logging.WARNING, logger="yaied.router.capacity"):
+        check_capacity(CPU, RouterConfig(), (), None, weights, cores=4, available=ONE)
+    assert "weights ~3.0 GiB" in caplog.text and "more than the" in caplog.text

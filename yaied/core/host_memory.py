@@ -113,6 +113,8 @@ class EngineMemory:
     weight_bytes: int  # its copy of the weights (the ranks' shards together)
     kv_bytes: int  # one rank's KV pool (cache.kv_cache_gib)
     ranks: int = 1  # processes: tensor_parallel_size on CPU
+    # the weights' copies it always keeps (weight_bytes adds those kept where they fit)
+    least_weight_bytes: int | None = None
 
     @property
     def total(self) -> int:
@@ -120,9 +122,14 @@ class EngineMemory:
         return self.weight_bytes + self.ranks * (self.kv_bytes + PROCESS_OVERHEAD_BYTES)
 
     @property
+    def least_weights(self) -> int:
+        """The weights' copies it always keeps."""
+        return self.weight_bytes if self.least_weight_bytes is None else self.least_weight_bytes
+
+    @property
     def least(self) -> int:
         """What it cannot run in less than: PROCESS_LEAST_BYTES a process."""
-        return self.weight_bytes + self.ranks * (self.kv_bytes + PROCESS_LEAST_BYTES)
+        return self.least_weights + self.ranks * (self.kv_bytes + PROCESS_LEAST_BYTES)
 
 
 def gib(nbytes: float) -> str:
@@ -141,9 +148,9 @@ def check_fits(
         return None
     first = engines[0]
 
-    def summary(need: int, process: int, how: str) -> str:
+    def summary(need: int, process: int, how: str, weights: int) -> str:
         parts = (
-            f"each: weights ~{gib(first.weight_bytes)} + KV pool {gib(first.kv_bytes)}"
+            f"each: weights ~{gib(weights)} + KV pool {gib(first.kv_bytes)}"
             f"{f' x {first.ranks} ranks' if first.ranks > 1 else ''} + "
             f"{gib(process) if process >= GIB else f'{process >> 20} MiB'} a process{how}"
         )
@@ -152,10 +159,10 @@ def check_fits(
 
     least = sum(e.least for e in engines)
     if least > available:
+        line = summary(least, PROCESS_LEAST_BYTES, " at the least", first.least_weights)
         raise ValueError(
-            f"{summary(least, PROCESS_LEAST_BYTES, ' at the least')}, more than the "
-            f"{gib(available)} of memory available here (MemAvailable, or a cgroup's "
-            f"limit where tighter); lower {fix}"
+            f"{line}, more than the {gib(available)} of memory available here (MemAvailable, "
+            f"or a cgroup's limit where tighter); lower {fix}"
         )
     need = sum(e.total for e in engines)
     if need > (1 - HEADROOM) * available:
@@ -164,8 +171,6 @@ def check_fits(
             if need > available
             else f"of the {gib(available)} available here, leaving under {HEADROOM:.0%}"
         )
-        return (
-            f"{summary(need, PROCESS_OVERHEAD_BYTES, ' as estimated')}, {room}: the OOM killer "
-            f"may end one under load; consider lowering {fix}"
-        )
+        line = summary(need, PROCESS_OVERHEAD_BYTES, " as estimated", first.weight_bytes)
+        return f"{line}, {room}: the OOM killer may end one under load; consider lowering {fix}"
     return None

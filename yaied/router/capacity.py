@@ -43,7 +43,7 @@ def check_capacity(
     router: RouterConfig,
     entries: tuple[EngineEntry, ...],
     autoscale: AutoscaleConfig | None,
-    weight_bytes: int | None,
+    weight_bytes: int | tuple[int, int] | None,
     *,
     cores: int | None = None,
     available: int | None = -1,

@@ -43,10 +43,11 @@ class CpuEngine:
 @dataclass(frozen=True, slots=True)
 class HostRoom:
     """What ``check_room`` reads. The weights' estimate is the CLI's, from the model's files
-    (yaied/worker/weight_bytes.py: the router reads no model files); None counts no weights.
+    (yaied/worker/weight_bytes.py: the router reads no model files), (least, expected): the
+    copies always kept refuse, the expected ones warn (one int: both); None counts no weights.
     The memory and the cores are read anew at each check; tests inject both."""
 
-    weight_bytes: int | None = None
+    weight_bytes: int | tuple[int, int] | None = None
     available: Callable[[], int | None] = available_bytes
     cores: Callable[[], int] = usable_cores
 
@@ -131,11 +132,16 @@ def cpu_engine(entry: EngineEntry, engine_config: EngineConfig, name: str) -> Cp
 
 
 def memory_of(
-    engines: list[CpuEngine], engine_config: EngineConfig, weight_bytes: int | None
+    engines: list[CpuEngine],
+    engine_config: EngineConfig,
+    weight_bytes: int | tuple[int, int] | None,
 ) -> list[EngineMemory]:
-    """What each engine's processes take: the weights, and a KV pool a rank."""
+    """What each engine's processes take: the weights ((least, expected) bytes), and a KV
+    pool a rank."""
     kv = int(engine_config.cache.kv_cache_gib * GIB)
-    return [EngineMemory(weight_bytes or 0, kv, e.ranks) for e in engines]
+    weights = weight_bytes or 0
+    least, expected = (weights, weights) if isinstance(weights, int) else weights
+    return [EngineMemory(expected, kv, e.ranks, least) for e in engines]
 
 
 def check_cores(engines: list[CpuEngine], cores: int, where: str) -> None:
