@@ -259,7 +259,7 @@ def _serve_http(args: argparse.Namespace) -> int:
     ranks = config.engine.tensor_parallel_size
     check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale), ranks)
     # CPU engines past this machine's cores or memory: one line before any loads or the bind
-    weights = estimate_weight_bytes(config.model)
+    weights = estimate_weight_bytes(config.model, ranks=config.engine.tensor_parallel_size)
     autoscale = check_capacity(config, start.router, start.engines, start.autoscale, weights)
     try:
         run_server(
