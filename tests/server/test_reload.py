@@ -24,15 +24,21 @@ from yaied.server.reload import DaemonConfig, reload
 pytestmark = pytest.mark.timeout(30)
 
 
-async def test_new_cpu_engines_past_the_memory_left_are_one_error_line_and_nothing_changes(
-    monkeypatch, caplog
-):
+async def _serving_engine_a(monkeypatch) -> EngineManager:
+    """A manager serving one fake CPU engine "a", with a 2 GiB KV pool an engine."""
     config = load_config(env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
     manager = EngineManager(RouterConfig(), engine_config=config)
     monkeypatch.setattr(manager, "_build_handle", lambda engine_id, entry: FakeEngine(engine_id))
     manager.add_engine(EngineEntry(device="cpu", name="a"))
     manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
     await manager.start()
+    return manager
+
+
+async def test_new_cpu_engines_past_the_memory_left_are_one_error_line_and_nothing_changes(
+    monkeypatch, caplog
+):
+    manager = await _serving_engine_a(monkeypatch)
     # 1 GiB of weights + a 2 GiB KV pool + 256 MiB a process at the least, in 3 GiB
     manager.room = HostRoom(GIB, available=lambda: 3 * GIB, cores=lambda: 8)
     server = SimpleNamespace(
@@ -63,12 +69,7 @@ async def test_a_reload_whose_cpu_engines_do_not_fit_starts_or_joins_no_ray(monk
     pytest.importorskip("ray")  # a ray entry needs Ray installed; none is started here
     from yaied.server import reload as reload_module
 
-    config = load_config(env={}, overrides={"device.device": "cpu", "cache.kv_cache_gib": 2.0})
-    manager = EngineManager(RouterConfig(), engine_config=config)
-    monkeypatch.setattr(manager, "_build_handle", lambda engine_id, entry: FakeEngine(engine_id))
-    manager.add_engine(EngineEntry(device="cpu", name="a"))
-    manager.inputs = InputProcessor(None, SimpleNamespace(eos_token_id=None), ModelInfo(64, 8))
-    await manager.start()
+    manager = await _serving_engine_a(monkeypatch)
     manager.room = HostRoom(GIB, available=lambda: 3 * GIB, cores=lambda: 8)
     joined = []
 

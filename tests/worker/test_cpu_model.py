@@ -4,36 +4,25 @@ from __future__ import annotations
 
 import platform
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.worker.heap import freed_but_resident_kb
+
 # Prepares a model of the default model's shape (random weights) for this CPU in a fresh
-# interpreter, keeps it, then prints how many kB of resident memory a malloc_trim hands back:
-# what the preparation freed but left in the heap.
+# interpreter and keeps it (tests/worker/heap.py measures what it freed but left resident).
 _PREPARED_HEAP = """
-import ctypes, sys
-from pathlib import Path
+import sys
 import torch
 from yaied.core.config import EngineConfig, ModelConfig
 from yaied.kernels.cpu_isa import selected_level
 from yaied.worker.cpu_model import prepare_cpu_model
 from yaied.worker.loader import load_model
 
-def anon_kb():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-
 config = EngineConfig(model=ModelConfig(model=sys.argv[1], load_format="dummy"))
 level = selected_level()
 loaded = load_model(config.model, torch.device("cpu"), show_progress=False, level=level)
 kernels = prepare_cpu_model(loaded, config, level, config.scheduler.max_num_batched_tokens)
-before = anon_kb()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-print(before - anon_kb())
 """
 
 
@@ -44,12 +33,4 @@ def test_the_replaced_weights_do_not_stay_resident(default_model_folder, tmp_pat
     for the engine's whole life. Only the fp32 panel path handed them back."""
     config = tmp_path / "model.json"
     shutil.copy(default_model_folder / "config.json", config)
-    result = subprocess.run(
-        [sys.executable, "-c", _PREPARED_HEAP, str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert result.returncode == 0, result.stderr
-    assert int(result.stdout.split()[-1]) < 8 * 1024  # kB
+    assert freed_but_resident_kb(_PREPARED_HEAP, str(config)) < 8 * 1024  # kB

@@ -350,22 +350,13 @@ def test_entry_points_set_hub_offline(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
-# Loads the tokenizer in a fresh interpreter, keeps it, then prints how many kB of resident memory
-# a malloc_trim hands back: what the load freed but left in the heap.
+# Loads the tokenizer in a fresh interpreter and keeps it (tests/worker/heap.py measures).
 _TOKENIZER_HEAP = """
-import ctypes, sys
+import sys
 from pathlib import Path
 from yaied.worker import model_files
 
-def anon_kb():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-
 tokenizer = model_files.load_tokenizer(Path(sys.argv[1]))  # kept: not itself freed
-before = anon_kb()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-print(before - anon_kb())
 """
 
 
@@ -375,15 +366,7 @@ print(before - anon_kb())
 def test_loading_the_tokenizer_leaves_no_freed_heap_resident(default_model_folder):
     """Parsing tokenizer.json frees most of what it allocated (29 MB of the 45 MB of the default
     model's 49k-token BPE): a daemon held it for its whole life until load_tokenizer trimmed."""
-    import subprocess
-    import sys
+    from tests.worker.heap import freed_but_resident_kb
 
-    result = subprocess.run(
-        [sys.executable, "-c", _TOKENIZER_HEAP, str(default_model_folder)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert result.returncode == 0, result.stderr
-    assert int(result.stdout.split()[-1]) < 8 * 1024  # kB
+    left = freed_but_resident_kb(_TOKENIZER_HEAP, str(default_model_folder), timeout=120)
+    assert left < 8 * 1024  # kB
