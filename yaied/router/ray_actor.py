@@ -7,15 +7,17 @@
     actor.submit(id, prompt, ...) -------------->  engine.add_request(sink=outbox)
     actor.abort(id)              ---------------->  engine.abort(id)
 
-The same engine code as a local engine process (router/child.py), with the three pipes
-replaced by Ray calls, and the event pipe by one streaming generator: each item holds every
-event the outbox held, for all calls, so a busy engine sends one Ray message per step, not one
-per call or per token, and the stats ride along every STATS_INTERVAL (the router's watch: a
-stream silent for long means the actor is gone). An engine that died (a hung
-step, a CUDA error) has failed its calls with error events; the actor then exits with status
-3, and Ray restarts it (``max_restarts``) on a node that can hold it, where ``load`` builds a
-fresh engine. This module imports neither torch nor Ray at the top: the actor sets the thread
-count first.
+The same engine code as a local engine process (router/child.py), with the three pipes replaced
+by Ray calls, and the event pipe by one streaming generator: each item holds every event the
+outbox held, for all calls, so a busy engine sends one Ray message per few steps, not one per
+call or per token, and the stats ride along every STATS_INTERVAL (the router's watch: a stream
+silent for long means the actor is gone). An item costs both sides a fraction of a millisecond
+of CPU, as much as a short step: a call's first event and its final one leave at once, the
+tokens between wait up to HOLD_SECONDS for company (the next item, at most a few steps later).
+An engine that died (a hung step, a CUDA error) has failed its calls with error events; the
+actor then exits with status 3, and Ray restarts it (``max_restarts``) on a node that can hold
+it, where ``load`` builds a fresh engine. This module imports neither torch nor Ray at the top:
+the actor sets the thread count first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Stats = dict[str, int | float]
 STATS_INTERVAL = 0.2  # seconds between the stats the actor sends, as a local engine process
+HOLD_SECONDS = 0.005  # the longest a call's middle tokens wait for the next item
 EXIT_ENGINE_DEAD = 3  # as router/child.py: the engine stopped for good; Ray restarts the actor
 _EXIT_DELAY_SECONDS = 1.0  # the dead engine's error events leave before the actor exits
 _MAX_EARLY_ABORTS = 4096  # aborts that overtook their generate call (an async actor's order)
@@ -70,7 +74,10 @@ class EngineActor:
         self.engine: AsyncEngine | None = None
         self._loading: asyncio.Future[ModelInfo] | None = None
         self._live: set[str] = set()  # calls in the engine whose final event is not sent yet
-        self._outbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._outbox: list[TokenEvent] = []  # events not sent yet, oldest first
+        self._due = 0.0  # when the outbox must leave (time.monotonic); 0: at once
+        self._wake = asyncio.Event()  # the outbox is due, or its first event came
+        self._started: set[str] = set()  # calls whose first event left the actor
         self._stream_gen = 0  # which ``events`` call reads the outbox
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._steps: list[int] = []
@@ -107,25 +114,30 @@ class EngineActor:
         """The engine's one outgoing stream (a Ray streaming generator, read by the router for
         as long as the actor lives): every call's events as the engine sends them, a list at a
         time, and every STATS_INTERVAL its counters and the token counts of its steps since."""
-        loop = asyncio.get_running_loop()
         next_stats = 0.0
         self._stream_gen += 1  # a new reader (the router came back after a silence) replaces
         ours = self._stream_gen  # the old one, which must not take events from the outbox
         while ours == self._stream_gen:
-            events: list[TokenEvent] = []
-            with contextlib.suppress(TimeoutError):
-                wait = max(0.0, next_stats - loop.time())
-                events.append(await asyncio.wait_for(self._outbox.get(), wait))
-            while not self._outbox.empty():
-                events.append(self._outbox.get_nowait())
+            await self._until_due(next_stats)
+            if ours != self._stream_gen:
+                return  # the outbox is the new reader's
+            events, self._outbox = self._outbox, []
             stats, steps = None, []
-            if loop.time() >= next_stats:
-                next_stats = loop.time() + STATS_INTERVAL
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_INTERVAL
                 steps, self._steps = self._steps, []
                 if self.engine is not None:
                     self.engine.step_observer = self._steps.append
                     stats = self.engine.stats()
             yield events, stats, steps
+
+    async def _until_due(self, next_stats: float) -> None:
+        """Wait until the outbox is due or the stats are (both in time.monotonic)."""
+        while (now := time.monotonic()) < next_stats and (not self._outbox or now < self._due):
+            self._wake.clear()
+            until = min(next_stats, self._due) if self._outbox else next_stats
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), until - now)
 
     def submit(
         self,
@@ -160,9 +172,20 @@ class EngineActor:
         self._live.add(request_id)
 
     def _send(self, event: TokenEvent) -> None:
+        """Into the outbox: a call's first event or final one makes it due at once, any other
+        within HOLD_SECONDS (the events of the steps meanwhile go with it)."""
+        due = self._due if self._outbox else time.monotonic() + HOLD_SECONDS
         if event.finished:
             self._live.discard(event.request_id)
-        self._outbox.put_nowait(event)
+            self._started.discard(event.request_id)
+            due = 0.0
+        elif event.request_id not in self._started:
+            self._started.add(event.request_id)
+            due = 0.0
+        if due < self._due or not self._outbox:
+            self._wake.set()
+        self._due = due
+        self._outbox.append(event)
 
     def abort(self, request_id: str) -> None:
         if self.engine is not None and request_id in self._live:

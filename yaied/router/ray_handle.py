@@ -8,7 +8,7 @@ routing, session pins, PLAS, cancel and the KV coordinator do not know the diffe
             bundle 0, its ranks are actors in the others, worker/parallel/ray_ranks.py)
             -> await actor.load() -> UP
     events: a thread reads actor.events() (streaming) <--- every call's events, a list per
-            step; stats every 0.2 s -> on the loop: each event to its call's sink, stats(),
+            few steps; stats every 0.2 s -> on the loop: each event to its call's sink, stats(),
             the step observer (a task watches the stream's silence)
     submit: actor.submit(...)  ------------------------->  engine.add_request
     abort:  actor.abort(id)    ------------------------->  engine.abort
