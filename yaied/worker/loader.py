@@ -177,7 +177,7 @@ def _load_native(
         quantize_model(model, quantization, tables)
     model = model.to(dtype)
     if quantization != "none":
-        return_freed_memory()  # the fp32 weights the blocks replaced
+        return_freed_memory(collect=True)  # the fp32 weights the blocks replaced
     model.inv_freq = model.inv_freq.float()  # positions stay exact in fp32
     return model.eval()
 
