@@ -231,13 +231,9 @@ def _projection(name: str) -> tuple[str, str]:
 def _tensors(config: ModelConfig, gguf_path: Path | None) -> tuple[list[Tensor], bool | None]:
     """The model's tensors, and its config's tie_word_embeddings where it says."""
     if gguf_path is not None:
-        from yaied.worker.gguf_reader import open_gguf  # deferred: gguf and numpy
+        from yaied.worker.gguf_reader import tensor_table  # deferred: gguf and numpy
 
-        found = [
-            (t.name, tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.n_bytes))
-            for t in open_gguf(gguf_path).tensors
-        ]
-        return found, None
+        return list(tensor_table(gguf_path)), None
     path = Path(config.model).expanduser()
     config_json = path / "config.json" if path.is_dir() else path
     cfg = {}
