@@ -155,3 +155,54 @@ def test_only_the_weights_copies_always_kept_refuse_the_rest_warn():
     assert warning is not None and "weights ~3.0 GiB" in warning
     with pytest.raises(ValueError, match=r"weights ~1\.0 GiB \+ KV pool 2\.0 GiB \+ 256 MiB"):
         check_fits([one], one.least - 1, "the engine", "--kv-cache-gib")
+
+
+def _comounted_v1(tmp_path, name: str, mountinfo: str | None):
+    """A cgroup v1 host whose memory controller shares a mount with cpu (``name``: the mount's
+    folder), with or without /proc/self/mountinfo."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 8000000 kB\nMemAvailable: {4_000_000} kB\n")
+    (proc / "self" / "cgroup").write_text(f"9:cpuset:/\n4:{name}:/docker/abc\n1:name=systemd:/\n")
+    if mountinfo is not None:
+        (proc / "self" / "mountinfo").write_text(mountinfo)
+    _limit_v1(root / name / "docker" / "abc", GIB, 2**29)
+    return proc, root
+
+
+MOUNTINFO = (
+    "22 1 0:21 / /sys rw,nosuid shared:7 - sysfs sysfs rw\n"
+    "25 22 0:23 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755\n"
+    "31 25 0:28 / /sys/fs/cgroup/cpuset rw,nosuid shared:13 - cgroup cgroup rw,cpuset\n"
+    "32 25 0:29 / /sys/fs/cgroup/{name} rw,nosuid,nodev shared:14 - cgroup cgroup rw,{name}\n"
+)
+
+
+@pytest.mark.parametrize("name", ["cpu,memory", "memory,cpu"])
+def test_a_cgroup_v1_memory_controller_co_mounted_with_cpu_is_read(tmp_path, name):
+    """A v1 host that mounts memory with cpu (/sys/fs/cgroup/cpu,memory, no memory folder): the
+    limit was looked for under memory/ only, so the container's 1 GiB read as the machine's
+    MemAvailable (3.8 GiB)."""
+    proc, root = _comounted_v1(tmp_path, name, MOUNTINFO.format(name=name))
+    assert available_bytes(proc, root) == 2**29
+    (proc / "self" / "mountinfo").unlink()  # unreadable: the folder's name says it
+    assert available_bytes(proc, root) == 2**29
+
+
+def test_a_v1_memory_mount_found_in_mountinfo_reads_the_group_under_the_mounts_root(tmp_path):
+    """Inside a container without its own cgroup namespace, the mount's root is the container's
+    group (/docker/abc): the group is what lies under it, the mount point itself here. A mount
+    point outside /sys/fs/cgroup is read where it is."""
+    proc, root = _comounted_v1(tmp_path, "cpu,memory", None)
+    elsewhere = tmp_path / "cg" / "mem"
+    _limit_v1(elsewhere, 2 * GIB, GIB)  # the container's group, mounted at its own root
+    _limit_v1(elsewhere / "docker" / "abc", 2**28, 0)  # not its group: the host's path
+    line = f"40 25 0:30 /docker/abc {elsewhere} rw - cgroup cgroup rw,memory,cpu\n"
+    (proc / "self" / "mountinfo").write_text(line)
+    assert available_bytes(proc, root) == GIB
+
+
+def test_a_memory_link_to_a_co_mounted_v1_controller_is_read(tmp_path):
+    proc, root = _comounted_v1(tmp_path, "cpu,memory", None)
+    (root / "memory").symlink_to("cpu,memory")
+    assert available_bytes(proc, root) == 2**29

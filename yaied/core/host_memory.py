@@ -18,6 +18,7 @@ engines (another machine's, or a node Ray picks) are not counted here.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,18 +33,21 @@ PROCESS_OVERHEAD_BYTES = GIB
 # (0.26 GiB measured). A start is refused only when it cannot fit even with this; between this
 # and the estimate above it is a warning, so that the estimate never refuses one that would run.
 PROCESS_LEAST_BYTES = GIB // 4
+CGROUP_MOUNTS = Path("/sys/fs/cgroup")  # where cgroup hierarchies are mounted
 HEADROOM = 0.10  # a start that leaves less than this share of available memory is warned about
 
 
-def available_bytes(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+def available_bytes(proc: Path = Path("/proc"), root: Path = CGROUP_MOUNTS) -> int | None:
     """What this process may still take: the kernel's MemAvailable, or less where a cgroup (a
     container, a systemd MemoryMax, or a slice above them) caps the process's group or one of
     its ancestors; None where neither is known. ``proc``, ``root``: where to read (tests).
 
     cgroup v2: the group of /proc/self/cgroup's "0::" line under ``root``, its memory.max.
     cgroup v1 (and hybrid hosts): the group of its memory controller's line ("N:memory:/path",
-    or "N:cpu,memory:/path") under ``root``/memory, its memory.limit_in_bytes; inside a
-    container that path is the host's, not there: the container's own group is the mount's root.
+    or "N:cpu,memory:/path") under the controller's mount (``root``/memory, or a mount shared
+    with other controllers, ``root``/cpu,memory: see _v1_memory_mount), its
+    memory.limit_in_bytes; inside a container that path is the host's, not there: the
+    container's own group is the mount's root.
 
     A group's room is its limit less its working set: its usage counts the page cache of files
     it read (model files, logs), which the kernel reclaims before it kills anyone, so the
@@ -63,10 +67,44 @@ def available_bytes(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgrou
             if hierarchy == "0" and not controllers:  # the v2 hierarchy
                 found += _rooms(root, root / group.lstrip("/"), _V2)
             elif "memory" in controllers.split(","):  # v1's memory controller
-                mount = root / "memory"
+                mount, mount_root = _v1_memory_mount(proc, root)
+                if group.startswith(mount_root.rstrip("/") + "/") or group == mount_root:
+                    group = group[len(mount_root) :]  # the part under the mount's root
                 folder = mount / group.lstrip("/")
                 found += _rooms(mount, folder if folder.is_dir() else mount, _V1)
     return min(found) if found else None
+
+
+def _v1_memory_mount(proc: Path, root: Path) -> tuple[Path, str]:
+    """Where cgroup v1's memory controller is mounted, and the group its mount shows as its root
+    ("/", or a container's own group): /proc/self/mountinfo's cgroup mount whose options name
+    memory, alone or co-mounted with others (cpu,memory); a mount point under /sys/fs/cgroup is
+    read under ``root``. Without mountinfo, ``root``'s folder named memory or with memory among
+    its comma-separated names; ``root``/memory where there is none."""
+    with contextlib.suppress(OSError):
+        for line in (proc / "self" / "mountinfo").read_text().splitlines():
+            # id parent major:minor root mount-point options [optional...] - type source super
+            fields = line.split()
+            if "-" not in fields[6:]:
+                continue
+            end = fields.index("-", 6)
+            if fields[end + 1 : end + 2] != ["cgroup"] or len(fields) < end + 4:
+                continue
+            if "memory" in fields[end + 3].split(","):
+                point = Path(_unescape(fields[4]))
+                if point.is_relative_to(CGROUP_MOUNTS):
+                    point = root / point.relative_to(CGROUP_MOUNTS)
+                return point, _unescape(fields[3])
+    with contextlib.suppress(OSError):
+        for folder in sorted(root.iterdir()):
+            if "memory" in folder.name.split(",") and folder.is_dir():
+                return folder, "/"
+    return root / "memory", "/"
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline and backslash in a path as \\ooo (octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 @dataclass(frozen=True, slots=True)
