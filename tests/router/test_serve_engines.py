@@ -34,9 +34,10 @@ def test_more_cpu_engines_than_cores_is_one_line_before_any_process_starts(
     and past one per core they only take turns. Found before the socket opens and any process
     is spawned; exit 2 (a setting)."""
     from yaied import daemon
-    from yaied.router import build, local_process
+    from yaied.router import build, capacity, local_process
 
     monkeypatch.setattr(build, "usable_cores", lambda: 3)
+    monkeypatch.setattr(capacity, "usable_cores", lambda: 3)
     spawned = []
 
     async def spawn(handle) -> None:
@@ -50,12 +51,40 @@ def test_more_cpu_engines_than_cores_is_one_line_before_any_process_starts(
     code, out, err = run_main(capsys, *argv, "--engines", "4", "--port", str(free_port()))
     assert (code, out, spawned, served) == (2, "", [], []), err
     assert err.splitlines()[-1] == (
-        "yaied: error: router.engines (--engines) must be at most 3 here, got 4: CPU engine "
-        "processes need a core each, and this daemon may use 3"
+        "yaied: error: 4 local CPU engines need 4 cores (local-cpu: 1, local-cpu-2: 1, "
+        "local-cpu-3: 1, local-cpu-4: 1: a core a rank, or the threads each sets), more than "
+        "the 3 this daemon may use; lower device.threads (--threads) or router.engines (--engines)"
     )
     assert len(build.local_entries(3, "cpu")) == 3  # one a core
-    with pytest.raises(ValueError, match="at most 1 here, got 2: CPU engine processes of 2"):
+    with pytest.raises(ValueError, match=r"^2 local CPU engines need 4 cores \(local-cpu: 2, "):
         build.local_entries(2, "cpu", tensor_parallel_size=2)
+
+
+def test_engines_past_the_cores_by_their_threads_get_the_same_line_as_by_their_count(
+    capsys, tiny_model_dirs, monkeypatch
+):
+    """--engines N on too few cores and --engines N --threads T past them were two rules and
+    two lines (one naming --engines, the other "run fewer engines" for the same flag); an
+    [[engines]] entry's threads are counted by the same rule. One line, exit 2, either way."""
+    from yaied import daemon
+    from yaied.router import build, capacity
+
+    monkeypatch.setattr(build, "usable_cores", lambda: 3)
+    monkeypatch.setattr(capacity, "usable_cores", lambda: 3)
+    monkeypatch.setattr(daemon, "run_server", lambda *args, **kwargs: None)
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
+    argv += ["--port", str(free_port()), "--engines", "2"]
+    code, out, err = run_main(capsys, *argv, "--threads", "2")
+    assert (code, out) == (2, ""), err
+    assert err.splitlines()[-1] == (
+        "yaied: error: 2 local CPU engines need 4 cores (local-cpu: 2, local-cpu-2: 2: a core a "
+        "rank, or the threads each sets), more than the 3 this daemon may use; lower "
+        "device.threads (--threads) or router.engines (--engines)"
+    )
+    with pytest.raises(ValueError) as raised:  # the reload's and the daemon's own check
+        build.local_entries(2, "cpu", threads=2)
+    assert f"yaied: error: {raised.value}" == err.splitlines()[-1]
+    assert run_main(capsys, *argv, "--threads", "1")[0] == 0
 
 
 @pytest.mark.slow  # a daemon and two engine processes
@@ -145,7 +174,8 @@ async def test_a_reload_counts_each_engines_ranks_against_the_cores(monkeypatch,
     monkeypatch.setattr(build, "usable_cores", lambda: 3)
     manager, _ = await started(1)
     manager.engine_config = SimpleNamespace(
-        engine=SimpleNamespace(tensor_parallel_size=2), device=SimpleNamespace(device="cpu")
+        engine=SimpleNamespace(tensor_parallel_size=2),
+        device=SimpleNamespace(device="cpu", threads=0),
     )
     server = SimpleNamespace(
         manager=manager, draining=False, config=ServerConfig(), keys=KeyTable.parse(())
@@ -155,7 +185,7 @@ async def test_a_reload_counts_each_engines_ranks_against_the_cores(monkeypatch,
     before = sorted(manager.pool)
     with caplog.at_level("ERROR", logger="yaied.server.reload"):
         assert not await reload(server, lambda: config)
-    assert "at most 1 here, got 2" in caplog.text and sorted(manager.pool) == before
+    assert "2 local CPU engines need 4 cores" in caplog.text and sorted(manager.pool) == before
     await manager.stop()
 
 

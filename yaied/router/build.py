@@ -7,6 +7,7 @@ from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.local_process import usable_cores
 from yaied.router.manager import EngineManager
 from yaied.router.names import entry_names
+from yaied.router.room import ENGINES_FLAG, CpuEngine, check_cores
 
 
 def build_manager(
@@ -16,18 +17,19 @@ def build_manager(
     per GPU when there are that many GPUs, else CPU processes). Nothing starts here."""
     manager = EngineManager(router_config, engine_config=engine_config)
     if not entries:
-        size = engine_config.engine.tensor_parallel_size
-        entries = local_entries(router_config.engines, engine_config.device.device, size)
+        size, threads = engine_config.engine.tensor_parallel_size, engine_config.device.threads
+        device = engine_config.device.device
+        entries = local_entries(router_config.engines, device, size, threads)
     for entry, name in zip(entries, entry_names(entries), strict=True):
         manager.add_engine(entry, name=name)
     return manager
 
 
 def local_entries(
-    count: int, device: str, tensor_parallel_size: int = 1
+    count: int, device: str, tensor_parallel_size: int = 1, threads: int = 0
 ) -> tuple[EngineEntry, ...]:
     """``count`` engines of ``tensor_parallel_size`` GPUs each (engine i on cuda:i*N ..), when
-    there are that many GPUs, else CPU processes."""
+    there are that many GPUs, else CPU processes of ``threads`` (device.threads) each."""
     if device in ("auto", "cuda"):
         import torch
 
@@ -42,20 +44,17 @@ def local_entries(
             )
         device = "cpu"
     if device == "cpu":
-        check_cpu_engines(count, tensor_parallel_size)
+        check_cpu_engines(count, tensor_parallel_size, threads)
     return tuple(EngineEntry(device=device) for _ in range(count))
 
 
-def check_cpu_engines(count: int, tensor_parallel_size: int = 1) -> None:
-    """A ValueError unless each of ``count`` CPU engines' processes (ranks) gets a core of its
-    own. --engines had no bound: 64 engines on 2 cores spawned 64 processes, each loading torch
-    and the model and holding its own KV pool, one thread each, taking turns on the cores: more
-    memory than one engine, and no more throughput. One engine runs on what it is given."""
-    cores = usable_cores()
-    if count > 1 and count * tensor_parallel_size > cores:
-        ranks = "" if tensor_parallel_size == 1 else f" of {tensor_parallel_size} ranks each"
-        most = max(1, cores // tensor_parallel_size)
-        raise ValueError(
-            f"router.engines (--engines) must be at most {most} here, got {count}: CPU engine "
-            f"processes{ranks} need a core each, and this daemon may use {cores}"
-        )
+def check_cpu_engines(count: int, tensor_parallel_size: int = 1, threads: int = 0) -> None:
+    """A ValueError (room.py's check_cores: one rule and message for CPU engines however they
+    are given) unless ``count`` CPU engines of ``tensor_parallel_size`` ranks and ``threads``
+    each (device.threads) fit the cores this daemon may use. --engines had no bound: 64 engines
+    on 2 cores spawned 64 processes, each loading torch and the model and holding its own KV
+    pool, taking turns on the cores: more memory than one engine, and no more throughput. One
+    engine runs on what it is given."""
+    names = entry_names([EngineEntry(device="cpu")] * count)
+    engines = [CpuEngine(name, tensor_parallel_size, threads) for name in names]
+    check_cores(engines, usable_cores(), *ENGINES_FLAG)

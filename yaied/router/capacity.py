@@ -7,7 +7,7 @@ the supervisor restarts into the same end.
 
     cores   with more than one CPU engine, each needs a core a rank, or its threads where it
             sets them (an entry's ``threads``, else ``device.threads``): past the cores they
-            only take turns. --engines N alone is router/build.py's check_cpu_engines.
+            only take turns (room.py's check_cores, for --engines N as for [[engines]]).
     memory  weights + KV pool + a process's overhead, summed over the engines
             (yaied/core/host_memory.py), against MemAvailable or the cgroup's room; a start
             leaving under 10% of it is a warning.
@@ -33,7 +33,14 @@ from yaied.router.build import local_entries
 from yaied.router.config import EngineEntry, RouterConfig
 from yaied.router.local_process import usable_cores
 from yaied.router.names import entry_names
-from yaied.router.room import CpuEngine, check_cores, cpu_engine, engine_device, memory_of
+from yaied.router.room import (
+    ENGINES_FLAG,
+    CpuEngine,
+    check_cores,
+    cpu_engine,
+    engine_device,
+    memory_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,8 @@ def check_capacity(
     cores = usable_cores() if cores is None else cores
     available = available_bytes() if available == -1 else available
     cpu, num_local = cpu_engines(engine_config, router, entries)
-    check_cores(cpu, cores, "engines.threads" if entries else "device.threads (--threads)")
+    settings = ("engines.threads", "run fewer engines") if entries else ENGINES_FLAG
+    check_cores(cpu, cores, *settings)
     memory = memory_of(cpu, engine_config, weight_bytes)
     if entries:
         what, fix = "[[engines]]", "cache.kv_cache_gib (--kv-cache-gib) or the local entries"
@@ -88,8 +96,8 @@ def cpu_engines(
             if engine_device(engine_config.device.device) != "cpu":
                 return [], 1
             return [CpuEngine("0", size, default_threads)], 1
-        # Refuses more than the cores (one a rank) with its own message, as it always did.
-        entries = local_entries(router.engines, engine_config.device.device, size)
+        # Refuses more than the cores, as check_cores below would (the same rule and line).
+        entries = local_entries(router.engines, engine_config.device.device, size, default_threads)
     local = [e for e in entries if e.kind == "local"]
     named = zip(entries, entry_names(entries), strict=True)
     found = [cpu for e, name in named if (cpu := cpu_engine(e, engine_config, name)) is not None]

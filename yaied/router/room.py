@@ -144,18 +144,26 @@ def memory_of(
     return [EngineMemory(expected, kv, e.ranks, least) for e in engines]
 
 
-def check_cores(engines: list[CpuEngine], cores: int, where: str) -> None:
-    """A ValueError when more than one CPU engine needs more cores than this daemon may use;
-    ``where`` names the threads setting to lower."""
+def check_cores(
+    engines: list[CpuEngine], cores: int, where: str, fewer: str = "run fewer engines"
+) -> None:
+    """A ValueError when more than one CPU engine needs more cores than this daemon may use
+    (a core a rank, or the threads each sets): past them they only take turns. The one rule and
+    message for CPU engines however given (--engines N, [[engines]], added while serving);
+    ``where`` names the threads setting to lower, ``fewer`` how to run fewer engines."""
     need = sum(e.cores for e in engines)
     if len(engines) < 2 or need <= cores:
         return
     each = ", ".join(f"{e.name}: {e.cores}" for e in engines)
     raise ValueError(
         f"{len(engines)} local CPU engines need {need} cores ({each}: a core a rank, or the "
-        f"threads each sets), more than the {cores} this daemon may use; lower {where} or run "
-        "fewer engines"
+        f"threads each sets), more than the {cores} this daemon may use; lower {where} or "
+        f"{fewer}"
     )
+
+
+# check_cores' settings for the engines of router.engines (--engines) N
+ENGINES_FLAG = ("device.threads (--threads)", "router.engines (--engines)")
 
 
 def engine_device(device: str) -> str:

@@ -85,7 +85,8 @@ async def reload(server: ServerState, read: ConfigReader) -> bool:
             # As build_manager makes them at start, so named alike: a reload leaves them be.
             engine = manager.engine_config
             device, ranks = engine.device.device, engine.engine.tensor_parallel_size
-            entries = await asyncio.to_thread(local_entries, config.router.engines, device, ranks)
+            count, threads = config.router.engines, engine.device.threads
+            entries = await asyncio.to_thread(local_entries, count, device, ranks, threads)
         if any(e.kind == "local" for e in entries):  # device auto asks torch (the fit check)
             await asyncio.to_thread(engine_device, "auto")  # imported the first time: off the loop
         # apply_engines' checks (the new local CPU engines' fit among them) before Ray: a
