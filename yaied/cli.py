@@ -231,7 +231,7 @@ def _serve_http(args: argparse.Namespace) -> int:
     from yaied.router.ray_cluster import autoscale_ray, check_start
     from yaied.server.reload import config_reader
     from yaied.worker.model_files import check_model_reference
-    from yaied.worker.weight_bytes import estimate_weight_bytes
+    from yaied.worker.weight_bytes import weight_estimate
 
     config = load_cli_config(args)
     check_model_reference(config.model.model, load_format=config.model.load_format)
@@ -259,7 +259,7 @@ def _serve_http(args: argparse.Namespace) -> int:
     ranks = config.engine.tensor_parallel_size
     check_start(start.engines, start.router.ray_address, autoscale_ray(start.autoscale), ranks)
     # CPU engines past this machine's cores or memory: one line before any loads or the bind
-    weights = estimate_weight_bytes(config.model, ranks=config.engine.tensor_parallel_size)
+    weights = weight_estimate(config.model)  # each engine's at its own ranks
     autoscale = check_capacity(config, start.router, start.engines, start.autoscale, weights)
     try:
         run_server(

@@ -43,7 +43,7 @@ from yaied.core.forwarding import is_loopback
 from yaied.core.processes import freeze_loaded_objects
 from yaied.router.autoscale import AutoscaleConfig
 from yaied.router.config import EngineEntry, RouterConfig
-from yaied.router.room import HostRoom
+from yaied.router.room import HostRoom, Weights
 from yaied.server.app import build_app
 from yaied.server.config import ServerConfig
 from yaied.server.reload import ConfigReader, reload
@@ -136,14 +136,14 @@ def run_server(
     engines: tuple[EngineEntry, ...] = (),
     read_config: ConfigReader | None = None,
     autoscale: AutoscaleConfig | None = None,
-    weight_bytes: int | tuple[int, int] | None = None,
+    weight_bytes: Weights = None,
 ) -> None:
     """Serve until a signal. One engine runs in this process unless `[[engines]]` entries or
     ``router.engines > 1`` ask for engine processes or remote daemons behind the router.
     ``read_config`` reads the config files again on SIGHUP (None: a reload changes nothing);
     ``autoscale`` turns the autoscaler on where it is enabled; ``weight_bytes``: the CLI's
-    estimate of an engine's weights ((least, expected) bytes), for the memory check of CPU
-    engines added while serving."""
+    estimate of an engine's weights at its ranks (router/room.py's Weights), for the memory
+    check of CPU engines added while serving."""
     failure: list[BaseException] = []
     server: DrainingServer | None = None
     router_config = router_config or RouterConfig()

@@ -120,3 +120,27 @@ def test_the_weights_least_refuses_and_their_expected_copies_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="yaied.router.capacity"):
         check_capacity(CPU, RouterConfig(), (), None, weights, cores=4, available=ONE)
     assert "weights ~3.0 GiB" in caplog.text and "more than the" in caplog.text
+
+
+def test_each_engine_is_counted_with_its_own_ranks_weights():
+    """The weights are a function of an engine's ranks: a TP=1 entry beside the config's TP=2
+    counts one process's weights, the TP=2 engines their shards (and a KV pool a rank)."""
+    tp2 = load_config(
+        overrides={
+            "device.device": "cpu",
+            "cache.kv_cache_gib": 2.0,
+            "engine.tensor_parallel_size": 2,
+        }
+    )
+    asked = []
+
+    def weights(ranks: int) -> int:
+        asked.append(ranks)
+        return {1: GIB, 2: 3 * GIB}[ranks]
+
+    entries = (EngineEntry(device="cpu", tensor_parallel_size=1), EngineEntry(device="cpu"))
+    least = LEAST + 3 * GIB + 2 * (2 * GIB + PROCESS_LEAST_BYTES)
+    check_capacity(tp2, RouterConfig(), entries, None, weights, cores=8, available=least)
+    with pytest.raises(ValueError, match=r"^\[\[engines\]\]: 2 CPU engine\(s\) need ~10\.8 GiB"):
+        check_capacity(tp2, RouterConfig(), entries, None, weights, cores=8, available=least - 1)
+    assert set(asked) == {1, 2}

@@ -212,3 +212,43 @@ def test_cpu_engines_past_the_memory_are_one_line_before_any_process_starts(
     assert "more than the 4.0 GiB of memory available here" in last
     assert "lower cache.kv_cache_gib (--kv-cache-gib) or router.engines (--engines)" in last
     assert run_main(capsys, *argv, "--engines", "1")[0] == 0 and len(served) == 1
+
+
+def test_each_cpu_engine_entrys_weights_are_counted_at_its_own_ranks(
+    capsys, tiny_model_dirs, monkeypatch, tmp_path
+):
+    """The weights were estimated once, at engine.tensor_parallel_size (1 here), and counted so
+    for every entry: a tensor-parallel entry, whose ranks keep float shards whatever the
+    quantization, counted a quantized single process's bytes, and the start let through what
+    the OOM killer would end. Each entry at its own ranks: refused, exit 2."""
+    from yaied import daemon
+    from yaied.router import build, capacity
+    from yaied.worker import weight_bytes
+
+    gib = 2**30
+    asked = []
+
+    def estimate(config, *, ranks=1, **_):
+        asked.append(ranks)
+        return weight_bytes.WeightBytes(gib, gib) if ranks == 1 else (4 * gib, 4 * gib)
+
+    monkeypatch.setattr(weight_bytes, "estimate_weight_bytes", estimate)
+    monkeypatch.setattr(build, "usable_cores", lambda: 8)
+    monkeypatch.setattr(capacity, "usable_cores", lambda: 8)
+    monkeypatch.setattr(capacity, "available_bytes", lambda: 8 * gib)
+    served = []
+    monkeypatch.setattr(daemon, "run_server", lambda *args, **kwargs: served.append(args))
+    config = tmp_path / "yaied.toml"
+    config.write_text(
+        '[[engines]]\ndevice = "cpu"\nname = "one"\n\n'
+        '[[engines]]\ndevice = "cpu"\nname = "two-ranks"\ntensor_parallel_size = 2\n'
+    )
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu"]
+    argv += ["--kv-cache-gib", "1", "--port", str(free_port()), "--config", str(config)]
+    code, out, err = run_main(capsys, *argv)
+    assert (code, out, served) == (2, "", []), err
+    last = err.splitlines()[-1]
+    # 1 + 1 + 0.25 GiB, and 4 + 2 x (1 + 0.25) GiB at the least: 8.75 GiB
+    assert last.startswith("yaied: error: [[engines]]: 2 CPU engine(s) need ~8.8 GiB"), last
+    assert "more than the 8.0 GiB of memory available here" in last
+    assert sorted(set(asked)) == [1, 2]

@@ -29,6 +29,7 @@ from yaied.worker.weight_bytes import (
     KEPT_GGML_IDS,
     WeightBytes,
     estimate_weight_bytes,
+    weight_estimate,
 )
 
 T = gguf_files.T
@@ -151,6 +152,10 @@ def test_tensor_parallel_ranks_load_floats_whatever_the_quantization(tmp_path):
     assert two.least == estimate_weight_bytes(as_none, level="avx2", ranks=2, **BARE).least
     numel = estimate_weight_bytes(as_none, level="avx512_bf16", ranks=2, **BARE).least // 2
     assert two.least == numel * 4
+    # what the start's check counts each engine with: the estimate at that engine's ranks
+    by_ranks = weight_estimate(config)
+    assert by_ranks(2) == estimate_weight_bytes(config, ranks=2) != by_ranks(1)
+    assert by_ranks(1) == estimate_weight_bytes(config)
 
 
 # Loads a dummy model and prepares it for this CPU (level by YAIED_CPU_ISA) in a fresh

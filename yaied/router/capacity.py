@@ -36,6 +36,7 @@ from yaied.router.names import entry_names
 from yaied.router.room import (
     ENGINES_FLAG,
     CpuEngine,
+    Weights,
     check_cores,
     cpu_engine,
     engine_device,
@@ -50,14 +51,15 @@ def check_capacity(
     router: RouterConfig,
     entries: tuple[EngineEntry, ...],
     autoscale: AutoscaleConfig | None,
-    weight_bytes: int | tuple[int, int] | None,
+    weight_bytes: Weights,
     *,
     cores: int | None = None,
     available: int | None = -1,
 ) -> AutoscaleConfig | None:
     """A ValueError (one line) where the start's CPU engines do not fit this machine's cores or
     memory; else ``autoscale`` with its max_engines lowered to what fits (logged). ``cores``,
-    ``available``: the machine's, found when not given (tests inject them; None: not known)."""
+    ``available``: the machine's, found when not given (tests inject them; None: not known);
+    ``weight_bytes``: an engine's weights at its ranks (room.py's Weights)."""
     cores = usable_cores() if cores is None else cores
     available = available_bytes() if available == -1 else available
     cpu, num_local = cpu_engines(engine_config, router, entries)

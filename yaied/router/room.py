@@ -40,14 +40,21 @@ class CpuEngine:
         return max(self.ranks, self.threads)
 
 
+# An engine's weights in bytes, (least, expected): the copies always kept refuse, the expected
+# ones warn (one int: both); None counts no weights. The CLI's estimate is a function of the
+# engine's tensor-parallel ranks (yaied/worker/weight_bytes.py: the router reads no model
+# files), since ranks keep float shards whatever the quantization and one process does not; a
+# constant (tests) is the same for any ranks.
+WeightFigures = int | tuple[int, int] | None
+Weights = WeightFigures | Callable[[int], WeightFigures]
+
+
 @dataclass(frozen=True, slots=True)
 class HostRoom:
-    """What ``check_room`` reads. The weights' estimate is the CLI's, from the model's files
-    (yaied/worker/weight_bytes.py: the router reads no model files), (least, expected): the
-    copies always kept refuse, the expected ones warn (one int: both); None counts no weights.
-    The memory and the cores are read anew at each check; tests inject both."""
+    """What ``check_room`` reads: the weights' estimate (Weights) and, read anew at each check,
+    the memory and the cores; tests inject both."""
 
-    weight_bytes: int | tuple[int, int] | None = None
+    weight_bytes: Weights = None
     available: Callable[[], int | None] = available_bytes
     cores: Callable[[], int] = usable_cores
 
@@ -132,16 +139,18 @@ def cpu_engine(entry: EngineEntry, engine_config: EngineConfig, name: str) -> Cp
 
 
 def memory_of(
-    engines: list[CpuEngine],
-    engine_config: EngineConfig,
-    weight_bytes: int | tuple[int, int] | None,
+    engines: list[CpuEngine], engine_config: EngineConfig, weight_bytes: Weights
 ) -> list[EngineMemory]:
-    """What each engine's processes take: the weights ((least, expected) bytes), and a KV
-    pool a rank."""
+    """What each engine's processes take: its weights at its own ranks ((least, expected)
+    bytes: every rank's shard together), and a KV pool a rank."""
     kv = int(engine_config.cache.kv_cache_gib * GIB)
-    weights = weight_bytes or 0
-    least, expected = (weights, weights) if isinstance(weights, int) else weights
-    return [EngineMemory(expected, kv, e.ranks, least) for e in engines]
+    memory = []
+    for engine in engines:
+        weights = weight_bytes(engine.ranks) if callable(weight_bytes) else weight_bytes
+        weights = weights or 0
+        least, expected = (weights, weights) if isinstance(weights, int) else weights
+        memory.append(EngineMemory(expected, kv, engine.ranks, least))
+    return memory
 
 
 def check_cores(

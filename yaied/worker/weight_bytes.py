@@ -25,11 +25,12 @@ nothing countable.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -108,6 +109,14 @@ def estimate_weight_bytes(
     if ranks > 1:
         return _shards(weights, math_bytes, level)
     return _one_process(weights, mode, config.dtype, math_bytes, level, kernels, memory)
+
+
+def weight_estimate(config: ModelConfig) -> Callable[[int], WeightBytes | None]:
+    """``estimate_weight_bytes`` of ``config`` as a function of the engine's ranks, each figure
+    read once: the start's check and those of engines added while serving count every engine
+    at its own tensor_parallel_size (an ``[[engines]]`` entry's, else the config's), since
+    ranks keep float shards whatever the quantization where one process keeps its blocks."""
+    return functools.cache(lambda ranks: estimate_weight_bytes(config, ranks=ranks))
 
 
 def _math_bytes(dtype: str, level: str) -> int:
