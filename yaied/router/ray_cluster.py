@@ -3,9 +3,11 @@
 Ray is optional (``pip install "yaied[ray]"``): nothing imports it until a ``kind = "ray"``
 engine exists, and every way it can be missing or unreachable is a ValueError of one line,
 which stops the start (the CLI prints it) or refuses ``POST /v1/engines`` (a 400). A cluster
-that does not answer, or has no node for an engine, may yet (its head restarting, its nodes
-joining after a reboot): that one is an UnreachableError, a ValueError on which the start exits
-1, which systemd retries, rather than 2 (a setting to fix).
+that does not answer, or has no node for an engine now, may yet (its head restarting, its nodes
+joining after a reboot, Ray's autoscaler adding one): that one is an UnreachableError, a
+ValueError on which the start exits 1, which systemd retries, rather than 2 (a setting to fix).
+An engine whose resources exceed the total of every node the cluster has or may add (a GPU on
+a cluster without one, more CPUs than any node has) is such a setting: exit 2 (``never_fits``).
 
     router.ray_address   ""         a Ray instance started here, sized to this machine
                          "auto"     the cluster this machine already belongs to (`ray start`)
@@ -102,9 +104,12 @@ def engine_threads(entry: EngineEntry) -> int:
 def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
     """A ValueError unless the live nodes could hold the engine, resources in use or not (a
     busy cluster only makes the engine wait): one bundle per rank, all on one node under
-    STRICT_PACK (or with one rank), each on a node of its own under STRICT_SPREAD."""
+    STRICT_PACK (or with one rank), each on a node of its own under STRICT_SPREAD. An
+    UnreachableError (exit 1 at a start: retried) where nodes may yet come that hold it, else
+    a plain one (exit 2: a setting), see ``never_fits``."""
     bundle = engine_bundle(entry)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    known = ray.nodes()
+    nodes = [n for n in known if n.get("Alive")]
     fits = [n for n in nodes if _holds(n, bundle, 1)]
     if world_size == 1 or entry.placement_strategy == "STRICT_PACK":
         if any(_holds(n, bundle, world_size) for n in nodes):
@@ -117,9 +122,57 @@ def check_feasible(ray: Any, entry: EngineEntry, world_size: int) -> None:
     need = {k: (v if k == entry.node else v * world_size) for k, v in bundle.items()}
     how = "" if world_size == 1 else f" ({world_size} ranks, {entry.placement_strategy})"
     listing = "; ".join(_node_summary(n) for n in nodes) or "none alive"
-    raise UnreachableError(
-        f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})"
+    line = f"no Ray node can hold an engine of {_format(need)}{how} (nodes: {listing})"
+    types = _autoscaler_node_types(ray)
+    if types is not None and never_fits(known, types, entry, world_size):
+        ranks = " or engines.tensor_parallel_size" if world_size > 1 else ""
+        raise ValueError(
+            f"{line}: more than any node{' labelled ' + entry.node if entry.node else ''} has "
+            f"in total, or a node type of Ray's autoscaler would; lower engines.resources{ranks}"
+        )
+    raise UnreachableError(line)
+
+
+def never_fits(
+    nodes: list[dict[str, Any]],
+    node_types: list[dict[str, float]],
+    entry: EngineEntry,
+    world_size: int,
+) -> bool:
+    """Whether no node the cluster has or may have could ever hold the engine, however idle:
+    its bundle (``world_size`` of them on one node under STRICT_PACK or with one rank, else
+    one) exceeds the total resources of every node, alive or dead (a node that left may
+    return), and of every node type Ray's autoscaler may add (``node_types``: their
+    resources). With ``entry.node``, only the nodes labelled so count, and none alive or known
+    with that label is not "never": that node may join (a reboot). None alive: the cluster may
+    yet come up. A cluster whose head is up and whose other nodes have not joined yet reads as
+    "never" for what only they have (README, "Engines placed by Ray")."""
+    if not any(n.get("Alive") for n in nodes):
+        return False
+    hosts = [n.get("Resources", {}) for n in nodes] + list(node_types)
+    if entry.node:
+        hosts = [h for h in hosts if h.get(entry.node, 0.0) > 0]
+        if not any(n.get("Alive") and n.get("Resources", {}).get(entry.node) for n in nodes):
+            return False
+    base = dict(entry.resources) or {"CPU": 1.0}
+    copies = world_size if world_size == 1 or entry.placement_strategy == "STRICT_PACK" else 1
+    return not any(
+        all(host.get(k, 0.0) + 1e-9 >= v * copies for k, v in base.items()) for host in hosts
     )
+
+
+def _autoscaler_node_types(ray: Any) -> list[dict[str, float]] | None:
+    """The resources of each node type Ray's autoscaler may start ([] with no autoscaler, as
+    Ray Data reads it); None where Ray does not say (a Ray whose private state API differs):
+    then nothing is taken for "never"."""
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:  # noqa: BLE001 (a private API: any change in it means "not known")
+        return None
+    if not config:
+        return []
+    groups = config.node_group_configs
+    return [dict(g.resources) for g in groups if g.resources and g.max_count != 0]
 
 
 def check_entry(address: str, entry: EngineEntry, world_size: int) -> None:
