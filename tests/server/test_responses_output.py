@@ -22,7 +22,7 @@ TOOLS = [{"type": "function", "name": "w", "parameters": {"type": "object"}}]
 
 
 def _streamed(ending: str) -> tuple[dict[str, str], Turn]:
-    """The status each item's output_item.done carried, as responses_api._events sends them:
+    """The status each item's output_item.done carried, as responses_running.events sends them:
     the ending is known only once the last event is in, before the blocks close."""
     turn = Turn(parse_responses({"input": "Weather?", "tools": TOOLS}), "resp_abc", "m")
     write, chunks = SSEWriter(), []

@@ -123,8 +123,8 @@ def test_the_daemons_stop_ends_a_running_background_response(tiny_chat_model):
         started = client.post("/v1/responses", json=body).json()
         assert started["status"] == "queued" and started["background"] is True
         server = client.app.state.server
-        assert (("", started["id"]) in server.background) is True
-    assert not server.background
+        assert (("", started["id"]) in server.running_responses) is True
+    assert not server.running_responses
     ended = server.response_store.get("", started["id"]).body
     assert ended["status"] == "failed" and ended["error"]["code"] == "server_error"
 

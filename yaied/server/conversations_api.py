@@ -32,8 +32,9 @@ from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
 from yaied.server.protocol import _refuse_unknown_fields
 from yaied.server.response_store import StoredConversation
-from yaied.server.responses_api import _namespace, _store, page_of, with_ids
+from yaied.server.responses_api import _namespace, _store, page_of
 from yaied.server.responses_protocol import _metadata, parse_items
+from yaied.server.responses_running import with_ids
 
 MAX_ITEMS_PER_CALL = 20  # OpenAI's bound on items a create or an append carries
 

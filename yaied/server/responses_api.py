@@ -11,6 +11,8 @@
 With ``background`` the response object (status ``queued``) is stored and answered at once, the
 call runs on in a task of its own (the client may leave), and the stored object becomes the
 finished one (``completed``, ``incomplete``, ``failed``, or ``cancelled`` by the cancel route).
+Every stored response, foreground too, is found while it runs (responses_running.py: GET as it
+stands, DELETE cancels it first, previous_response_id refuses it).
 
 With ``conversation`` (conversations_api.py) the stored conversation's items come before the
 input, and the turn's input and output are appended to it once it has ended well (``_keep``).
@@ -31,26 +33,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from yaied.server.agent_run import ABORTED, AgentRun, ClientGone, collect, start_chat
+from yaied.server.agent_run import ClientGone, start_chat
 from yaied.server.auth import api_key_of
 from yaied.server.body import read_json
 from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
-from yaied.server.response_store import ResponseStore, StoredResponse
-from yaied.server.responses_output import SSEWriter, Turn, block_events, item_id_prefix
+from yaied.server.response_store import ResponseStore
+from yaied.server.responses_output import Turn
 from yaied.server.responses_protocol import check_call_outputs, parse_items, parse_responses
-from yaied.server.state import BackgroundRun, ServerState
+from yaied.server.responses_running import (
+    events,
+    on_close,
+    run_in_background,
+    start,
+    stop,
+    whole,
+)
+from yaied.server.state import ServerState
 
 log = logging.getLogger(__name__)
 _LIST_PARAMS = frozenset({"after", "before", "include", "include[]", "limit", "order"})
-CANCEL_WAIT_SECONDS = 10.0  # a cancelled call's abort comes within an engine step
 
 
 def routes() -> list[Route]:
@@ -78,16 +86,14 @@ async def get_response(request: Request) -> Response:
         # OpenAI replays a background response's events; none are kept here
         raise APIError(400, "stored responses are not streamed here: GET without stream",
                        param="stream")  # fmt: skip
-    response_id = request.path_params["response_id"]
-    namespace = _namespace(request)
-    item = _store(request).get(namespace, response_id)
-    if item is None:
-        # a background response still running whose stored object newer ones pushed out
-        running = request.state.server.background.get((namespace, response_id))
-        if running is not None:
-            return json_response(running.body(running.status))
-        raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
-    return json_response(item.body)
+    key = (_namespace(request), request.path_params["response_id"])
+    stored = _store(request).get(*key)  # read: recently used
+    running = request.state.server.running_responses.get(key)
+    if running is not None:  # as it stands, even if newer responses pushed it out of the store
+        return json_response(running.body(running.status))
+    if stored is None:
+        raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
+    return json_response(stored.body)
 
 
 async def list_input_items(request: Request) -> Response:
@@ -134,34 +140,29 @@ def page_of(items: list[dict[str, Any]], request: Request, owner: str) -> dict[s
 async def cancel_response(request: Request) -> Response:
     """Cancel a background response still running: its call is cancelled (within an engine
     step) and it ends ``cancelled``, what this returns. A finished background response is
-    returned as it ended; any other is a 400."""
+    returned as it ended; any other is a 400 (OpenAI's rule: a running foreground one runs on;
+    DELETE, or POST /v1/requests/{X-Request-Id}/cancel, stops it)."""
     server: ServerState = request.state.server
     key = (_namespace(request), request.path_params["response_id"])
-    await _stop_background(server, key)
-    stored = server.response_store.get(*key)
-    if stored is None:
-        raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
-    if not stored.body.get("background"):
-        raise APIError(400, "only background responses can be cancelled", param="response_id")
-    return json_response(stored.body)
-
-
-async def _stop_background(server: ServerState, key: tuple[str, str]) -> None:
-    """Cancel the background response ``key`` if it still runs, and wait for its end."""
-    running = server.background.get(key)
-    if running is not None:
-        running.cancelled = True
-        await running.cancel_calls()
-        await asyncio.wait({running.task}, timeout=CANCEL_WAIT_SECONDS)
+    running = server.running_responses.get(key)
+    if running is None or running.background:
+        await stop(server, key, delete=False)
+        stored = server.response_store.get(*key)
+        if stored is None:
+            raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
+        if stored.body.get("background"):
+            return json_response(stored.body)
+    raise APIError(400, "only background responses can be cancelled", param="response_id")
 
 
 async def delete_response(request: Request) -> Response:
-    response_id = request.path_params["response_id"]
-    # a running background response is cancelled first, or its end would store it again
-    await _stop_background(request.state.server, (_namespace(request), response_id))
-    if not _store(request).delete(_namespace(request), response_id):
-        raise APIError(404, f"no stored response {response_id!r}", code="response_not_found")
-    return json_response({"id": response_id, "object": "response", "deleted": True})
+    key = (_namespace(request), request.path_params["response_id"])
+    # a running response is cancelled first (its stream ends failed), or its end would store
+    # it again
+    ran = await stop(request.state.server, key, delete=True)
+    if not _store(request).delete(*key) and not ran:
+        raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
+    return json_response({"id": key[1], "object": "response", "deleted": True})
 
 
 async def create_response(request: Request) -> Response:
@@ -182,6 +183,9 @@ async def create_response(request: Request) -> Response:
     turn = Turn(req, response_id, server.model_name)
     if req.previous_response_id is not None:
         previous = server.response_store.get(namespace, req.previous_response_id)
+        if (namespace, req.previous_response_id) in server.running_responses:
+            message = f"previous response {req.previous_response_id!r} is still in progress"
+            raise APIError(400, message, param="previous_response_id")
         if previous is None:
             message = f"previous response {req.previous_response_id!r} is not stored here"
             raise APIError(404, message, param="previous_response_id", code="response_not_found")
@@ -220,11 +224,10 @@ async def create_response(request: Request) -> Response:
     turn.run = run
     headers = {"X-Request-Id": request_id}
     if req.background:
-        body = turn.body("queued")
-        _keep(server.response_store, namespace, turn, body)
-        task = asyncio.create_task(_run_in_background(server, namespace, turn, run))
-        running = BackgroundRun(task, run.started.cancel_unfinished, turn.body)
-        server.background[(namespace, turn.id)] = running
+        body = start(server, namespace, turn, run, background=True)
+        running = server.running_responses[(namespace, turn.id)]
+        task = asyncio.create_task(run_in_background(server, namespace, turn, run))
+        running.task = task
         # The call runs on past this request: it holds one of its key's max_in_flight until it
         # ends, or a key could start any number of them.
         key = api_key_of(request)
@@ -232,44 +235,24 @@ async def create_response(request: Request) -> Response:
             server.keys.hold(key.name)
 
         def ended(_: asyncio.Task[None]) -> None:
-            server.background.pop((namespace, turn.id), None)
+            if server.running_responses.pop((namespace, turn.id), None) is not None:
+                running.ended.set()  # cancelled before it ran: nothing else tells its end
             if key is not None:
                 server.keys.release(key.name)
 
         task.add_done_callback(ended)
         return json_response(body, headers=headers)
+    # a stored foreground response is found (GET, DELETE) while it runs, as a background one
+    start(server, namespace, turn, run, background=False)
     if req.parsed.stream:
-        stream = _events(turn, run, server.response_store, namespace)
+        stream = events(server, namespace, turn, run)
         ping = server.config.sse_ping_seconds
-        return _SSEResponse(
-            stream, run.started.cancel_unfinished, headers=headers, sep="\n", ping=ping
-        )
-    try:
-        await collect(request, run.started, lambda: _drain(turn, run))
-    except ClientGone:
+        close = on_close(server, namespace, turn, run)
+        return _SSEResponse(stream, close, headers=headers, sep="\n", ping=ping)
+    answer = await whole(request, server, namespace, turn, run)
+    if answer is None:  # the client left
         return Response(status_code=499)
-    body = _ended(turn, run)
-    _keep(server.response_store, namespace, turn, body)
-    return json_response(body, headers=headers)
-
-
-# A foreground call aborted (POST /v1/requests/{id}/cancel, or the drain's abort on a stop) did
-# not complete: it ends failed, so its stream ends with response.failed, the store keeps what it
-# wrote as failed and its conversation gets none of it (only completed or incomplete turns).
-_ABORTED = {"code": "cancelled", "message": ABORTED}
-
-
-def _ending(turn: Turn, run: AgentRun) -> str:
-    """The status a foreground call's response ends with, once its last event is in."""
-    return "failed" if run.choice.finish_reason == "abort" else turn.status(run)
-
-
-def _ended(turn: Turn, run: AgentRun) -> dict[str, Any]:
-    """The finished response object of a foreground call."""
-    body = turn.body(_ending(turn, run), run)
-    if body["status"] == "failed":
-        body["error"] = dict(_ABORTED)
-    return body
+    return json_response(answer, headers=headers)
 
 
 def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -281,47 +264,6 @@ def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rest
 
 
-async def _run_in_background(
-    server: ServerState, namespace: str, turn: Turn, run: AgentRun
-) -> None:
-    """A background response's call to its end, then the finished object in the store."""
-    status, error, running = "failed", None, False
-    try:
-        async for deltas in run.deltas():
-            if not running:  # its first tokens: no longer queued
-                running = True
-                _keep(server.response_store, namespace, turn, turn.body("in_progress"))
-                background = server.background.get((namespace, turn.id))
-                if background is not None:
-                    background.status = "in_progress"
-            turn.blocks.feed(deltas)
-        turn.blocks.close()
-        if run.choice.finish_reason == "abort":  # not by the cancel route: the engines stopped
-            status = "failed"
-            error = {"code": "server_error", "message": "the call was aborted by the server"}
-        else:
-            status = turn.status(run)
-    except APIError as exc:  # the engine failed the call
-        error = {"code": exc.code or "server_error", "message": exc.message}
-    except asyncio.CancelledError:  # the daemon stops
-        error = {"code": "server_error", "message": "the server stopped before it finished"}
-        raise
-    finally:
-        await asyncio.shield(run.started.cancel_unfinished())
-        background = server.background.get((namespace, turn.id))
-        if background is not None and background.cancelled:
-            status, error = "cancelled", None
-        body = turn.body(status, run)
-        body["error"] = error
-        _keep(server.response_store, namespace, turn, body)
-
-
-async def _drain(turn: Turn, run: AgentRun) -> None:
-    async for deltas in run.deltas():
-        turn.blocks.feed(deltas)
-    turn.blocks.close()
-
-
 def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str, Any] | None:
     """The stored item an ``item_reference`` names: its id names its response (see above)."""
     response_suffix = item_id.partition("_")[2].rpartition("_")[0]
@@ -329,69 +271,3 @@ def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str,
         return None
     stored = server.response_store.get(namespace, "resp_" + response_suffix)
     return None if stored is None else stored.item(item_id)
-
-
-def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as a conversation keeps them: each with an id (the client's, or a new one)."""
-    return [
-        item if "id" in item else {"id": f"{item_id_prefix(item)}_{uuid.uuid4().hex}", **item}
-        for item in items
-    ]
-
-
-def append(
-    store: ResponseStore, namespace: str, conversation_id: str, items: list[dict[str, Any]]
-) -> bool:
-    """Add ``items`` to the conversation (conversations_api.py); False if it is gone (deleted,
-    or evicted) or would no longer fit the store."""
-    old = store.get_conversation(namespace, conversation_id)
-    if old is None:
-        return False
-    return store.put(namespace, old.changed(items=(*old.items, *with_ids(items))))
-
-
-def _keep(store: ResponseStore, namespace: str, turn: Turn, body: dict[str, Any]) -> None:
-    """Store the response (with ``store``) and, once it has ended well, add its input and
-    output to its conversation."""
-    conversation = turn.req.conversation_id
-    ended_well = body["status"] in ("completed", "incomplete")
-    if conversation is not None and ended_well:
-        added = append(store, namespace, conversation, [*turn.input_items, *body["output"]])
-        if not added:
-            log.warning("%s: conversation %s is gone or full", turn.id, conversation)
-    if turn.req.store:
-        item = StoredResponse.make(
-            turn.id, turn.conversation(), body, turn.chain_id, turn.input_items
-        )
-        if not store.put(namespace, item):
-            log.warning("%s: too large to store (%d bytes)", turn.id, item.size)
-
-
-async def _events(
-    turn: Turn, run: AgentRun, store: ResponseStore, namespace: str
-) -> AsyncIterator[bytes]:
-    write = SSEWriter()
-    yield write("response.created", response=turn.body("in_progress"))
-    yield write("response.in_progress", response=turn.body("in_progress"))
-    try:
-        async for deltas in run.deltas():
-            for event in turn.blocks.feed(deltas):
-                for chunk in block_events(turn, write, event):
-                    yield chunk
-        turn.ending = _ending(turn, run)  # the last item's output_item.done tells it
-        for event in turn.blocks.close():
-            for chunk in block_events(turn, write, event):
-                yield chunk
-    except APIError as exc:
-        turn.ending = "failed"  # the item it stopped in ends incomplete, as the response says
-        for event in turn.blocks.close():
-            for chunk in block_events(turn, write, event):
-                yield chunk
-        error = {"code": str(exc.code or exc.status), "message": exc.message}
-        failed = {**turn.body("failed", run), "error": error}
-        _keep(store, namespace, turn, failed)  # its id was in response.created: GET finds it
-        yield write("response.failed", response=failed)
-        return
-    body = _ended(turn, run)
-    _keep(store, namespace, turn, body)
-    yield write(f"response.{body['status']}", response=body)

@@ -108,7 +108,9 @@ class Turn:
 
     def body(self, status: str, run: AgentRun | None = None) -> dict[str, Any]:
         req, done = self.req, status not in ("queued", "in_progress")
-        output = [self.item(block, ending=status) for block in self.blocks.blocks] if done else []
+        output = [self.item(block, ending=status) for block in self.blocks.blocks]
+        if not done and output:  # the output so far: the last item is still being written
+            output[-1]["status"] = "in_progress"
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": output, "error": None, "incomplete_details": None,

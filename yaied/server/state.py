@@ -33,17 +33,21 @@ OFF_LOOP_SIZE = 16_384
 
 
 @dataclass(slots=True)
-class BackgroundRun:
-    """A ``background`` response still running (responses_api.py): its task, and how to cancel
-    its call."""
+class RunningResponse:
+    """A stored ``/v1/responses`` response whose call still runs, in the foreground or the
+    background (responses_running.py): what GET reads meanwhile, and how DELETE, the cancel
+    route and the daemon's stop end it."""
 
-    task: asyncio.Task[None]
     cancel_calls: Callable[[], Awaitable[None]]
-    # The response object at a status while it runs: what GET answers if newer responses
-    # pushed its stored one out of the store
+    # The response object as it stands, at a status (its output so far): what GET answers while
+    # it runs, even once newer responses have pushed its stored object out of the store
     body: Callable[[str], dict[str, Any]]
-    status: str = "queued"  # "in_progress" from its first tokens
-    cancelled: bool = False  # set by POST /v1/responses/{id}/cancel: the status it ends with
+    background: bool
+    status: str = "in_progress"  # a background one's: "queued" until its first tokens
+    task: asyncio.Task[None] | None = None  # a background one's own task: the stop cancels it
+    cancelled: bool = False  # by POST /v1/responses/{id}/cancel: the status it ends with
+    deleted: bool = False  # by DELETE: its end stores nothing
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # its final object is kept
 
 
 @dataclass(slots=True)
@@ -59,8 +63,8 @@ class ServerState:
     keys: KeyTable = field(default_factory=KeyTable)  # the auth middleware's; a reload swaps them
     metrics: ServerMetrics = field(init=False)
     response_store: ResponseStore = field(init=False)  # /v1/responses with store (LRU, bounded)
-    # background responses still running, by (key namespace, response id)
-    background: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
+    # stored responses still running, foreground or background, by (key namespace, response id)
+    running_responses: dict[tuple[str, str], RunningResponse] = field(default_factory=dict)
     _chat: ChatSettings | None = None
     # Tokenizing and echo offsets of large requests (off_loop); shut down with the app.
     cpu_pool: ThreadPoolExecutor = field(
@@ -231,7 +235,8 @@ class ServerState:
         if manager is not None:
             await manager.stop(clock.left())
         # background responses: their calls ended with the engines; their tasks go too
-        tasks = [run.task for run in self.background.values()]
+        running = self.running_responses.values()
+        tasks = [run.task for run in running if run.task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
