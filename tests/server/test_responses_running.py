@@ -291,3 +291,34 @@ def test_a_whole_response_whose_client_leaves_ends_failed(tiny, hold):
     assert ended["status"] == "failed" and ended["error"]["code"] == "cancelled", ended
     gate.opened.set()
     wait_until(lambda: _idle(tiny), what="the left call's pages freed")
+
+
+def test_a_running_background_response_pushed_out_is_read_and_deleted(tiny, hold, monkeypatch):
+    """The same registry serves background responses: GET shows the output so far (it showed
+    none until the end), and DELETE of one pushed out of the store cancels it, answers deleted
+    and leaves nothing stored."""
+    gate = hold("bg-lru")
+    body = {**BODY, "background": True}
+    headers = {**ALICE, "X-Request-Id": "bg-lru"}
+    started = httpx.post(tiny.url + "/v1/responses", json=body, headers=headers, timeout=30)
+    assert started.status_code == 200 and started.json()["status"] == "queued", started.text
+    response_id = started.json()["id"]
+    assert gate.reached.wait(60)
+    running = _get(tiny, response_id).json()
+    assert running["status"] == "in_progress" and running["output"][-1]["status"] == "in_progress"
+    for _ in range(STORE_MAX):
+        assert httpx.post(tiny.url + "/v1/conversations", json={}, headers=ALICE).status_code == 200
+    manager = tiny.server.config.app.state.server.manager
+    cancel_request = manager.cancel_request
+
+    async def cancel_then_open(request_id: str) -> bool:
+        cancelled = await cancel_request(request_id)
+        gate.opened.set()
+        return cancelled
+
+    monkeypatch.setattr(manager, "cancel_request", cancel_then_open)
+    deleted = _delete(tiny, response_id)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
+    assert _get(tiny, response_id).status_code == 404
+    wait_until(lambda: _idle(tiny), what="the cancelled call's pages freed")
+    assert _get(tiny, response_id).status_code == 404
