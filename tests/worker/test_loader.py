@@ -138,6 +138,60 @@ def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_loading_a_native_model_imports_neither_sympy_nor_dtensor(tiny_model_dirs, tmp_path):
+    """Materialising the meta-built model with torch.empty_like ran torch's Python reference,
+    which imports sympy (about 30 MB resident, 0.2 s) on every native load. A fresh interpreter,
+    since pytest's has them already. Qwen2 and Qwen3: transformers' own LlamaConfig module
+    imports sympy and torch.distributed.tensor (utils.type_validators -> activations -> ...
+    -> distributed.sharding_utils), which yaied cannot cut without leaving the library."""
+    import subprocess
+    import sys
+
+    dummy = tmp_path / "tiny-qwen3.json"
+    dummy.write_text(json.dumps(TINY_CONFIGS["qwen3"]))
+    code = (
+        "import sys; from yaied import LLM, SamplingParams\n"
+        "params = SamplingParams(max_tokens=2, ignore_eos=True)\n"
+        f"for model, extra in (({str(tiny_model_dirs['qwen2'])!r}, {{}}),"
+        f" ({str(dummy)!r}, {{'load_format': 'dummy', 'dtype': 'bfloat16'}})):\n"
+        "    with LLM(model, kv_cache_gib=0.01, show_progress=False, **extra) as llm:\n"
+        "        assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 2\n"
+        "heavy = ('sympy', 'torch.distributed.tensor', 'torch._dynamo')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_materialize_allocates_each_tensor_on_the_device_as_to_empty_does():
+    from torch import nn
+
+    from yaied.worker.models import materialize
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=True)).to(torch.bfloat16)
+        model[1].weight = model[0].weight  # tied, as the lm head and embedding may be
+        model[1].register_buffer("kept", torch.zeros(3), persistent=True)
+        model[1].register_buffer("scratch", torch.zeros(2), persistent=False)
+        model[1].bias.requires_grad_(False)
+    materialize(model, torch.device("cpu"))
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    assert {t.device.type for t in tensors.values()} == {"cpu"}
+    assert {n: t.dtype for n, t in tensors.items()} == {
+        "0.weight": torch.bfloat16,
+        "1.weight": torch.bfloat16,
+        "1.bias": torch.bfloat16,
+        "1.kept": torch.float32,
+        "1.scratch": torch.float32,
+    }
+    assert isinstance(model[1].weight, nn.Parameter) and model[1].weight.requires_grad
+    assert not model[1].bias.requires_grad
+    assert model[0].weight is not model[1].weight  # each its own, until tie_weights
+    assert set(model.state_dict()) == {"0.weight", "1.weight", "1.bias", "1.kept"}
+
+
 @pytest.mark.parametrize("bad_shape", [(32, 1), (64, 32)], ids=["broadcast", "transposed"])
 def test_a_fused_projection_of_the_wrong_shape_names_the_weight(
     tiny_model_dirs, tmp_path, bad_shape

@@ -84,7 +84,19 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype = torch.floa
     # Build on the meta device so no memory is touched twice, then materialise on the target.
     with torch.device("meta"):
         model = cls(shape, inv_freq, scaling).to(dtype)
-    model = model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives each module its own copy of a shared parameter
-    model.inv_freq = inv_freq.float().to(device)  # to_empty left the buffer uninitialised
+    materialize(model, device)
+    model.tie_weights()  # materialize gives each module its own copy of a shared parameter
+    model.inv_freq = inv_freq.float().to(device)  # materialize left the buffer uninitialised
     return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)`` in place, without ``torch.empty_like``: on a meta tensor that
+    runs torch's Python reference, which imports sympy (about 30 MB resident, 0.2 s) on a path
+    that never needs it. Each module gets its own tensors, as with to_empty."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))

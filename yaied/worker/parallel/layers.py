@@ -18,7 +18,12 @@ from torch import nn
 
 from yaied.kernels.cpu_isa import selected_level
 from yaied.worker.cpu_linear import PackedLinear, can_pack, pack_linears
-from yaied.worker.models import NATIVE_ARCHITECTURES, architecture_of, rope_frequencies
+from yaied.worker.models import (
+    NATIVE_ARCHITECTURES,
+    architecture_of,
+    materialize,
+    rope_frequencies,
+)
 from yaied.worker.parallel.group import LOGITS, RankGroup
 from yaied.worker.parallel.plan import ShardPlan
 
@@ -107,7 +112,7 @@ def build_shard_model(
         )
         model.lm_head = ParallelLMHead(per_rank, shape.hidden_size, shape.vocab_size, group)
         model = model.to(dtype)
-    model = model.to_empty(device=device)
+    materialize(model, device)
     model.tie_weights()
     model.inv_freq = inv_freq.float().to(device)
     return model
