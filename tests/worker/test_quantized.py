@@ -519,3 +519,15 @@ def test_gguf_blocks_replace_float_weights_that_are_never_read(case, tiny_gguf, 
                 assert torch.equal(module.bias, expected[f"{name}.bias"].detach()), name
     for name, param in model.named_parameters():
         assert torch.equal(param, expected[name]), name
+
+
+def test_the_unpack_buffer_made_in_inference_mode_serves_outside_it(monkeypatch):
+    """The buffer is shared by every layer and thread: made first under the engine's
+    inference mode, it must still take rows outside it (a load's checks, an embedding path,
+    a test after an engine ran), where an inference tensor refuses in-place writes."""
+    monkeypatch.setattr(quantized._UnpackBuffer, "buffers", {})
+    with torch.inference_mode():
+        quantized._UnpackBuffer.get(torch.float32, 64)
+    quantized._UnpackBuffer.get(torch.float32, 32)[:32].copy_(torch.ones(32))
+    with torch.inference_mode():
+        quantized._UnpackBuffer.get(torch.float32, 16)[:16].copy_(torch.zeros(16))

@@ -71,7 +71,10 @@ class _UnpackBuffer:
     def get(cls, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buffer = cls.buffers.get(dtype)
         if buffer is None or buffer.numel() < numel:
-            buffer = cls.buffers[dtype] = torch.empty(numel, dtype=dtype)
+            # a normal tensor, not an inference one, wherever it is first made: shared by
+            # every caller, it takes writes in and out of the engine's inference mode
+            with torch.inference_mode(False):
+                buffer = cls.buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buffer
 
 
