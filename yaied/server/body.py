@@ -15,6 +15,14 @@ from yaied.server.state import ServerState
 
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object: 413 past server.max_body_bytes, 400 when malformed."""
+    body, _ = await read_sized_json(request)
+    return body
+
+
+async def read_sized_json(request: Request) -> tuple[dict[str, Any], int]:
+    """``read_json``, and the body's size in bytes: what parsing it further costs (a route that
+    walks thousands of items passes it to ``server.off_loop``). A large body is decoded in the
+    CPU thread."""
     server: ServerState = request.state.server
     limit = server.config.max_body_bytes
     too_large = APIError(413, f"request body is larger than {limit} bytes", code="body_too_large")
@@ -36,8 +44,12 @@ async def read_json(request: Request) -> dict[str, Any]:
     except TimeoutError:
         message = f"the request body was not sent within {deadline:g} s"
         raise APIError(408, message, code="body_timeout") from None
+    return await server.off_loop(size, _decoded, b"".join(chunks)), size
+
+
+def _decoded(raw: bytes) -> dict[str, Any]:
     try:
-        body = orjson.loads(b"".join(chunks))
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         # orjson's message locates the fault in the client's own bytes; it holds nothing of ours.
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None

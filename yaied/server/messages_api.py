@@ -31,7 +31,7 @@ from yaied.router.manager import EngineManager
 from yaied.server.admission import request_size
 from yaied.server.agent_output import Block, BlockEvent, Blocks, finish_kind
 from yaied.server.agent_run import AgentRun, ClientGone, abort_error, collect, start_chat
-from yaied.server.body import read_json
+from yaied.server.body import read_sized_json
 from yaied.server.context_edits import apply_edits
 from yaied.server.error_shape import anthropic_error
 from yaied.server.errors import APIError, from_value_error, json_response
@@ -54,7 +54,7 @@ def routes() -> list[Route]:
 async def count_tokens(request: Request) -> Response:
     server: ServerState = request.state.server
     manager = server.ready_manager()
-    req = parse_anthropic(await read_json(request), count_only=True)
+    req = await _parsed(request, server, count_only=True)
     server.check_model(req.parsed.model)
     count = functools.partial(_prompt_tokens, server, manager, req.parsed)
     tokens = await count(req.parsed.messages)
@@ -67,6 +67,16 @@ async def count_tokens(request: Request) -> Response:
         "context_management": {"original_input_tokens": tokens},
     }
     return json_response(body)
+
+
+async def _parsed(
+    request: Request, server: ServerState, count_only: bool = False
+) -> MessagesRequest:
+    """The request, parsed in the CPU thread when its body is large: a long conversation is
+    thousands of messages, each some microseconds of Python that would stall every stream."""
+    body, size = await read_sized_json(request)
+    parse = functools.partial(parse_anthropic, count_only=count_only)
+    return await server.off_loop(size, parse, body)
 
 
 async def _prompt_tokens(
@@ -149,7 +159,7 @@ async def create_message(request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or message_id
     request.state.request_id = request_id
     manager = server.ready_manager()
-    req = parse_anthropic(await read_json(request))
+    req = await _parsed(request, server)
     server.check_model(req.parsed.model)
     applied = None
     if req.context_edits:  # trimmed before the model reads it (context_edits.py)

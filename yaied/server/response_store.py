@@ -108,6 +108,13 @@ class ResponseStore:
         item = self._get(namespace, response_id)
         return item if isinstance(item, StoredResponse) else None
 
+    def item(self, namespace: str, item_id: str) -> dict[str, Any] | None:
+        """A copy of the stored item an ``item_reference`` names: an item's id names its
+        response (``<kind>_<the response id's hex>_<n>``, responses_output.py)."""
+        response_suffix = item_id.partition("_")[2].rpartition("_")[0]
+        stored = self.get(namespace, "resp_" + response_suffix) if response_suffix else None
+        return None if stored is None else stored.item(item_id)
+
     def get_conversation(self, namespace: str, conversation_id: str) -> StoredConversation | None:
         item = self._get(namespace, conversation_id)
         return item if isinstance(item, StoredConversation) else None

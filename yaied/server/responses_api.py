@@ -18,7 +18,7 @@ With ``conversation`` (conversations_api.py) the stored conversation's items com
 input, and the turn's input and output are appended to it once it has ended well (``_keep``).
 
 The response object and its events are built in responses_output.py (item ids name their
-response, which is how an ``item_reference`` finds its stored item: ``_stored_item``).
+response, which is how an ``item_reference`` finds its stored item: ResponseStore.item).
 
 A continued chain's prompt is the previous turn's prompt, its output and the new input, so its
 prefix is in the radix cache; every call of one chain carries the chain's first id as its
@@ -41,12 +41,17 @@ from starlette.routing import Route
 
 from yaied.server.agent_run import ClientGone, start_chat
 from yaied.server.auth import api_key_of
-from yaied.server.body import read_json
+from yaied.server.body import read_sized_json
 from yaied.server.errors import APIError, json_response
 from yaied.server.generate import _SSEResponse
 from yaied.server.response_store import ResponseStore
 from yaied.server.responses_output import Turn
-from yaied.server.responses_protocol import check_call_outputs, parse_items, parse_responses
+from yaied.server.responses_protocol import (
+    check_call_outputs,
+    parse_items,
+    parse_responses,
+    referenced_ids,
+)
 from yaied.server.responses_running import (
     events,
     on_close,
@@ -172,15 +177,21 @@ async def create_response(request: Request) -> Response:
     request.state.request_id = request_id
     manager = server.ready_manager()
     namespace = _namespace(request)
-    req = parse_responses(
-        await read_json(request), lambda item_id: _stored_item(server, namespace, item_id)
+    body, size = await read_sized_json(request)
+    # A long history is thousands of items, each some microseconds of Python: a large body is
+    # parsed in the CPU thread, the items it references looked up here first (the store is the
+    # loop's alone).
+    store = server.response_store
+    stored = {item_id: store.item(namespace, item_id) for item_id in referenced_ids(body)}
+    turn = await server.off_loop(
+        size, lambda: Turn(parse_responses(body, stored.get), response_id, server.model_name)
     )
+    req = turn.req
     server.check_model(req.parsed.model)
     if req.parsed.logprobs is not None and server.chat_settings(manager).reasoning:
         # the text's tokens would be mixed with the reasoning's, which the deltas split apart
         text = "logprobs with a reasoning parser are not supported on /v1/responses"
         raise APIError(400, text, param="include")
-    turn = Turn(req, response_id, server.model_name)
     if req.previous_response_id is not None:
         previous = server.response_store.get(namespace, req.previous_response_id)
         if (namespace, req.previous_response_id) in server.running_responses:
@@ -262,12 +273,3 @@ def _without_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     while rest and rest[0]["role"] != "user":
         rest = rest[1:]
     return rest
-
-
-def _stored_item(server: ServerState, namespace: str, item_id: str) -> dict[str, Any] | None:
-    """The stored item an ``item_reference`` names: its id names its response (see above)."""
-    response_suffix = item_id.partition("_")[2].rpartition("_")[0]
-    if not response_suffix:
-        return None
-    stored = server.response_store.get(namespace, "resp_" + response_suffix)
-    return None if stored is None else stored.item(item_id)

@@ -199,7 +199,7 @@ def _input(
         where = f"{name}[{i}]"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object", param=where)
-        if item.get("type") == "item_reference" or item.keys() & {"type", "role", "id"} == {"id"}:
+        if _is_reference(item):
             item = _referenced(item, where, resolve)
         kind = item.get("type", "message")
         if kind == "message":
@@ -249,6 +249,23 @@ def check_call_outputs(history: list[dict[str, Any]], new_messages: list[dict[st
         if message["role"] == "tool" and call_id not in called:
             text = f"No tool call found for function call output with call_id {call_id}."
             raise APIError(400, text, param="input")
+
+
+def _is_reference(item: dict[str, Any]) -> bool:
+    """``{"type": "item_reference", "id"}``, or a bare ``{"id"}`` (no type, no role)."""
+    if item.get("type") == "item_reference":
+        return True
+    return "id" in item and "type" not in item and "role" not in item
+
+
+def referenced_ids(body: dict[str, Any]) -> set[str]:
+    """The ids the ``input`` of ``body`` names in item references: what its resolver will be
+    asked, looked up beforehand where the parse runs off the loop, away from the store."""
+    value = body.get("input")
+    if not isinstance(value, list):
+        return set()
+    items = (item for item in value if isinstance(item, dict) and _is_reference(item))
+    return {item["id"] for item in items if isinstance(item.get("id"), str)}
 
 
 def _referenced(item: dict[str, Any], where: str, resolve: ItemResolver | None) -> dict[str, Any]:
