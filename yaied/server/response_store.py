@@ -12,7 +12,7 @@ so one key never reads, continues or deletes another's responses: to it they do 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,6 +30,8 @@ class StoredResponse:
     size: int = 0  # bytes counted against the store's bound
     # this turn's input as Responses items, with ids: what GET .../input_items lists
     input_items: tuple[dict[str, Any], ...] = ()
+    # its items by id, built by the first ``item`` call (the response never changes once stored)
+    by_id: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def make(
@@ -44,11 +46,14 @@ class StoredResponse:
         return StoredResponse(id, tuple(messages), body, chain_id, size=size, input_items=items)
 
     def item(self, item_id: str) -> dict[str, Any] | None:
-        """A copy of this response's input or output item with that id."""
-        for item in (*self.input_items, *self.body.get("output", ())):
-            if item.get("id") == item_id:
-                return dict(item)
-        return None
+        """A copy of this response's input or output item with that id (the first listed). A
+        request may name each of thousands of items: one scan builds the index they all use."""
+        if not self.by_id:
+            for item in (*self.input_items, *self.body.get("output", ())):
+                if isinstance(item.get("id"), str):
+                    self.by_id.setdefault(item["id"], item)
+        found = self.by_id.get(item_id)
+        return None if found is None else dict(found)
 
 
 @dataclass(frozen=True, slots=True)
