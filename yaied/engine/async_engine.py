@@ -48,8 +48,9 @@ from yaied.engine.lookahead import overlaps
 from yaied.engine.output import OutputPhase, RequestStream
 from yaied.engine.recovery import Recovery
 from yaied.engine.scheduler import Scheduler
-from yaied.engine.step_loop import StepLoop
+from yaied.engine.step_loop import IDLE_TRIM_DELAY_S, StepLoop
 from yaied.engine.threads import run_torch_serially
+from yaied.worker.host_memory import return_freed_memory
 from yaied.worker.parallel.leader import RankLauncher
 from yaied.worker.worker import Worker
 
@@ -102,6 +103,9 @@ class AsyncEngine(StepLoop, Recovery, OutputPhase):
         # Told each step's size in tokens (the server's iteration_tokens histogram). It runs in
         # the engine task, so it must be cheap and must not raise.
         self.step_observer: StepSizeSink | None = None
+        self.idle_trim = return_freed_memory  # once a busy spell has gone idle (step_loop.py)
+        self.idle_trim_delay_s = IDLE_TRIM_DELAY_S
+        self._trim_due = False
 
     def _new_bookkeeping(self) -> None:
         """A fresh page pool, prefix cache and scheduler: at start, and to recover (level 2)."""
