@@ -20,7 +20,9 @@ Models: ``--model default`` (the embedded SmolLM2-135M Q4_1 file), ``--model 1b-
 synthetic file with Llama-3.2-1B's layer shapes and SmolLM2's tokenizer and 49152-token
 vocabulary, random weights packed in Q4_0 by yaied, written once into the cache), ``--model
 1b-q4_k_m`` (the same shapes in F16, quantized by llama.cpp's own Q4_K_M: Q4_K with Q6_K for
-the tied head and some layers' V and down projections, as the files people download), or a path.
+the tied head and some layers' V and down projections, as the files people download), ``--model
+1b-q3_k_m`` (the same, llama.cpp's Q3_K_M: Q3_K with Q4_K/Q5_K for the attention output, V and
+down projections and Q6_K for the head), or a path.
 
     PYTHONPATH=. python scripts/bench_llamacpp.py --model default --threads 2
     chrt -f 10 python scripts/bench_llamacpp.py --model 1b-q4_0 --skip-serving
@@ -445,30 +447,34 @@ def model_file(name: str, llama_python: Path | None = None) -> Path:
         if not path.exists():
             write_1b_q4_0(path, find_default_model_gguf())
         return path
-    if name == "1b-q4_k_m":
-        path = default_cache_dir() / "bench" / "llama-1b-shape-q4_k_m.gguf"
+    if name in LLAMA_CPP_MIXES:
+        path = default_cache_dir() / "bench" / f"llama-1b-shape-{name[3:]}.gguf"
         if not path.exists():
             if llama_python is None:
-                raise SystemExit("bench_llamacpp: --model 1b-q4_k_m needs llama.cpp (--build)")
-            write_1b_q4_k_m(path, find_default_model_gguf(), llama_python)
+                raise SystemExit(f"bench_llamacpp: --model {name} needs llama.cpp (--build)")
+            write_1b_q4_k_m(path, find_default_model_gguf(), llama_python, LLAMA_CPP_MIXES[name])
         return path
     return Path(name)
 
 
-def write_1b_q4_k_m(path: Path, tokenizer_source: Path, python: Path) -> None:
-    """write_1b_q4_0's model in F16, quantized to Q4_K_M by llama.cpp (``python``'s
-    llama_cpp.llama_model_quantize); the 2 GB F16 file never stays behind."""
+# The 1B shapes quantized by llama.cpp: --model name -> llama_cpp's LLAMA_FTYPE_MOSTLY_<mix>
+LLAMA_CPP_MIXES = {"1b-q4_k_m": "Q4_K_M", "1b-q3_k_m": "Q3_K_M"}
+
+
+def write_1b_q4_k_m(path: Path, tokenizer_source: Path, python: Path, mix: str = "Q4_K_M") -> None:
+    """write_1b_q4_0's model in F16, quantized to ``mix`` (Q4_K_M, Q3_K_M) by llama.cpp
+    (``python``'s llama_cpp.llama_model_quantize); the 2 GB F16 file never stays behind."""
     f16, tmp = path.with_suffix(".f16.gguf"), path.with_suffix(".tmp")
     code = (
         "import ctypes, sys, llama_cpp\n"
         "p = llama_cpp.llama_model_quantize_default_params()\n"
-        "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M\n"
+        f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{mix}\n"
         "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
         "ctypes.byref(p)))"
     )
     try:
         write_1b_q4_0(f16, tokenizer_source, packed=False)
-        _log(f"quantizing {f16} to Q4_K_M with llama.cpp")
+        _log(f"quantizing {f16} to {mix} with llama.cpp")
         subprocess.run([str(python), "-c", code, str(f16), str(tmp)], check=True)
         tmp.rename(path)
     finally:
@@ -559,7 +565,9 @@ def _copy_field(writer: Any, field: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", default="default", help="default | 1b-q4_0 | 1b-q4_k_m | a .gguf path"
+        "--model",
+        default="default",
+        help="default | 1b-q4_0 | 1b-q4_k_m | 1b-q3_k_m | a .gguf path",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quantization", default="gguf", help="yaied's model.quantization")
