@@ -9,9 +9,9 @@ the best pass of ``--rounds``. For reference, the same process measures ``torch.
 tensor of the same bytes (a plain sequential read) and the copy bandwidth the W-single floor
 uses (scripts/single_stream.py). One JSON line per (level, activations, rows).
 
-``--weights q4_0|q4_1|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables of that type
-instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it is
-arithmetic).
+``--weights q4_0|q4_1|q3_k|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables of
+that type instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it
+is arithmetic).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py [--levels avx2,avx512_bf16] [--rows 1,8]
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py --weights q4_1 --rows 1
@@ -50,8 +50,9 @@ def best_seconds(fn, rounds: int) -> float:
 def random_blocks(qtype: cpu_quant.QuantType, n: int, k: int) -> torch.Tensor:
     """A block table of random quants with small fp16 scales (and Q4_1 mins), [n, row bytes]."""
     blocks = torch.randint(0, 256, (n, k // qtype.block_size, qtype.block_bytes), dtype=torch.uint8)
-    if qtype is cpu_quant.Q6_K:  # int8 scales, then d last
-        blocks[:, :, 208:210] = torch.tensor([0.0002], dtype=torch.float16).view(torch.uint8)
+    if qtype in (cpu_quant.Q6_K, cpu_quant.Q3_K):  # their scales, then d last
+        at = qtype.block_bytes - 2
+        blocks[:, :, at:] = torch.tensor([0.0002], dtype=torch.float16).view(torch.uint8)
         return blocks.reshape(n, -1).contiguous()
     halves = 2 if qtype in (cpu_quant.Q4_1, cpu_quant.Q4_K, cpu_quant.Q5_K) else 1  # d, m/dmin
     for h in range(halves):
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="bf16",
-        choices=["bf16", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q8_0"],
+        choices=["bf16", "q4_0", "q4_1", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"],
     )
     parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()

@@ -19,6 +19,7 @@ from yaied.kernels.cpu_quant import (
     GROUPED,
     MAX_ROWS,
     PACKABLE,
+    Q3_K,
     Q4_0,
     Q4_0_GROUPED,
     Q4_1,
@@ -46,6 +47,11 @@ KERNEL_TYPES = pytest.mark.parametrize(
     [*QUANT_TYPES.values(), Q4_0_GROUPED, Q4_1_GROUPED],
     ids=[*QUANT_TYPES, "q4_0_grouped", "q4_1_grouped"],
 )
+K_TYPES = pytest.mark.parametrize(
+    "qtype", [Q3_K, Q4_K, Q5_K, Q6_K], ids=["q3_k", "q4_k", "q5_k", "q6_k"]
+)
+# Where the K types without a dmin keep their fp16 d (Q4_K and Q5_K start with d, dmin)
+D_LAST = {Q3_K: 108, Q6_K: 208}
 
 
 @pytest.fixture
@@ -55,7 +61,8 @@ def quant(isa_level):
 
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
-    Q4_1 and the K types (whose every bit pattern is a valid block; Q6_K's d is last)."""
+    Q4_1 and the K types (whose every bit pattern is a valid block; Q3_K's and Q6_K's d is
+    last)."""
     if qtype in UNGROUPED:
         return group_blocks(UNGROUPED[qtype], table(UNGROUPED[qtype], n, k, seed))[1]
     generator = torch.Generator().manual_seed(seed)
@@ -67,6 +74,9 @@ def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     scales = (torch.rand(n, count, generator=generator) * 0.02 + 0.001).half()
     if qtype is Q6_K:  # d after int8 scales of up to 128: the same weights' magnitude
         view[..., 208:210] = (scales.float() / 64).half().view(torch.uint8).view(n, count, 2)
+        return blocks
+    if qtype is Q3_K:  # d after scales of -32..31 times quants of -4..3
+        view[..., 108:110] = (scales.float() / 8).half().view(torch.uint8).view(n, count, 2)
         return blocks
     view[..., 0:2] = scales.view(torch.uint8).view(n, count, 2)
     second = (torch.rand(n, count, generator=generator) * 0.05).half()
@@ -113,7 +123,7 @@ def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
     assert torch.equal(quant.dequantize(qtype, blocks, k, dtype, out=buffer), expected)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K], ids=["q4_k", "q5_k", "q6_k"])
+@K_TYPES
 @pytest.mark.parametrize("super_blocks", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_k_types_unpack_bit_for_bit_over_any_scales(quant, qtype, super_blocks, dtype):
@@ -127,8 +137,7 @@ def test_k_types_unpack_bit_for_bit_over_any_scales(quant, qtype, super_blocks, 
     halves = torch.randint(0, 1 << 16, (n, super_blocks, 2), generator=generator, dtype=torch.int32)
     halves = halves.to(torch.int16).view(torch.float16)
     halves = torch.where(halves.isfinite(), halves, torch.zeros_like(halves))
-    at = 208 if qtype is Q6_K else 0  # Q6_K's d is last; Q4_K and Q5_K start with d, dmin
-    size = 2 if qtype is Q6_K else 4
+    at, size = (D_LAST[qtype], 2) if qtype in D_LAST else (0, 4)
     view[..., at : at + size] = halves[..., : size // 2].contiguous().view(torch.uint8)
     expected = dequantize_reference(qtype, blocks, k).to(dtype)
     got = quant.dequantize(qtype, blocks, k, dtype)
@@ -172,7 +181,7 @@ def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
     torch.testing.assert_close(got, F.linear(x, reference), rtol=0, atol=1e-5 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K], ids=["q4_k", "q5_k", "q6_k"])
+@K_TYPES
 @pytest.mark.parametrize("super_blocks", [1, 2, 3, 8])
 def test_every_count_of_super_blocks_in_a_row(quant, qtype, super_blocks):
     """The K types' fp32 bodies over rows of 1 to 8 super-blocks of 256 (a 1B model's 2048 is
@@ -204,15 +213,16 @@ def test_bf16_activations(quant, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q4_K, Q5_K, Q6_K],
-    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q4_k", "q5_k", "q6_k"],
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q3_K, Q4_K, Q5_K, Q6_K],
+    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q3_k", "q4_k", "q5_k", "q6_k"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
     """bf16 activations meet Q4 and the K types' blocks in bf16 dot products where the level has
     them (each quant as 128 + q, the 128 taken off through the activations' pair sums, Q6_K's -32
-    too): the products are exact, so the result is the fp32 one over the same bf16 values,
-    rounded once to bf16, a bf16 step apart at most where the fp32 sums' order tips a rounding.
+    and Q3_K's -4 too): the products are exact, so the result is the fp32 one over the same bf16
+    values, rounded once to bf16, a bf16 step apart at most where the fp32 sums' order tips a
+    rounding.
     (The K types: rows of 1 to 8 super-blocks.)"""
     assert_one_rounding_off_fp32(quant, qtype, blocks_per_row)
 
@@ -250,6 +260,7 @@ def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
 
 STACKS = {
     "q4_k_m": [(Q4_K, 128), (Q6_K, 64)],  # a Q4_K_M file's q, k in Q4_K and v in Q6_K
+    "q3_k_m": [(Q3_K, 128), (Q5_K, 64)],  # a Q3_K_M file's q, k in Q3_K and v in Q5_K
     "five": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1), (Q5_K, 3)],  # Q8_0: no bf16
 }
 
@@ -392,3 +403,25 @@ def test_refusals(quant):
         quantize(torch.zeros(2, 40), Q8_0)
     with pytest.raises(ValueError, match="packs only"):
         quantize(torch.zeros(2, 256), Q4_K)
+
+
+@K_TYPES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_k_types_linear_against_gguf_py(quant, qtype, dtype):
+    """The few-row kernel and the unpacking of each K type against gguf-py's own dequantize
+    (llama.cpp's formats, not this file's reading of them) times an input: random blocks,
+    rows of 1 to 3 super-blocks, 1 and MAX_ROWS rows."""
+    for super_blocks in (1, 3):
+        k, n = 256 * super_blocks, 33
+        blocks = table(qtype, n, k, seed=super_blocks + 70)
+        kind = gguf.GGMLQuantizationType(qtype.ggml_id)
+        weight = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind).copy())
+        assert torch.equal(quant.dequantize(qtype, blocks, k, dtype), weight.to(dtype))
+        x = torch.randn(MAX_ROWS, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        expected = F.linear(x.double(), weight.double())
+        scale = (x.double().abs() @ weight.double().abs().T).max().item()
+        for rows in (1, MAX_ROWS):
+            got = quant.bind(qtype, blocks, k, None, dtype)(x[:rows]).double()
+            # fp32 sums in another order; bf16 activations: one bf16 rounding of the result
+            atol = 1e-5 * scale + 1e-6 if dtype is torch.float32 else 1e-2 * scale
+            torch.testing.assert_close(got, expected[:rows], rtol=0, atol=atol)

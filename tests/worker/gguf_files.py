@@ -152,6 +152,20 @@ def q5_k_m(name: str) -> T:
     return T.Q5_K if q4_k_m(name) == T.Q4_K else T.Q6_K
 
 
+def q3_k_m(name: str) -> T:
+    """llama.cpp's Q3_K_M (llama-quant.cpp): Q3_K, with the attention output in Q4_K, V and the
+    FFN's down projection of the first layers in Q5_K (later ones Q4_K) and the output in Q6_K;
+    here layer 0 is one of the first."""
+    layer = name.split(".")[1] if name.startswith("blk.") else ""
+    if name == "output.weight":
+        return T.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return T.Q5_K if layer == "0" else T.Q4_K
+    if name.endswith("attn_output.weight"):
+        return T.Q4_K
+    return T.Q3_K
+
+
 def every(kind: T) -> Callable[[str], T]:
     return lambda name: kind
 

@@ -172,6 +172,31 @@ def test_truncated_block_table_names_the_tensor(tiny_gguf, tmp_path):
         _load(cut, "gguf", tmp_path / "cache")
 
 
+@pytest.mark.parametrize("damage", ["cut", "short-dims", "nan-d"])
+def test_a_damaged_q3_k_table_names_the_tensor(tmp_path, damage):
+    """Q3_K tables (kept in blocks) meet the GGUF checks every kept type meets: a file cut
+    inside the last Q3_K table, dims that claim fewer rows than the table holds, a NaN d (the
+    fp16 at byte 108 of a block) each stop the load with one line naming the tensor."""
+    shape = gguf_files.Shape(hidden=256, ffn=512, head_dim=64)
+    path = gguf_files.write_gguf(tmp_path / "q3.gguf", shape, gguf_files.every(gguf_files.T.Q3_K))
+    data = bytearray(path.read_bytes())
+    tensor, named = "blk.1.ffn_down.weight", "truncated"
+    if damage == "cut":
+        del data[len(data) - 1000 :]
+    elif damage == "short-dims":
+        tensor, named = "blk.0.ffn_up.weight", "before"
+        gguf_files.set_dims(data, tensor, [256, 256])
+    else:
+        tensor, named = "blk.0.attn_k.weight", "NaN"
+        start = gguf_files.table_start(path, tensor) + 3 * 110 + 108  # block 3's d
+        data[start : start + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"'{tensor.replace('.', '[.]')}'.*{named}") as exc:
+        _load(bad, "gguf", tmp_path / "cache")
+    assert "\n" not in str(exc.value)
+
+
 def _dequantized_folder(source: Path, qtype: str, folder: Path) -> Path:
     """A copy of a tiny HF model whose projections hold exactly what ``qtype`` packs, and its
     (untied) LM head what Q8_0 packs."""

@@ -120,13 +120,14 @@ def _loaded_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_gguf_counts_what_the_load_keeps_in_blocks(tmp_path, tied):
+@pytest.mark.parametrize("kept", [T.Q8_0, T.Q3_K], ids=["q8_0", "q3_k"])
+def test_a_gguf_counts_what_the_load_keeps_in_blocks(tmp_path, tied, kept):
     """A head in blocks (``output.weight``, or ``token_embd`` that a tied head is read from)
     counts as its blocks, a tied one's embeddings as nothing more; a fused projection with one
-    part of a type without a kernel (Q3_K) stays float as a whole."""
+    part of a type without a kernel (Q5_0) stays float as a whole."""
 
     def kind(name: str) -> T:
-        return T.Q3_K if name == "blk.1.attn_v.weight" else T.Q8_0
+        return T.Q5_0 if name == "blk.1.attn_v.weight" else kept
 
     shape = gguf_files.Shape(hidden=256, ffn=512, head_dim=64, vocab=96, tied=tied)
     path = gguf_files.write_gguf(tmp_path / "m.gguf", shape, kind)

@@ -1,12 +1,12 @@
-/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) for
- * a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K,
+ * Q6_K) for a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
- * weights' bytes over the bandwidth: 4.5 to 8.5 bits a weight here against 16 for bf16. The
+ * weights' bytes over the bandwidth: 3.4 to 8.5 bits a weight here against 16 for bf16. The
  * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
  * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
- * -8 d, Q4_1's m, the K types' mins) through the activations' block sums (Q6_K's -32 in the
- * integers). So the math is fp32 over the weights' exact values, as in the unpacked matmul of a
+ * -8 d, Q4_1's m, the K types' mins) through the activations' block sums (Q6_K's -32 and
+ * Q3_K's -4 in the integers). So the math is fp32 over the weights' exact values, as in the unpacked matmul of a
  * prefill, up to the order of the sums: a prompt computes the same whether its prefix was cached
  * or recomputed, and greedy output agrees with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
  * dot products, llama.cpp's way, made this kernel about 1.5x faster at 4 bits, but the default
@@ -19,7 +19,8 @@
  *
  * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
  * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
- * Q6_K's vector bodies are in cpu_quant_k.h, and so are the K types' unpacking (unpack_k_*).
+ * Q6_K's vector bodies are in cpu_quant_k.h, and so is the unpacking of Q4_K to Q6_K; Q3_K's
+ * bodies and unpacking are in cpu_quant_k3.h.
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -41,6 +42,10 @@
  *         for each 128 weights, 64 bytes whose low nibbles are weights 0-31 and 32-63 and high
  *         nibbles 64-95 and 96-127, and 32 bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 top up
  *         weights i, 32 + i, 64 + i, 96 + i (cpu_quant_k.h)        w = d sc_s (q - 32)
+ *   Q3_K 110 bytes / 256: 32 bytes of high bits, 64 of low pairs, 12 of sixteen 6-bit scales, d
+ *         last; weight 128 h + 32 j + i has its low pair in bits 2 j, 2 j + 1 of byte
+ *         32 h + i of the pairs, its high bit in bit 4 h + j of byte i; q = low + 4 high - 4
+ *         (-4..3), s its 16-weight group (q3k_scale_bytes)       w = d (sc_s - 32) q
  *
  * A weight is passed as a `qweight` descriptor (its type and its block table [N, row bytes]),
  * so that one entry serves every type and the decode loop (cpu_decode_loop.c) calls it as it
@@ -73,6 +78,7 @@ enum {
     TYPE_Q4_0 = 2,
     TYPE_Q4_1 = 3,
     TYPE_Q8_0 = 8,
+    TYPE_Q3_K = 11,
     TYPE_Q4_K = 12,
     TYPE_Q5_K = 13,
     TYPE_Q6_K = 14,
@@ -186,6 +192,7 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q4_0_GROUPED: return 18;
     case TYPE_Q4_1:
     case TYPE_Q4_1_GROUPED: return 20;
+    case TYPE_Q3_K: return 110;
     case TYPE_Q4_K: return 144;
     case TYPE_Q5_K: return 176;
     case TYPE_Q6_K: return 210;
@@ -194,7 +201,8 @@ int64_t quant_block_bytes(int64_t type) {
 }
 
 int64_t quant_block_size(int64_t type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 256 : QK;
+    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 256
+                                                                                         : QK;
 }
 
 /* One Q6_K super-block at p into o[256] (cpu_quant_k.h has the layout): each weight its scale
@@ -215,6 +223,38 @@ static void dequantize_q6_k(const uint8_t *p, float *o) {
     }
 }
 
+/* Q3_K's sixteen 6-bit scales (before their -32), packed in the 12 bytes at s: scale j's low
+ * four bits are the low nibble of byte j for j < 8, else the high nibble of byte j - 8, and its
+ * top two are bits 2 (j / 4) and 2 (j / 4) + 1 of byte 8 + j % 4. Four scales a 32-bit word
+ * (as q4k_scales_mins), into out[16], scale j in byte j. */
+static inline void q3k_scale_bytes(const uint8_t *s, uint8_t *out) {
+    uint32_t a, b, c, w[4];
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    w[0] = (a & 0x0F0F0F0Fu) | (c & 0x03030303u) << 4;
+    w[1] = (b & 0x0F0F0F0Fu) | (c >> 2 & 0x03030303u) << 4;
+    w[2] = (a >> 4 & 0x0F0F0F0Fu) | (c >> 4 & 0x03030303u) << 4;
+    w[3] = (b >> 4 & 0x0F0F0F0Fu) | (c >> 6 & 0x03030303u) << 4;
+    memcpy(out, w, 16);
+}
+
+/* One Q3_K super-block at p into o[256]: d (sc_s - 32) exact in fp32 (11 by 6 significant
+ * bits), times q, as the torch reference computes. */
+static void dequantize_q3_k(const uint8_t *p, float *o) {
+    float d = half_to_float(p + 108);
+    uint8_t sc[16];
+    q3k_scale_bytes(p + 96, sc);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 32; i++) {
+                int low = (p[32 + 32 * h + i] >> (2 * j)) & 3;
+                int high = (p[i] >> (4 * h + j)) & 1;
+                float ds = d * (float)(sc[8 * h + 2 * j + (i >= 16)] - 32);
+                o[128 * h + 32 * j + i] = ds * (float)((low | high << 2) - 4);
+            }
+}
+
 /* ---- unpacking: one weight row to fp32 ---- */
 static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
     int64_t bytes = quant_block_bytes(type);
@@ -224,6 +264,8 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p);
         if (type == TYPE_Q6_K) {
             dequantize_q6_k(p, out + b * 256);
+        } else if (type == TYPE_Q3_K) {
+            dequantize_q3_k(p, out + b * 256);
         } else if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
         } else if (type == TYPE_Q4_0 || grouped || type == TYPE_Q4_1) {
@@ -532,19 +574,21 @@ static inline float sum8(__m256 v) {
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 /* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, and so are
- * Q5_K's and Q6_K's 32, so their activations keep theirs */
+ * Q5_K's, Q6_K's and Q3_K's 32, so their activations keep theirs */
 static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
 /* out[b QK + i] = x[b QK + order[i]] for each block b, pairs[b QK / 2 + i] =
  * -bias (out[b QK + 2 i] + out[b QK + 2 i + 1]) in fp32 (exact unless the pair's magnitudes
  * are far apart, and then one fp32 rounding of the pair), and sums[b] the block's sum. The
- * bias: 136 for Q4_0 (128 and its -8), 160 for Q6_K (128 and its -32), else 128. */
+ * bias: 136 for Q4_0 (128 and its -8), 160 for Q6_K (128 and its -32), 132 for Q3_K (128 and its
+ * -4), else 128. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
                            int64_t type) {
     const int8_t *order = quant_block_size(type) == 256 ? IN_ORDER : PERMUTED;
     float bias = type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED ? 136.0f
                  : type == TYPE_Q6_K                             ? 160.0f
+                 : type == TYPE_Q3_K                             ? 132.0f
                                                                  : 128.0f;
     for (int64_t b = 0; b < K / QK; b++) {
         float sum = 0.0f;
@@ -809,6 +853,27 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
 }
 
 #include "cpu_quant_k.h"
+#include "cpu_quant_k3.h"
+
+/* A row of K weights of a K type to fp32 (the bodies in cpu_quant_k.h, cpu_quant_k3.h) */
+static __attribute__((noinline)) void unpack_k_f32(int64_t type, const uint8_t *row, float *out,
+                                                   int64_t K) {
+    if (type == TYPE_Q4_K) q4_k_unpacked(row, out, NULL, K / 256);
+    else if (type == TYPE_Q5_K) q5_k_unpacked(row, out, NULL, K / 256);
+    else if (type == TYPE_Q3_K) q3_k_unpacked(row, out, NULL, K / 256);
+    else q6_k_unpacked(row, out, NULL, K / 256);
+}
+
+#if defined(__AVX512BF16__)
+/* ... and to bf16 */
+static __attribute__((noinline)) void unpack_k_bf16(int64_t type, const uint8_t *row,
+                                                    uint16_t *out, int64_t K) {
+    if (type == TYPE_Q4_K) q4_k_unpacked(row, NULL, out, K / 256);
+    else if (type == TYPE_Q5_K) q5_k_unpacked(row, NULL, out, K / 256);
+    else if (type == TYPE_Q3_K) q3_k_unpacked(row, NULL, out, K / 256);
+    else q6_k_unpacked(row, NULL, out, K / 256);
+}
+#endif
 
 static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, const float *xsum,
                              float *scratch, int64_t K) {
@@ -821,6 +886,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     case TYPE_Q4_1_GROUPED: return fdot_q4_grouped(row, x, xsum, K / QK, 1);
     case TYPE_Q5_K: return fdot_q5_k(row, x, xsum, K / 256);
     case TYPE_Q6_K: return fdot_q6_k(row, x, K / 256);
+    case TYPE_Q3_K: return fdot_q3_k(row, x, K / 256);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
 }
@@ -853,8 +919,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K ||
-           type == TYPE_Q6_K || is_grouped(type);
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q3_K || type == TYPE_Q4_K ||
+           type == TYPE_Q5_K || type == TYPE_Q6_K || is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -934,6 +1000,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                     case TYPE_Q4_K: dot = fdot_q4_k_bf16(row, xp, pm, sums, K / 256); break;
                     case TYPE_Q5_K: dot = fdot_q5_k_bf16(row, xp, pm, sums, K / 256); break;
                     case TYPE_Q6_K: dot = fdot_q6_k_bf16(row, xp, pm, K / 256); break;
+                    case TYPE_Q3_K: dot = fdot_q3_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
                     }

@@ -1,5 +1,5 @@
-"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): their formats, a torch
-reference (unpacking all six, packing Q8_0 and Q4_0 from float weights), and the launcher of
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K): their formats, a
+torch reference (unpacking all seven, packing Q8_0 and Q4_0 from float weights), and the launcher of
 cpu_quant.c, whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of
 many rows.
 
@@ -42,10 +42,11 @@ class QuantType(NamedTuple):
 Q8_0 = QuantType("q8_0", 8, 32, 34)
 Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
+Q3_K = QuantType("q3_k", 11, 256, 110)
 Q4_K = QuantType("q4_k", 12, 256, 144)
 Q5_K = QuantType("q5_k", 13, 256, 176)
 Q6_K = QuantType("q6_k", 14, 256, 210)
-QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)}
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K)}
 # yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
 # SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
 # its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
@@ -147,6 +148,8 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
         return (q * d + m).reshape(n, k)
     if qtype is Q6_K:
         return _q6_k_reference(table, n, k)
+    if qtype is Q3_K:
+        return _q3_k_reference(table, n, k)
     # Q4_K, and Q5_K: the same with 32 bytes of fifth bits (bit j of byte i: sub-block j's
     # weight i) before the nibbles
     dmin = _halves(table, 2)
@@ -173,6 +176,22 @@ def _q6_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)
     q = (low | high << 4).float() - 32.0
     scales = table[..., 192:208].contiguous().view(torch.int8).float() * _halves(table, 208)
+    return (q.reshape(n, -1, 16, 16) * scales[..., None]).reshape(n, k)
+
+
+def _q3_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q3_K (table [n, super-blocks, 110]): 32 bytes of high bits (bit 4 h + j of byte i for
+    weight 128 h + 32 j + i), 64 of low pairs (bits 2 j, 2 j + 1 of byte 32 h + i for the same
+    weight), 12 of sixteen 6-bit scales (scale s: the low nibble of byte s for s < 8, else the
+    high nibble of byte s - 8, and bits 2 (s // 4), + 1 of byte 8 + s % 4 on top), fp16 d last.
+    q = low + 4 high - 4, w = d (scale - 32) q."""
+    low = table[..., 32:96].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+    high = table[..., :32].reshape(n, -1, 1, 32) >> torch.arange(8)[:, None] & 1
+    q = (low.reshape(n, -1, 8, 32) | high << 2).float() - 4.0
+    s = table[..., 96:108].long()
+    nibbles = torch.cat([s[..., :8] & 0xF, s[..., :8] >> 4], dim=-1)
+    tops = torch.cat([s[..., 8:12] >> shift & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    scales = ((nibbles | tops << 4) - 32).float() * _halves(table, 108)
     return (q.reshape(n, -1, 16, 16) * scales[..., None]).reshape(n, k)
 
 

@@ -7,7 +7,7 @@
  * qh[i]; w = d scales[s] (q - 32), s = the weight's 16-weight group in the super-block. Nothing
  * of Q6_K's is offset through the activations' sums: q - 32 is taken in the integers (fp32
  * bodies) or with the bf16 bias. Q5_K is further down, then the unpacking of all three K types
- * (unpack_row's bodies, from the same helpers). */
+ * (unpack_row's bodies, from the same helpers; cpu_quant.c's unpack_k_* picks one). */
 
 #define Q6K_BYTES 210
 
@@ -365,21 +365,3 @@ static inline __attribute__((always_inline)) void q6_k_unpacked(const uint8_t *r
         }
     }
 }
-
-/* A row of K weights of a K type (Q4_K, Q5_K, Q6_K) to fp32 */
-static __attribute__((noinline)) void unpack_k_f32(int64_t type, const uint8_t *row, float *out,
-                                                   int64_t K) {
-    if (type == TYPE_Q4_K) q4_k_unpacked(row, out, NULL, K / 256);
-    else if (type == TYPE_Q5_K) q5_k_unpacked(row, out, NULL, K / 256);
-    else q6_k_unpacked(row, out, NULL, K / 256);
-}
-
-#if defined(__AVX512BF16__)
-/* ... and to bf16 */
-static __attribute__((noinline)) void unpack_k_bf16(int64_t type, const uint8_t *row,
-                                                    uint16_t *out, int64_t K) {
-    if (type == TYPE_Q4_K) q4_k_unpacked(row, NULL, out, K / 256);
-    else if (type == TYPE_Q5_K) q5_k_unpacked(row, NULL, out, K / 256);
-    else q6_k_unpacked(row, NULL, out, K / 256);
-}
-#endif

@@ -42,7 +42,7 @@ def replaced_weights(model: nn.Module, tables: dict[str, Any]) -> set[str]:
 def read_tables(model: nn.Module, gguf_path: Path | None) -> dict[str, Any]:
     """Per projection of the model: its parts [(type, block table [rows, row bytes])] read from
     the file (one, or one per run of its tensors of one type), or a string naming why it stays
-    float ("blk.3.ffn_down.weight (q3_k)"). A block table whose size does not match its tensor's
+    float ("blk.3.ffn_down.weight (q5_0)"). A block table whose size does not match its tensor's
     shape stops the load with a ValueError naming the tensor. Also "lm_head": (type, table)
     where the head is of a kept type, and "lm_head_is_embedding": whether the file ties it."""
     if gguf_path is None:
