@@ -19,6 +19,7 @@ from yaied.kernels.cpu_quant import (
     GROUPED,
     MAX_ROWS,
     PACKABLE,
+    Q2_K,
     Q3_K,
     Q4_0,
     Q4_0_GROUPED,
@@ -48,10 +49,11 @@ KERNEL_TYPES = pytest.mark.parametrize(
     ids=[*QUANT_TYPES, "q4_0_grouped", "q4_1_grouped"],
 )
 K_TYPES = pytest.mark.parametrize(
-    "qtype", [Q3_K, Q4_K, Q5_K, Q6_K], ids=["q3_k", "q4_k", "q5_k", "q6_k"]
+    "qtype", [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K], ids=["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 )
-# Where the K types without a dmin keep their fp16 d (Q4_K and Q5_K start with d, dmin)
-D_LAST = {Q3_K: 108, Q6_K: 208}
+# Where a K type keeps its fp16 d (and dmin after it, where it has one), and how many bytes
+# the two take: Q4_K and Q5_K start with them, the others end with them
+D_AT = {Q2_K: (80, 4), Q3_K: (108, 2), Q6_K: (208, 2)}
 
 
 @pytest.fixture
@@ -61,8 +63,7 @@ def quant(isa_level):
 
 def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A block table: packed by yaied for Q8_0/Q4_0, random bytes with sane fp16 scales for
-    Q4_1 and the K types (whose every bit pattern is a valid block; Q3_K's and Q6_K's d is
-    last)."""
+    Q4_1 and the K types (whose every bit pattern is a valid block; D_AT: where d is)."""
     if qtype in UNGROUPED:
         return group_blocks(UNGROUPED[qtype], table(UNGROUPED[qtype], n, k, seed))[1]
     generator = torch.Generator().manual_seed(seed)
@@ -78,12 +79,13 @@ def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     if qtype is Q3_K:  # d after scales of -32..31 times quants of -4..3
         view[..., 108:110] = (scales.float() / 8).half().view(torch.uint8).view(n, count, 2)
         return blocks
-    view[..., 0:2] = scales.view(torch.uint8).view(n, count, 2)
+    at = D_AT[qtype][0] if qtype in D_AT else 0
+    view[..., at : at + 2] = scales.view(torch.uint8).view(n, count, 2)
     second = (torch.rand(n, count, generator=generator) * 0.05).half()
     if qtype is Q4_1:
         second = -second
-    if qtype in (Q4_1, Q4_K, Q5_K):
-        view[..., 2:4] = second.view(torch.uint8).view(n, count, 2)
+    if qtype in (Q4_1, Q2_K, Q4_K, Q5_K):
+        view[..., at + 2 : at + 4] = second.view(torch.uint8).view(n, count, 2)
     return blocks
 
 
@@ -137,7 +139,7 @@ def test_k_types_unpack_bit_for_bit_over_any_scales(quant, qtype, super_blocks, 
     halves = torch.randint(0, 1 << 16, (n, super_blocks, 2), generator=generator, dtype=torch.int32)
     halves = halves.to(torch.int16).view(torch.float16)
     halves = torch.where(halves.isfinite(), halves, torch.zeros_like(halves))
-    at, size = (D_LAST[qtype], 2) if qtype in D_LAST else (0, 4)
+    at, size = D_AT.get(qtype, (0, 4))
     view[..., at : at + size] = halves[..., : size // 2].contiguous().view(torch.uint8)
     expected = dequantize_reference(qtype, blocks, k).to(dtype)
     got = quant.dequantize(qtype, blocks, k, dtype)
@@ -213,8 +215,8 @@ def test_bf16_activations(quant, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q3_K, Q4_K, Q5_K, Q6_K],
-    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q3_k", "q4_k", "q5_k", "q6_k"],
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K],
+    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
@@ -261,6 +263,7 @@ def assert_one_rounding_off_fp32(quant, qtype, blocks_per_row):
 STACKS = {
     "q4_k_m": [(Q4_K, 128), (Q6_K, 64)],  # a Q4_K_M file's q, k in Q4_K and v in Q6_K
     "q3_k_m": [(Q3_K, 128), (Q5_K, 64)],  # a Q3_K_M file's q, k in Q3_K and v in Q5_K
+    "q2_k": [(Q2_K, 128), (Q3_K, 64), (Q4_K, 8)],  # llama.cpp's Q2_K: v in Q3_K or Q4_K
     "five": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1), (Q5_K, 3)],  # Q8_0: no bf16
 }
 

@@ -166,6 +166,18 @@ def q3_k_m(name: str) -> T:
     return T.Q3_K
 
 
+def q2_k(name: str) -> T:
+    """llama.cpp's Q2_K mix: Q2_K, with V and the FFN's down projection in Q3_K (Q4_K for V in
+    the first layers, here layer 0), the attention output in Q3_K and the output in Q6_K."""
+    if name == "output.weight":
+        return T.Q6_K
+    if name == "blk.0.attn_v.weight":
+        return T.Q4_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "attn_output.weight")):
+        return T.Q3_K
+    return T.Q2_K
+
+
 def every(kind: T) -> Callable[[str], T]:
     return lambda name: kind
 

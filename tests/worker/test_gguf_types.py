@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.worker.gguf_files import Shape, T, every, q3_k_m, q4_k_m, q5_k_m, write_gguf
+from tests.worker.gguf_files import Shape, T, every, q2_k, q3_k_m, q4_k_m, q5_k_m, write_gguf
 from yaied import LLM, SamplingParams
 from yaied.worker.quantized import QuantizedLinear
 
@@ -35,6 +35,8 @@ CASES = {
     # q and k in Q3_K, V in Q5_K (layer 0) or Q4_K: each merged q/k/v is stacked from two types
     "q3_k_m": (Shape(**K_SHAPE), q3_k_m, "q3_k+q4_k+q5_k+q6_k", False),
     "q3_k_m-tied": (Shape(**K_SHAPE, tied=True), q3_k_m, "q3_k+q4_k+q5_k", False),
+    "q2_k": (Shape(**K_SHAPE), every(T.Q2_K), "q2_k", False),
+    "q2_k-mix": (Shape(**K_SHAPE), q2_k, "q2_k+q3_k+q4_k+q6_k", False),
     "f16": (Shape(), every(T.F16), "", True),
     "bf16": (Shape(), every(T.BF16), "", True),
     "qwen2-q4_0-tied": (Shape(arch="qwen2", tied=True), every(T.Q4_0), "q4_0", False),

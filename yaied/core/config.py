@@ -38,9 +38,9 @@ class ModelConfig:
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
     cache_dir: str = ""  # where converted GGUF models go; "" = $YAIED_CACHE_DIR or ~/.cache/yaied
     # none: linear weights dequantized (bf16/fp32) | gguf: a GGUF file's Q8_0/Q4_0/Q4_1 and
-    # Q3_K/Q4_K/Q5_K/Q6_K linears kept in their blocks (other types dequantized) | auto: gguf for a
-    # GGUF model, else none | q8_0, q4_0: linears packed at load (safetensors, dummy or GGUF);
-    # CPU, native only
+    # Q2_K/Q3_K/Q4_K/Q5_K/Q6_K linears kept in their blocks (other types dequantized) | auto: gguf
+    # for a GGUF model, else none | q8_0, q4_0: linears packed at load (safetensors, dummy or
+    # GGUF); CPU, native only
     quantization: str = "none"
 
     def __post_init__(self) -> None:

@@ -1,13 +1,13 @@
-/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K,
+/* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K,
  * Q6_K) for a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
- * weights' bytes over the bandwidth: 3.4 to 8.5 bits a weight here against 16 for bf16. The
+ * weights' bytes over the bandwidth: 2.6 to 8.5 bits a weight here against 16 for bf16. The
  * weights stay in their blocks; each block is widened to fp32 in registers and multiplied into
  * the fp32 activations, its scale applied once to the block's partial sums and its offset (Q4_0's
  * -8 d, Q4_1's m, the K types' mins) through the activations' block sums (Q6_K's -32 and
- * Q3_K's -4 in the integers). So the math is fp32 over the weights' exact values, as in the unpacked matmul of a
- * prefill, up to the order of the sums: a prompt computes the same whether its prefix was cached
+ * Q3_K's -4 in the integers). So the math is fp32 over the weights' exact values, as in the
+ * unpacked matmul of a prefill, up to the order of the sums: a prompt computes the same whether its prefix was cached
  * or recomputed, and greedy output agrees with the dequantized model in fp32. (Rounding the activations to int8 blocks and taking integer
  * dot products, llama.cpp's way, made this kernel about 1.5x faster at 4 bits, but the default
  * model's greedy output then parted from fp32's within a few tokens on most prompts.) The bodies,
@@ -20,7 +20,7 @@
  * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
  * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
  * Q6_K's vector bodies are in cpu_quant_k.h, and so is the unpacking of Q4_K to Q6_K; Q3_K's
- * bodies and unpacking are in cpu_quant_k3.h.
+ * and Q2_K's bodies and unpacking are in cpu_quant_k3.h.
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -46,6 +46,8 @@
  *         last; weight 128 h + 32 j + i has its low pair in bits 2 j, 2 j + 1 of byte
  *         32 h + i of the pairs, its high bit in bit 4 h + j of byte i; q = low + 4 high - 4
  *         (-4..3), s its 16-weight group (q3k_scale_bytes)       w = d (sc_s - 32) q
+ *   Q2_K 84 bytes / 256: 16 bytes of 4-bit scales (low nibbles) and mins (high), 64 bytes of
+ *         quants laid out as Q3_K's low pairs (q 0..3), d, dmin    w = d sc_s q - dmin m_s
  *
  * A weight is passed as a `qweight` descriptor (its type and its block table [N, row bytes]),
  * so that one entry serves every type and the decode loop (cpu_decode_loop.c) calls it as it
@@ -78,6 +80,7 @@ enum {
     TYPE_Q4_0 = 2,
     TYPE_Q4_1 = 3,
     TYPE_Q8_0 = 8,
+    TYPE_Q2_K = 10,
     TYPE_Q3_K = 11,
     TYPE_Q4_K = 12,
     TYPE_Q5_K = 13,
@@ -192,6 +195,7 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q4_0_GROUPED: return 18;
     case TYPE_Q4_1:
     case TYPE_Q4_1_GROUPED: return 20;
+    case TYPE_Q2_K: return 84;
     case TYPE_Q3_K: return 110;
     case TYPE_Q4_K: return 144;
     case TYPE_Q5_K: return 176;
@@ -201,9 +205,19 @@ int64_t quant_block_bytes(int64_t type) {
 }
 
 int64_t quant_block_size(int64_t type) {
-    return type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? 256
-                                                                                         : QK;
+    switch (type) {
+    case TYPE_Q2_K:
+    case TYPE_Q3_K:
+    case TYPE_Q4_K:
+    case TYPE_Q5_K:
+    case TYPE_Q6_K: return 256;
+    default: return QK;
+    }
 }
+
+/* Weights a sum of the activations covers for the type's offsets through them (qlinear's
+ * xsum): a block's 32, Q2_K's 16 (a min per 16 weights) */
+static inline int64_t sum_size(int64_t type) { return type == TYPE_Q2_K ? 16 : QK; }
 
 /* One Q6_K super-block at p into o[256] (cpu_quant_k.h has the layout): each weight its scale
  * d sc_s (exact in fp32) times q - 32, as the torch reference computes. */
@@ -255,6 +269,19 @@ static void dequantize_q3_k(const uint8_t *p, float *o) {
             }
 }
 
+/* One Q2_K super-block at p into o[256]: d sc_s q exact in fp32, less dmin m_s (one rounding),
+ * as the torch reference computes. */
+static void dequantize_q2_k(const uint8_t *p, float *o) {
+    float d = half_to_float(p + 80), dmin = half_to_float(p + 82);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 32; i++) {
+                int s = 8 * h + 2 * j + (i >= 16);
+                float ds = d * (float)(p[s] & 0xF), m = dmin * (float)(p[s] >> 4);
+                o[128 * h + 32 * j + i] = ds * (float)((p[16 + 32 * h + i] >> (2 * j)) & 3) - m;
+            }
+}
+
 /* ---- unpacking: one weight row to fp32 ---- */
 static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
     int64_t bytes = quant_block_bytes(type);
@@ -266,6 +293,8 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
             dequantize_q6_k(p, out + b * 256);
         } else if (type == TYPE_Q3_K) {
             dequantize_q3_k(p, out + b * 256);
+        } else if (type == TYPE_Q2_K) {
+            dequantize_q2_k(p, out + b * 256);
         } else if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
         } else if (type == TYPE_Q4_0 || grouped || type == TYPE_Q4_1) {
@@ -861,6 +890,7 @@ static __attribute__((noinline)) void unpack_k_f32(int64_t type, const uint8_t *
     if (type == TYPE_Q4_K) q4_k_unpacked(row, out, NULL, K / 256);
     else if (type == TYPE_Q5_K) q5_k_unpacked(row, out, NULL, K / 256);
     else if (type == TYPE_Q3_K) q3_k_unpacked(row, out, NULL, K / 256);
+    else if (type == TYPE_Q2_K) q2_k_unpacked(row, out, NULL, K / 256);
     else q6_k_unpacked(row, out, NULL, K / 256);
 }
 
@@ -871,6 +901,7 @@ static __attribute__((noinline)) void unpack_k_bf16(int64_t type, const uint8_t 
     if (type == TYPE_Q4_K) q4_k_unpacked(row, NULL, out, K / 256);
     else if (type == TYPE_Q5_K) q5_k_unpacked(row, NULL, out, K / 256);
     else if (type == TYPE_Q3_K) q3_k_unpacked(row, NULL, out, K / 256);
+    else if (type == TYPE_Q2_K) q2_k_unpacked(row, NULL, out, K / 256);
     else q6_k_unpacked(row, NULL, out, K / 256);
 }
 #endif
@@ -887,6 +918,7 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     case TYPE_Q5_K: return fdot_q5_k(row, x, xsum, K / 256);
     case TYPE_Q6_K: return fdot_q6_k(row, x, K / 256);
     case TYPE_Q3_K: return fdot_q3_k(row, x, K / 256);
+    case TYPE_Q2_K: return fdot_q2_k(row, x, xsum, K / 256);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
 }
@@ -919,8 +951,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q3_K || type == TYPE_Q4_K ||
-           type == TYPE_Q5_K || type == TYPE_Q6_K || is_grouped(type);
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || quant_block_size(type) == 256 ||
+           is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -943,9 +975,10 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                    int64_t threads) {
     if (quant_block_bytes(w->type) < 0) return -3;
     int64_t row_bytes = K / quant_block_size(w->type) * quant_block_bytes(w->type);
-    int64_t blocks = K / QK;
-    /* the block sums [rows, blocks]; for x_bf16, after pairs [rows, K / 2] (permute_blocks) */
-    size_t floats = (size_t)(rows * blocks + (x_bf16 ? rows * K / 2 : 0));
+    int64_t blocks = K / QK, size = sum_size(w->type), runs = K / size;
+    /* the activations' sums [rows, runs] (each of `size` weights); for x_bf16, the blocks' sums
+     * [rows, blocks] after pairs [rows, K / 2] (permute_blocks) */
+    size_t floats = (size_t)(rows * runs + (x_bf16 ? rows * K / 2 : 0));
     float *xsum = thread_scratch(5, floats * sizeof(float));
     if (!xsum) return -2;
     uint16_t *permuted = NULL;
@@ -960,10 +993,10 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
     }
 #endif
     for (int64_t m = 0; !permuted && m < rows; m++)
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; b < runs; b++) {
             float s = 0.0f;
-            for (int i = 0; i < QK; i++) s += x[m * K + b * QK + i];
-            xsum[m * blocks + b] = s;
+            for (int64_t i = 0; i < size; i++) s += x[m * K + b * size + i];
+            xsum[m * runs + b] = s;
         }
     const uint8_t *table = w->blocks;
     int64_t type = w->type;
@@ -1001,6 +1034,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                     case TYPE_Q5_K: dot = fdot_q5_k_bf16(row, xp, pm, sums, K / 256); break;
                     case TYPE_Q6_K: dot = fdot_q6_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q3_K: dot = fdot_q3_k_bf16(row, xp, pm, K / 256); break;
+                    case TYPE_Q2_K: dot = fdot_q2_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
                     }
@@ -1009,7 +1043,7 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                 }
 #endif
                 out[m * stride + n] =
-                    pair_dot(type, row, x + m * K, xsum + m * blocks, scratch, K) + b;
+                    pair_dot(type, row, x + m * K, xsum + m * runs, scratch, K) + b;
             }
         }
     }

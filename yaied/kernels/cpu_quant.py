@@ -1,7 +1,7 @@
-"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K): their formats, a
-torch reference (unpacking all seven, packing Q8_0 and Q4_0 from float weights), and the launcher of
-cpu_quant.c, whose few-row linear reads the blocks directly and whose unpacking feeds matmuls of
-many rows.
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): their
+formats, a torch reference (unpacking all eight, packing Q8_0 and Q4_0 from float weights), and
+the launcher of cpu_quant.c, whose few-row linear reads the blocks directly and whose unpacking
+feeds matmuls of many rows.
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
 blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
@@ -42,11 +42,12 @@ class QuantType(NamedTuple):
 Q8_0 = QuantType("q8_0", 8, 32, 34)
 Q4_0 = QuantType("q4_0", 2, 32, 18)
 Q4_1 = QuantType("q4_1", 3, 32, 20)
+Q2_K = QuantType("q2_k", 10, 256, 84)
 Q3_K = QuantType("q3_k", 11, 256, 110)
 Q4_K = QuantType("q4_k", 12, 256, 144)
 Q5_K = QuantType("q5_k", 13, 256, 176)
 Q6_K = QuantType("q6_k", 14, 256, 210)
-QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K)}
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
 # yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
 # SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
 # its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
@@ -150,6 +151,8 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
         return _q6_k_reference(table, n, k)
     if qtype is Q3_K:
         return _q3_k_reference(table, n, k)
+    if qtype is Q2_K:
+        return _q2_k_reference(table, n, k)
     # Q4_K, and Q5_K: the same with 32 bytes of fifth bits (bit j of byte i: sub-block j's
     # weight i) before the nibbles
     dmin = _halves(table, 2)
@@ -193,6 +196,16 @@ def _q3_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
     tops = torch.cat([s[..., 8:12] >> shift & 3 for shift in (0, 2, 4, 6)], dim=-1)
     scales = ((nibbles | tops << 4) - 32).float() * _halves(table, 108)
     return (q.reshape(n, -1, 16, 16) * scales[..., None]).reshape(n, k)
+
+
+def _q2_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q2_K (table [n, super-blocks, 84]): 16 bytes of 4-bit scales (low nibble) and mins (high),
+    64 of quants laid out as Q3_K's low pairs, fp16 d and dmin last: w = d sc_s q - dmin m_s."""
+    q = table[..., 16:80].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6])[:, None] & 3
+    sc = table[..., :16]
+    scales, mins = (sc & 0xF).float() * _halves(table, 80), (sc >> 4).float() * _halves(table, 82)
+    weights = q.reshape(n, -1, 16, 16).float() * scales[..., None] - mins[..., None]
+    return weights.reshape(n, k)
 
 
 def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:

@@ -1,5 +1,5 @@
-/* The vector bodies of Q3_K, included by cpu_quant.c inside its AVX2 section after
- * cpu_quant_k.h, whose helpers they share (vec, widen_s8_32, dot16, put, half_in_lanes...).
+/* The vector bodies of Q3_K and Q2_K (further down), included by cpu_quant.c inside its AVX2
+ * section after cpu_quant_k.h, whose helpers they share (vec, widen_s8_32, dot16, put...).
  * Q3_K is 110 bytes / 256 weights: hmask[32], qs[64], 12 bytes of sixteen 6-bit scales, fp16 d.
  * Weight 32 j + i (j < 4, i < 32) of each 128 (the half h) has its low two bits in bits 2 j and
  * 2 j + 1 of qs[32 h + i] and its high bit in bit 4 h + j of hmask[i]; q = low + 4 high - 4,
@@ -44,7 +44,8 @@ static inline void q3k_scales(const uint8_t *p, float *ds) {
     q3k_scale_bytes(p + 96, sc);
 #if defined(__AVX512F__)
     __m512i s = _mm512_sub_epi32(_mm512_cvtepu8_epi32(LOAD16(sc)), _mm512_set1_epi32(32));
-    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(half_to_float(p + 108))));
+    __m512 d = _mm512_set1_ps(half_to_float(p + 108));
+    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(s), d));
 #else
     __m256 d = _mm256_set1_ps(half_to_float(p + 108));
     for (int g = 0; g < 2; g++) {
@@ -149,6 +150,143 @@ static inline __attribute__((always_inline)) void q3_k_unpacked(const uint8_t *r
                 for (int g = 0; g < GROUP; g++) {
                     put(o32, o16, at + g * LANES, vec_mul(w[g], vec_set1(ds[s])));
                     put(o32, o16, at + 16 + g * LANES, vec_mul(w[GROUP + g], vec_set1(ds[s + 1])));
+                }
+            }
+        }
+    }
+}
+
+/* ---- Q2_K: 84 bytes / 256 weights: 16 bytes of 4-bit scales (low nibbles) and mins (high
+ * nibbles), one of each per 16 weights, then 64 bytes of quants laid out as Q3_K's low pairs
+ * (q 0..3, no high bit), then fp16 d and dmin; w = d sc_s q - dmin m_s. Q3_K's bodies without the
+ * high bits, with Q4_K's offsets: the mins through the activations' sums of each 16 weights
+ * (qlinear's xsum for this type, sum_size), or at avx512_bf16 through the pairs. ---- */
+#define Q2K_BYTES 84
+
+/* two lines, as prefetch_q3k: 84 bytes touch a third only where the next block starts */
+static inline void prefetch_q2k(const uint8_t *p) {
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+}
+
+/* Half h of the super-block at p as four vectors of 32 quants (0..3) in the weights' order */
+static inline void q2k_quants(const uint8_t *p, int h, __m256i *part) {
+    const __m256i low2 = _mm256_set1_epi8(3);
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h));
+    for (int j = 0; j < 4; j++) part[j] = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), low2);
+}
+
+/* Its 16 d sc_s into ds[16] and 16 -dmin m_s into mins[16], each exact in fp32 */
+static inline void q2k_scales(const uint8_t *p, float *ds, float *mins) {
+    const __m128i low4 = _mm_set1_epi8(15), bytes = LOAD16(p);
+    __m128i sc = _mm_and_si128(bytes, low4), m = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    float d = half_to_float(p + 80), dmin = -half_to_float(p + 82); /* the negation exact */
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)),
+                                       _mm512_set1_ps(d)));
+    _mm512_storeu_ps(mins, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)),
+                                         _mm512_set1_ps(dmin)));
+#else
+    for (int g = 0; g < 2; g++) {
+        __m128i sc8 = g ? _mm_unpackhi_epi64(sc, sc) : sc, m8 = g ? _mm_unpackhi_epi64(m, m) : m;
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8));
+        __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8));
+        _mm256_storeu_ps(ds + 8 * g, _mm256_mul_ps(scf, _mm256_set1_ps(d)));
+        _mm256_storeu_ps(mins + 8 * g, _mm256_mul_ps(mf, _mm256_set1_ps(dmin)));
+    }
+#endif
+}
+
+/* fp32 activations: fdot_q3_k's loop over Q2_K's quants, and each super-block's 16 mins times
+ * the activations' 16-weight sums (sums[16 b + s]) into a third accumulator. */
+static __attribute__((noinline)) float fdot_q2_k(const uint8_t *row, const float *x,
+                                                 const float *sums, int64_t blocks) {
+    vec even = vec_zero(), odd = vec_zero(), offsets = vec_zero(), w[2 * GROUP];
+    __m256i part[4];
+    float ds[16], mins[16];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q2K_BYTES;
+        prefetch_q2k(p + PREFETCH_AHEAD);
+        q2k_scales(p, ds, mins);
+        for (int g = 0; g < 16 / LANES; g++)
+            offsets = vec_fma(vec_load(mins + g * LANES), vec_load(sums + 16 * b + g * LANES),
+                              offsets);
+        for (int h = 0; h < 2; h++) {
+            q2k_quants(p, h, part);
+            for (int j = 0; j < 4; j++) {
+                int s = 8 * h + 2 * j; /* the first 16's group */
+                const float *xs = x + b * 256 + 16 * s;
+                widen_s8_32(part[j], w);
+                even = vec_fma(dot16(w, xs, vec_zero()), vec_set1(ds[s]), even);
+                odd = vec_fma(dot16(w + GROUP, xs + 16, vec_zero()), vec_set1(ds[s + 1]), odd);
+            }
+        }
+    }
+    return vec_sum(vec_add(vec_add(even, odd), offsets));
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 activations: each quant the bf16 128 + q, the 128 off through the pairs (permute_blocks'
+ * bias), each 32's two scales one permute of the 16 as in fdot_q3_k_bf16; the mins through the
+ * same pairs, lane i of a 32 holding -128 (x[2 i] + x[2 i + 1]): dmin m_s / 128 times those is
+ * -dmin m_s times the pair's sum, the division by a power of two exact (min_through_pairs). */
+static __attribute__((noinline)) float fdot_q2_k_bf16(const uint8_t *row, const uint16_t *x,
+                                                      const float *pairs, int64_t blocks) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    const __m512i low2 = _mm512_set1_epi16(3), bias = _mm512_set1_epi16(0x4300);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q2K_BYTES;
+        prefetch_q2k(p + PREFETCH_AHEAD);
+        __m512i bytes = _mm512_cvtepu8_epi32(LOAD16(p));
+        __m512i sc = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+        __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), half_in_lanes(p + 80));
+        __m512 dmin = _mm512_mul_ps(half_in_lanes(p + 82), _mm512_set1_ps(1.0f / 128));
+        __m512 lows = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), dmin);
+        for (int h = 0; h < 2; h++) {
+            __m512i qw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 16) + h));
+            for (int j = 0; j < 4; j++) {
+                /* (a & b) | c, the ternary-logic table 0xEA: each low pair with the bias */
+                __m512i w = _mm512_ternarylogic_epi32(_mm512_srli_epi16(qw, 2 * j), low2, bias,
+                                                      0xEA);
+                int64_t chunk = 8 * b + 4 * h + j; /* the row's 32-weight run */
+                __m512 pair = _mm512_loadu_ps(pairs + chunk * (QK / 2));
+                __m512 t = _mm512_dpbf16_ps(pair, (__m512bh)w,
+                                            (__m512bh)_mm512_loadu_si512(x + chunk * QK));
+                __m512i index = _mm512_add_epi32(halves, _mm512_set1_epi32(2 * (4 * h + j)));
+                mins = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, lows), pair, mins);
+                if (j & 1)
+                    odd = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(index, scales), odd);
+                else
+                    even = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(index, scales), even);
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even, odd), mins));
+}
+#endif
+
+/* Unpacked: d sc_s q (exact) plus -dmin m_s in one fused multiply-add, the plain loop's one
+ * rounding */
+static inline __attribute__((always_inline)) void q2_k_unpacked(const uint8_t *row, float *o32,
+                                                                uint16_t *o16, int64_t blocks) {
+    float ds[16], mins[16];
+    __m256i part[4];
+    vec w[2 * GROUP];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = row + b * Q2K_BYTES;
+        q2k_scales(p, ds, mins);
+        for (int h = 0; h < 2; h++) {
+            q2k_quants(p, h, part);
+            for (int j = 0; j < 4; j++) {
+                int s = 8 * h + 2 * j; /* the first 16's scale and min */
+                int64_t at = b * 256 + 128 * h + 32 * j;
+                widen_s8_32(part[j], w);
+                for (int g = 0; g < GROUP; g++) {
+                    put(o32, o16, at + g * LANES,
+                        vec_fma(w[g], vec_set1(ds[s]), vec_set1(mins[s])));
+                    put(o32, o16, at + 16 + g * LANES,
+                        vec_fma(w[GROUP + g], vec_set1(ds[s + 1]), vec_set1(mins[s + 1])));
                 }
             }
         }
