@@ -9,9 +9,9 @@ the best pass of ``--rounds``. For reference, the same process measures ``torch.
 tensor of the same bytes (a plain sequential read) and the copy bandwidth the W-single floor
 uses (scripts/single_stream.py). One JSON line per (level, activations, rows).
 
-``--weights q4_0|q4_1|q3_k|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables of
-that type instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where it
-is arithmetic).
+``--weights q4_0|q4_1|q2_k|q3_k|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables
+of that type instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where
+it is arithmetic).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py [--levels avx2,avx512_bf16] [--rows 1,8]
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py --weights q4_1 --rows 1
@@ -54,10 +54,11 @@ def random_blocks(qtype: cpu_quant.QuantType, n: int, k: int) -> torch.Tensor:
         at = qtype.block_bytes - 2
         blocks[:, :, at:] = torch.tensor([0.0002], dtype=torch.float16).view(torch.uint8)
         return blocks.reshape(n, -1).contiguous()
-    halves = 2 if qtype in (cpu_quant.Q4_1, cpu_quant.Q4_K, cpu_quant.Q5_K) else 1  # d, m/dmin
+    halves = 2 if qtype in (cpu_quant.Q4_1, cpu_quant.Q4_K, cpu_quant.Q5_K, cpu_quant.Q2_K) else 1
+    at = 80 if qtype is cpu_quant.Q2_K else 0  # d, then m or dmin: Q2_K's last
     for h in range(halves):
         value = torch.tensor([0.01 if h == 0 else -0.08], dtype=torch.float16)
-        blocks[:, :, 2 * h : 2 * h + 2] = value.view(torch.uint8)
+        blocks[:, :, at + 2 * h : at + 2 * h + 2] = value.view(torch.uint8)
     return blocks.reshape(n, -1).contiguous()
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="bf16",
-        choices=["bf16", "q4_0", "q4_1", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"],
+        choices=["bf16", "q4_0", "q4_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"],
     )
     parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()

@@ -155,7 +155,8 @@ def q5_k_m(name: str) -> T:
 def q3_k_m(name: str) -> T:
     """llama.cpp's Q3_K_M (llama-quant.cpp): Q3_K, with the attention output in Q4_K, V and the
     FFN's down projection of the first layers in Q5_K (later ones Q4_K) and the output in Q6_K;
-    here layer 0 is one of the first."""
+    here layer 0 is one of the first. (A tied file's token_embd, the head, is Q6_K in
+    llama.cpp's; Q3_K here, so that a Q3_K head and embeddings are tested too.)"""
     layer = name.split(".")[1] if name.startswith("blk.") else ""
     if name == "output.weight":
         return T.Q6_K
