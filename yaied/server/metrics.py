@@ -5,7 +5,8 @@ Names follow DESIGN.md (vLLM's semantics, prefix ``yaied:``), labelled ``model_n
 by a custom collector, so they can never drift from the engine; per-request counters and
 histograms are observed by the server as each request's events pass through it. The pod-level
 gauges a Gateway API Inference Extension endpoint picker reads are exported under its names too
-(``InferenceExtensionCollector``).
+(``InferenceExtensionCollector``), and the standard ``process_*`` series of the daemon's own
+process (prometheus-client's ProcessCollector).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from yaied.core.metric_names import (
@@ -254,6 +261,10 @@ class ServerMetrics:
         self.registry.register(InferenceExtensionCollector(stats, model_name))
         self.registry.register(GrammarStatsCollector(grammar_stats or (lambda: None), self.labels))
         self.registry.register(PoolCollector(pool_stats or (lambda: None), model_name))
+        # process_resident_memory_bytes and the rest, as any Python service exports them: the
+        # daemon's own process (engine child processes are not in it; systemd's MemoryCurrent
+        # counts the whole unit)
+        ProcessCollector(registry=self.registry)
         # The series of each engine (compile_seconds is the front end's, under engine "0").
         self._per_engine = (
             self.prompt_tokens,
