@@ -230,3 +230,34 @@ def test_an_address_not_on_this_machine_is_skipped_while_another_binds(monkeypat
     _resolves_to(monkeypatch, (socket.AF_INET, "192.0.2.1"))  # TEST-NET-1: on no interface
     with pytest.raises(OSError, match=r"cannot listen on elsewhere:0: .*assign"):
         listening_sockets("elsewhere", 0)
+
+
+async def test_a_sighup_during_a_reload_reads_the_file_once_more_after_it():
+    """A SIGHUP while a reload ran (a Ray join takes seconds) was dropped: a key revoked in the
+    file meanwhile stayed valid until someone sent another. Now one more reload follows the
+    running one, however many SIGHUPs came meanwhile."""
+    import asyncio
+
+    import uvicorn
+
+    from yaied.daemon import DrainingServer
+    from yaied.server.config import ServerConfig
+
+    server = DrainingServer(uvicorn.Config(app=None), ServerConfig(), read_config=lambda: None)
+    server._loop = asyncio.get_running_loop()
+    runs, release = [], asyncio.Event()
+
+    async def reload_once() -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            await release.wait()  # the first reload is still running when the SIGHUPs come
+
+    server._reload = reload_once
+    server._reload_soon()
+    await asyncio.sleep(0)
+    server._reload_soon()
+    server._reload_soon()
+    release.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert runs == [0, 1]

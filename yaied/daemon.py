@@ -69,6 +69,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._reloading: asyncio.Task | None = None
+        self._reload_again = False  # a SIGHUP came during a reload: one more follows it
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -96,10 +97,19 @@ class DrainingServer(uvicorn.Server):
 
     def _reload_soon(self) -> None:
         if self._reloading is not None and not self._reloading.done():
-            log.warning("SIGHUP: a reload is still running; ignored")
+            # The file may have changed since that reload read it (a key revoked meanwhile):
+            # read it once more when it ends, however many SIGHUPs come meanwhile.
+            log.info("SIGHUP: a reload is running; the file is read again once it ends")
+            self._reload_again = True
             return
         assert self._loop is not None
         self._reloading = self._loop.create_task(self._reload())
+        self._reloading.add_done_callback(self._after_reload)
+
+    def _after_reload(self, task: asyncio.Task) -> None:
+        if self._reload_again and not task.cancelled() and not self._draining:
+            self._reload_again = False
+            self._reload_soon()
 
     async def _reload(self) -> None:
         server = getattr(self.config.app.state, "server", None)
