@@ -61,6 +61,13 @@ def verdict(nodes, entry: EngineEntry, world_size: int = 1, node_types=None) -> 
     return "fits"
 
 
+@pytest.fixture(autouse=True)
+def started_here(monkeypatch):
+    """The Ray instance is the daemon's own unless a test says otherwise (no autoscaler config
+    published then means none: nothing adds nodes to it)."""
+    monkeypatch.setattr(ray_cluster, "_started_here", True)
+
+
 def ray_entry(**fields) -> EngineEntry:
     resources = tuple(sorted(fields.pop("resources", {}).items()))
     return EngineEntry(kind="ray", resources=resources, **fields)
@@ -104,6 +111,16 @@ def test_nodes_that_may_come_keep_it_a_wait():
     assert verdict([], ray_entry()) == "later"
     away = [node("10.0.0.2", alive=False, CPU=2, **{"box-b": 1}), node("10.0.0.3", CPU=4)]
     assert verdict(away, ray_entry(node="box-b", resources={"CPU": 4})) == "later"
+
+
+def test_a_joined_cluster_that_publishes_no_autoscaler_config_may_yet_hold_it(monkeypatch):
+    """A joined cluster without a published autoscaler config may still have an autoscaler
+    (one that does not report its node types: GPU nodes scaled up from zero): taking that for
+    "none" made a start that would have run exit 2 for good, where exit 1 costs a few
+    retries (the review)."""
+    monkeypatch.setattr(ray_cluster, "_started_here", False)
+    assert verdict(CPU_NODES, ray_entry(resources={"GPU": 1})) == "later"
+    assert verdict(CPU_NODES, ray_entry(resources={"GPU": 1}), node_types=[{"CPU": 8}]) == "never"
 
 
 def test_the_setting_line_names_the_figures_and_what_to_lower():

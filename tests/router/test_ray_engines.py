@@ -247,18 +247,16 @@ async def test_a_tensor_parallel_engine_across_two_nodes_equals_tp1(cluster, eng
 
 def test_bad_input_is_one_line(cluster, engine_config):
     router = RouterConfig()
-    # more CPUs than any node has, or two ranks on a one-CPU node: a setting (exit 2); a node
-    # label no node has yet: that node may join (exit 1, retried)
-    with pytest.raises(
-        ValueError, match=r"^no Ray node can hold an engine of \{CPU = 64"
-    ) as raised:
+    # more CPUs than any node has, two ranks on a one-CPU node, a node label no node has yet:
+    # one line each. A joined cluster that publishes no autoscaler config (this one) may yet
+    # get such nodes from an autoscaler that does not say: exit 1, retried (see
+    # tests/router/test_ray_cluster.py for exit 2 where the cluster's nodes are known)
+    with pytest.raises(UnreachableError, match=r"^no Ray node can hold an engine of \{CPU = 64"):
         build_manager(engine_config, router, (EngineEntry(kind="ray", resources=(("CPU", 64),)),))
-    assert not isinstance(raised.value, UnreachableError)
     with pytest.raises(UnreachableError, match="no Ray node can hold"):
         build_manager(engine_config, router, (ray_entry("nowhere"),))
-    with pytest.raises(ValueError, match=r"\(2 ranks, STRICT_PACK\)") as raised:
+    with pytest.raises(UnreachableError, match=r"\(2 ranks, STRICT_PACK\)"):
         build_manager(engine_config, router, (ray_entry("a", tensor_parallel_size=2),))
-    assert not isinstance(raised.value, UnreachableError)
     entry = parse_engine_entry({"kind": "ray", "resources": {"CPU": 2}, "num_engines": 2})
     assert entry.resources == (("CPU", 2.0),)
     with pytest.raises(ValueError, match='is for kind = "ray"'):

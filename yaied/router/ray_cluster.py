@@ -7,7 +7,9 @@ that does not answer, or has no node for an engine now, may yet (its head restar
 joining after a reboot, Ray's autoscaler adding one): that one is an UnreachableError, a
 ValueError on which the start exits 1, which systemd retries, rather than 2 (a setting to fix).
 An engine whose resources exceed the total of every node the cluster has or may add (a GPU on
-a cluster without one, more CPUs than any node has) is such a setting: exit 2 (``never_fits``).
+a cluster without one, more CPUs than any node has) is such a setting, exit 2 (``never_fits``),
+where the nodes that may come are known: the Ray instance started here, or a cluster whose
+autoscaler config lists its node types.
 
     router.ray_address   ""         a Ray instance started here, sized to this machine
                          "auto"     the cluster this machine already belongs to (`ray start`)
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 NODE_LABEL_AMOUNT = 0.001  # what an engine takes of its node's label resource: any node has 1
 _CONNECT_TIMEOUT_SECONDS = 5.0
 _JOIN_LOCK = threading.Lock()
+_started_here = False  # the Ray instance joined is one this daemon started (ray_address "")
 
 
 def import_ray() -> Any:
@@ -73,6 +76,8 @@ def _join(ray: Any, address: str) -> Any:
         error = UnreachableError if isinstance(exc, ConnectionError) else ValueError
         raise error(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None
     log.info("ray: joined %s", address or "a Ray instance started here")
+    global _started_here
+    _started_here = not address
     return ray
 
 
@@ -145,8 +150,8 @@ def never_fits(
     return), and of every node type Ray's autoscaler may add (``node_types``: their
     resources). With ``entry.node``, only the nodes labelled so count, and none alive or known
     with that label is not "never": that node may join (a reboot). None alive: the cluster may
-    yet come up. A cluster whose head is up and whose other nodes have not joined yet reads as
-    "never" for what only they have (README, "Engines placed by Ray")."""
+    yet come up. Called only where the nodes that may come are known (``node_types`` not
+    None: see ``_autoscaler_node_types``)."""
     if not any(n.get("Alive") for n in nodes):
         return False
     hosts = [n.get("Resources", {}) for n in nodes] + list(node_types)
@@ -162,15 +167,17 @@ def never_fits(
 
 
 def _autoscaler_node_types(ray: Any) -> list[dict[str, float]] | None:
-    """The resources of each node type Ray's autoscaler may start ([] with no autoscaler, as
-    Ray Data reads it); None where Ray does not say (a Ray whose private state API differs):
-    then nothing is taken for "never"."""
+    """The resources of each node type Ray's autoscaler may start, as Ray Data reads them; []
+    for the Ray instance this daemon started (no autoscaler adds to it); None where Ray does
+    not say: a private state API that differs, or a joined cluster that publishes no
+    autoscaler config (a static one, or an autoscaler that does not report its node types:
+    GPU nodes scaled up from zero would be missed), so nothing is taken for "never" there."""
     try:
         config = ray._private.state.state.get_cluster_config()
     except Exception:  # noqa: BLE001 (a private API: any change in it means "not known")
         return None
     if not config:
-        return []
+        return [] if _started_here else None
     groups = config.node_group_configs
     return [dict(g.resources) for g in groups if g.resources and g.max_count != 0]
 
