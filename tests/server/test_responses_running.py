@@ -322,3 +322,23 @@ def test_a_running_background_response_pushed_out_is_read_and_deleted(tiny, hold
     assert _get(tiny, response_id).status_code == 404
     wait_until(lambda: _idle(tiny), what="the cancelled call's pages freed")
     assert _get(tiny, response_id).status_code == 404
+
+
+def test_a_delete_whose_wait_ran_out_leaves_nothing_to_find(tiny, hold, monkeypatch):
+    """DELETE waits for the cancelled call's end at most CANCEL_WAIT_SECONDS (a stalled stream
+    may hold it longer) and answers deleted: the response was then still read as in_progress
+    and refused as a previous_response_id with a 400 until its end (the review)."""
+    from yaied.server import responses_running
+
+    monkeypatch.setattr(responses_running, "CANCEL_WAIT_SECONDS", 0.2)
+    with ThreadPoolExecutor(1) as pool:
+        gate, events, response_id = _started(tiny, hold, "fg-stalled", pool)
+        deleted = _delete(tiny, response_id)  # the gate stays shut: the call cannot end yet
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
+        assert _get(tiny, response_id).status_code == 404
+        assert _continue(tiny, response_id).status_code == 404
+        gate.opened.set()
+        rest = _rest(events)
+    assert rest[-1]["type"] == "response.failed", rest[-1]
+    assert _get(tiny, response_id).status_code == 404
+    wait_until(lambda: _idle(tiny), what="the cancelled call's pages freed")

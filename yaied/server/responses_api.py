@@ -15,7 +15,8 @@ Every stored response, foreground too, is found while it runs (responses_running
 stands, DELETE cancels it first, previous_response_id refuses it).
 
 With ``conversation`` (conversations_api.py) the stored conversation's items come before the
-input, and the turn's input and output are appended to it once it has ended well (``_keep``).
+input, and the turn's input and output are appended to it once it has ended well
+(responses_running.py, ``_keep``).
 
 The response object and its events are built in responses_output.py (item ids name their
 response, which is how an ``item_reference`` finds its stored item: ResponseStore.item).
@@ -94,7 +95,7 @@ async def get_response(request: Request) -> Response:
     key = (_namespace(request), request.path_params["response_id"])
     stored = _store(request).get(*key)  # read: recently used
     running = request.state.server.running_responses.get(key)
-    if running is not None:  # as it stands, even if newer responses pushed it out of the store
+    if running is not None and not running.deleted:  # as it stands, even if pushed out
         return json_response(running.body(running.status))
     if stored is None:
         raise APIError(404, f"no stored response {key[1]!r}", code="response_not_found")
@@ -194,7 +195,8 @@ async def create_response(request: Request) -> Response:
         raise APIError(400, text, param="include")
     if req.previous_response_id is not None:
         previous = server.response_store.get(namespace, req.previous_response_id)
-        if (namespace, req.previous_response_id) in server.running_responses:
+        running = server.running_responses.get((namespace, req.previous_response_id))
+        if running is not None and not running.deleted:
             message = f"previous response {req.previous_response_id!r} is still in progress"
             raise APIError(400, message, param="previous_response_id")
         if previous is None:

@@ -53,7 +53,7 @@ def start(
 ) -> dict[str, Any]:
     """Keep the response at its first status and register it (with ``store``); that object."""
     body = turn.body("queued" if background else "in_progress")
-    _keep(server.response_store, namespace, turn, body)
+    _keep(server.response_store, namespace, turn, body, running=True)
     if turn.req.store:
         running = RunningResponse(run.started.cancel_unfinished, turn.body, background)
         running.status = body["status"]
@@ -143,6 +143,8 @@ def on_close(
         try:
             await run.started.cancel_unfinished()
         finally:
+            # the stream's last event stores the end; before it, the client left (or the
+            # stream failed, which the log tells)
             left(server, namespace, turn, run, _LEFT)
 
     return close
@@ -188,7 +190,8 @@ async def run_in_background(server: ServerState, namespace: str, turn: Turn, run
             if running is not None and running.status == "queued":  # its first tokens
                 running.status = "in_progress"
                 if not running.deleted:
-                    _keep(server.response_store, namespace, turn, turn.body("in_progress"))
+                    body = turn.body("in_progress")
+                    _keep(server.response_store, namespace, turn, body, running=True)
             turn.blocks.feed(deltas)
         turn.blocks.close()
         if run.choice.finish_reason == "abort":  # not by the cancel route: the engines stopped
@@ -231,10 +234,18 @@ def append(
 
 
 def _keep(
-    store: ResponseStore, namespace: str, turn: Turn, body: dict[str, Any], *, store_it: bool = True
+    store: ResponseStore,
+    namespace: str,
+    turn: Turn,
+    body: dict[str, Any],
+    *,
+    store_it: bool = True,
+    running: bool = False,
 ) -> None:
     """Store the response (with ``store``, unless ``store_it`` is False: it was deleted) and,
-    once it has ended well, add its input and output to its conversation."""
+    once it has ended well, add its input and output to its conversation. A ``running`` one is
+    kept without its conversation's history: nothing continues it before its end, which stores
+    it whole, and serialising a long history on the event loop twice a turn is not free."""
     conversation = turn.req.conversation_id
     ended_well = body["status"] in ("completed", "incomplete")
     if conversation is not None and ended_well:
@@ -242,8 +253,7 @@ def _keep(
         if not added:
             log.warning("%s: conversation %s is gone or full", turn.id, conversation)
     if turn.req.store and store_it:
-        item = StoredResponse.make(
-            turn.id, turn.conversation(), body, turn.chain_id, turn.input_items
-        )
+        history = [] if running else turn.conversation()
+        item = StoredResponse.make(turn.id, history, body, turn.chain_id, turn.input_items)
         if not store.put(namespace, item):
             log.warning("%s: too large to store (%d bytes)", turn.id, item.size)

@@ -267,9 +267,10 @@ class ServerState:
             )
 
     async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the CPU thread when ``size`` (characters or token ids) is past
-        OFF_LOOP_SIZE, else here: tokenizing a large request must not stall every stream. One
-        thread, so tokenizer calls never run concurrently with each other."""
+        """``fn(*args)`` in the CPU thread when ``size`` (characters, token ids, or a body's
+        bytes) is past OFF_LOOP_SIZE, else here: tokenizing a large request, or decoding and
+        parsing a large body, must not stall every stream. One thread, so tokenizer calls never
+        run concurrently with each other."""
         if size < OFF_LOOP_SIZE:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
