@@ -17,6 +17,8 @@ from yaied.kernels.cpu_fused import CpuFusedOps
 from yaied.kernels.cpu_isa import runnable_levels
 from yaied.kernels.cpu_quant import (
     GROUPED,
+    IQ4_NL,
+    IQ4_XS,
     MAX_ROWS,
     PACKABLE,
     Q2_K,
@@ -49,11 +51,20 @@ KERNEL_TYPES = pytest.mark.parametrize(
     ids=[*QUANT_TYPES, "q4_0_grouped", "q4_1_grouped"],
 )
 K_TYPES = pytest.mark.parametrize(
-    "qtype", [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K], ids=["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+    "qtype",
+    [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS],
+    ids=["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"],
 )
-# Where a K type keeps its fp16 d (and dmin after it, where it has one), and how many bytes
-# the two take: Q4_K and Q5_K start with them, the others end with them
-D_AT = {Q2_K: (80, 4), Q3_K: (108, 2), Q6_K: (208, 2)}
+# ... and the types read with scales of their own for each 32 (IQ4_NL: one d a block)
+SCALED_TYPES = pytest.mark.parametrize(
+    "qtype",
+    [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL],
+    ids=["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl"],
+)
+# Where a type keeps its fp16 d (and dmin after it, where it has one), and how many bytes the two
+# take: Q4_K and Q5_K start with them, Q2_K, Q3_K and Q6_K end with them, the IQ4 types start with
+# d alone
+D_AT = {Q2_K: (80, 4), Q3_K: (108, 2), Q6_K: (208, 2), IQ4_NL: (0, 2), IQ4_XS: (0, 2)}
 
 
 @pytest.fixture
@@ -78,6 +89,10 @@ def table(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:
         return blocks
     if qtype is Q3_K:  # d after scales of -32..31 times quants of -4..3
         view[..., 108:110] = (scales.float() / 8).half().view(torch.uint8).view(n, count, 2)
+        return blocks
+    if qtype in (IQ4_NL, IQ4_XS):  # values up to 127 (IQ4_XS: times scales of -32..31)
+        d = scales.float() / (64 if qtype is IQ4_NL else 1024)
+        view[..., 0:2] = d.half().view(torch.uint8).view(n, count, 2)
         return blocks
     at = D_AT[qtype][0] if qtype in D_AT else 0
     view[..., at : at + 2] = scales.view(torch.uint8).view(n, count, 2)
@@ -125,18 +140,20 @@ def test_kernel_unpacks_as_the_reference(quant, qtype, dtype):
     assert torch.equal(quant.dequantize(qtype, blocks, k, dtype, out=buffer), expected)
 
 
-@K_TYPES
+@SCALED_TYPES
 @pytest.mark.parametrize("super_blocks", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_k_types_unpack_bit_for_bit_over_any_scales(quant, qtype, super_blocks, dtype):
-    """The K types' unpacking (a vector body per level) against the reference bit for bit,
-    signed zeros too, over every byte random but the fp16 d and dmin, drawn from all finite
-    fp16 values of either sign (subnormals too): an odd count of rows, 1 to 8 super-blocks."""
+    """The K and IQ4 types' unpacking (a vector body per level) against the reference bit for
+    bit, signed zeros too, over every byte random but the fp16 d and dmin, drawn from all finite
+    fp16 values of either sign (subnormals too): an odd count of rows, 1 to 8 super-blocks
+    (IQ4_NL: 8 to 64 blocks)."""
     k, n = 256 * super_blocks, 7
     generator = torch.Generator().manual_seed(super_blocks)
     blocks = torch.randint(0, 256, (n, row_bytes(qtype, k)), generator=generator, dtype=torch.uint8)
-    view = blocks.view(n, super_blocks, qtype.block_bytes)
-    halves = torch.randint(0, 1 << 16, (n, super_blocks, 2), generator=generator, dtype=torch.int32)
+    view = blocks.view(n, -1, qtype.block_bytes)
+    count = view.shape[1]
+    halves = torch.randint(0, 1 << 16, (n, count, 2), generator=generator, dtype=torch.int32)
     halves = halves.to(torch.int16).view(torch.float16)
     halves = torch.where(halves.isfinite(), halves, torch.zeros_like(halves))
     at, size = D_AT.get(qtype, (0, 4))
@@ -167,8 +184,8 @@ def test_kernel_matches_the_reference_linear(quant, qtype, rows, n, bias):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q8_0, Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED],
-    ids=["q8_0", "q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped"],
+    [Q8_0, Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, IQ4_NL],
+    ids=["q8_0", "q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "iq4_nl"],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 4, 5, 15, 16, 17, 18, 20, 33])
 def test_every_count_of_blocks_in_a_row(quant, qtype, blocks_per_row):
@@ -215,17 +232,29 @@ def test_bf16_activations(quant, qtype):
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K],
-    ids=["q4_0", "q4_0_grouped", "q4_1", "q4_1_grouped", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"],
+    [Q4_0, Q4_0_GROUPED, Q4_1, Q4_1_GROUPED, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS],
+    ids=[
+        "q4_0",
+        "q4_0_grouped",
+        "q4_1",
+        "q4_1_grouped",
+        "q2_k",
+        "q3_k",
+        "q4_k",
+        "q5_k",
+        "q6_k",
+        "iq4_nl",
+        "iq4_xs",
+    ],
 )
 @pytest.mark.parametrize("blocks_per_row", [1, 2, 5, 16, 17, 18, 33, 64])
 def test_bf16_activations_are_one_rounding_off_fp32(quant, qtype, blocks_per_row):
-    """bf16 activations meet Q4 and the K types' blocks in bf16 dot products where the level has
-    them (each quant as 128 + q, the 128 taken off through the activations' pair sums, Q6_K's -32
-    and Q3_K's -4 too): the products are exact, so the result is the fp32 one over the same bf16
-    values, rounded once to bf16, a bf16 step apart at most where the fp32 sums' order tips a
-    rounding.
-    (The K types: rows of 1 to 8 super-blocks.)"""
+    """bf16 activations meet Q4, the K and the IQ4 types' blocks in bf16 dot products where the
+    level has them (each quant as 128 + q, the 128 taken off through the activations' pair sums,
+    Q6_K's -32 and Q3_K's -4 too; the IQ4 types' values are bf16 themselves): the products are
+    exact, so the result is the fp32 one over the same bf16 values, rounded once to bf16, a bf16
+    step apart at most where the fp32 sums' order tips a rounding.
+    (The K types and IQ4_XS: rows of 1 to 8 super-blocks.)"""
     assert_one_rounding_off_fp32(quant, qtype, blocks_per_row)
 
 
@@ -264,6 +293,7 @@ STACKS = {
     "q4_k_m": [(Q4_K, 128), (Q6_K, 64)],  # a Q4_K_M file's q, k in Q4_K and v in Q6_K
     "q3_k_m": [(Q3_K, 128), (Q5_K, 64)],  # a Q3_K_M file's q, k in Q3_K and v in Q5_K
     "q2_k": [(Q2_K, 128), (Q3_K, 64), (Q4_K, 8)],  # llama.cpp's Q2_K: v in Q3_K or Q4_K
+    "iq4": [(IQ4_XS, 128), (IQ4_NL, 64), (Q6_K, 8)],  # IQ4_XS with IQ4_NL where rows are not 256s
     "five": [(Q4_0_GROUPED, 40), (Q6_K, 8), (Q8_0, 24), (Q4_K, 1), (Q5_K, 3)],  # Q8_0: no bf16
 }
 
@@ -408,10 +438,10 @@ def test_refusals(quant):
         quantize(torch.zeros(2, 256), Q4_K)
 
 
-@K_TYPES
+@SCALED_TYPES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_k_types_linear_against_gguf_py(quant, qtype, dtype):
-    """The few-row kernel and the unpacking of each K type against gguf-py's own dequantize
+    """The few-row kernel and the unpacking of each K and IQ4 type against gguf-py's own dequantize
     (llama.cpp's formats, not this file's reading of them) times an input: random blocks,
     rows of 1 to 3 super-blocks, 1 and MAX_ROWS rows."""
     for super_blocks in (1, 3):

@@ -1,5 +1,5 @@
 /* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K,
- * Q6_K) for a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
+ * Q6_K, IQ4_NL, IQ4_XS) for a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
  * weights' bytes over the bandwidth: 2.6 to 8.5 bits a weight here against 16 for bf16. The
@@ -17,10 +17,11 @@
  *   avx2         the same 8 wide
  *   generic      each weight row unpacked into an fp32 row (L1), then a plain fp32 dot
  *
- * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1 and the K types
- * meet them in bf16 dot products instead, each quant exact as a bf16 (fdot_q*_bf16). Q5_K's and
- * Q6_K's vector bodies are in cpu_quant_k.h, and so is the unpacking of Q4_K to Q6_K; Q3_K's
- * and Q2_K's bodies and unpacking are in cpu_quant_k3.h.
+ * and at avx512_bf16, for bf16 activations (that level's bf16 math), Q4_0, Q4_1, the K types and
+ * the IQ4 types meet them in bf16 dot products instead, each quant exact as a bf16
+ * (fdot_*_bf16). Q5_K's and Q6_K's vector bodies are in cpu_quant_k.h, and so is the unpacking of
+ * Q4_K to Q6_K; Q3_K's and Q2_K's bodies and unpacking are in cpu_quant_k3.h, IQ4_NL's and
+ * IQ4_XS's in cpu_quant_iq4.h.
  *
  * Blocks (little-endian, packed; d, m, dmin are fp16):
  *   Q8_0  34 bytes / 32 weights: d, int8 q[32]                       w = d q
@@ -48,6 +49,12 @@
  *         (-4..3), s its 16-weight group (q3k_scale_bytes)       w = d (sc_s - 32) q
  *   Q2_K 84 bytes / 256: 16 bytes of 4-bit scales (low nibbles) and mins (high), 64 bytes of
  *         quants laid out as Q3_K's low pairs (q 0..3), d, dmin    w = d sc_s q - dmin m_s
+ *   IQ4_NL 18 bytes / 32: Q4_0's block, each 4-bit q an index into the 16 int8 IQ4_VALUES
+ *                                                                    w = d v[q]
+ *   IQ4_XS 136 bytes / 256: d, a 16-bit word of scales' top pairs (bits 2 j, 2 j + 1 for
+ *         sub-block j), 4 bytes of their low nibbles (sub-block j's in byte j / 2, the low
+ *         nibble for even j), then 8 runs of 16 bytes laid out as IQ4_NL's
+ *                                                                    w = d (sc_j - 32) v[q]
  *
  * A weight is passed as a `qweight` descriptor (its type and its block table [N, row bytes]),
  * so that one entry serves every type and the decode loop (cpu_decode_loop.c) calls it as it
@@ -85,6 +92,8 @@ enum {
     TYPE_Q4_K = 12,
     TYPE_Q5_K = 13,
     TYPE_Q6_K = 14,
+    TYPE_IQ4_NL = 20,
+    TYPE_IQ4_XS = 23,
     TYPE_Q4_0_GROUPED = 1002,
     TYPE_Q4_1_GROUPED = 1003,
     TYPE_STACKED = 2000
@@ -195,6 +204,8 @@ int64_t quant_block_bytes(int64_t type) {
     case TYPE_Q4_0_GROUPED: return 18;
     case TYPE_Q4_1:
     case TYPE_Q4_1_GROUPED: return 20;
+    case TYPE_IQ4_NL: return 18;
+    case TYPE_IQ4_XS: return 136;
     case TYPE_Q2_K: return 84;
     case TYPE_Q3_K: return 110;
     case TYPE_Q4_K: return 144;
@@ -210,7 +221,8 @@ int64_t quant_block_size(int64_t type) {
     case TYPE_Q3_K:
     case TYPE_Q4_K:
     case TYPE_Q5_K:
-    case TYPE_Q6_K: return 256;
+    case TYPE_Q6_K:
+    case TYPE_IQ4_XS: return 256;
     default: return QK;
     }
 }
@@ -282,6 +294,33 @@ static void dequantize_q2_k(const uint8_t *p, float *o) {
             }
 }
 
+/* The IQ4 types' 16 values (llama.cpp's kvalues_iq4nl), 4-bit indices picking one each */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+/* An IQ4_XS super-block's eight 6-bit scales (before their -32) into out[8] */
+static inline void iq4_xs_scale_bytes(const uint8_t *p, uint8_t *out) {
+    unsigned high = (unsigned)(p[2] | p[3] << 8);
+    for (int j = 0; j < 8; j++)
+        out[j] = (uint8_t)((p[4 + j / 2] >> (4 * (j & 1)) & 0xF) | (high >> (2 * j) & 3) << 4);
+}
+
+/* One IQ4_XS super-block at p into o[256]: d (sc_j - 32) exact in fp32, times the value (exact
+ * too), as gguf-py computes. */
+static void dequantize_iq4_xs(const uint8_t *p, float *o) {
+    float d = half_to_float(p);
+    uint8_t sc[8];
+    iq4_xs_scale_bytes(p, sc);
+    for (int j = 0; j < 8; j++) {
+        float ds = d * (float)(sc[j] - 32);
+        const uint8_t *q = p + 8 + 16 * j;
+        for (int i = 0; i < 16; i++) {
+            o[32 * j + i] = ds * (float)IQ4_VALUES[q[i] & 0xF];
+            o[32 * j + i + 16] = ds * (float)IQ4_VALUES[q[i] >> 4];
+        }
+    }
+}
+
 /* ---- unpacking: one weight row to fp32 ---- */
 static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
     int64_t bytes = quant_block_bytes(type);
@@ -295,6 +334,13 @@ static void dequantize_row(int64_t type, const uint8_t *row, float *out, int64_t
             dequantize_q3_k(p, out + b * 256);
         } else if (type == TYPE_Q2_K) {
             dequantize_q2_k(p, out + b * 256);
+        } else if (type == TYPE_IQ4_XS) {
+            dequantize_iq4_xs(p, out + b * 256);
+        } else if (type == TYPE_IQ4_NL) {
+            for (int i = 0; i < 16; i++) {
+                out[b * QK + i] = d * (float)IQ4_VALUES[p[2 + i] & 0xF];
+                out[b * QK + i + 16] = d * (float)IQ4_VALUES[p[2 + i] >> 4];
+            }
         } else if (type == TYPE_Q8_0) {
             for (int i = 0; i < QK; i++) out[b * QK + i] = d * (float)(int8_t)p[2 + i];
         } else if (type == TYPE_Q4_0 || grouped || type == TYPE_Q4_1) {
@@ -603,7 +649,7 @@ static inline float sum8(__m256 v) {
 static const int8_t PERMUTED[QK] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                     1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 /* Q4_K's 32 quants of a sub-block are the low (or high) nibbles of 32 bytes in order, and so are
- * Q5_K's, Q6_K's and Q3_K's 32, so their activations keep theirs */
+ * Q5_K's, Q6_K's, Q3_K's and Q2_K's 32, so their activations keep theirs (not IQ4_XS's) */
 static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
 
@@ -614,7 +660,9 @@ static const int8_t IN_ORDER[QK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 
  * -4), else 128. */
 static void permute_blocks(const uint16_t *x, uint16_t *out, float *pairs, float *sums, int64_t K,
                            int64_t type) {
-    const int8_t *order = quant_block_size(type) == 256 ? IN_ORDER : PERMUTED;
+    /* IQ4_XS's runs of 32 are laid out as IQ4_NL's (Q4_0's) */
+    const int8_t *order =
+        quant_block_size(type) == 256 && type != TYPE_IQ4_XS ? IN_ORDER : PERMUTED;
     float bias = type == TYPE_Q4_0 || type == TYPE_Q4_0_GROUPED ? 136.0f
                  : type == TYPE_Q6_K                             ? 160.0f
                  : type == TYPE_Q3_K                             ? 132.0f
@@ -883,6 +931,7 @@ static __attribute__((noinline)) float fdot_q4_k(const uint8_t *row, const float
 
 #include "cpu_quant_k.h"
 #include "cpu_quant_k3.h"
+#include "cpu_quant_iq4.h"
 
 /* A row of K weights of a K type to fp32 (the bodies in cpu_quant_k.h, cpu_quant_k3.h) */
 static __attribute__((noinline)) void unpack_k_f32(int64_t type, const uint8_t *row, float *out,
@@ -891,6 +940,7 @@ static __attribute__((noinline)) void unpack_k_f32(int64_t type, const uint8_t *
     else if (type == TYPE_Q5_K) q5_k_unpacked(row, out, NULL, K / 256);
     else if (type == TYPE_Q3_K) q3_k_unpacked(row, out, NULL, K / 256);
     else if (type == TYPE_Q2_K) q2_k_unpacked(row, out, NULL, K / 256);
+    else if (type == TYPE_IQ4_XS) iq4_xs_unpacked(row, out, NULL, K / 256);
     else q6_k_unpacked(row, out, NULL, K / 256);
 }
 
@@ -902,6 +952,7 @@ static __attribute__((noinline)) void unpack_k_bf16(int64_t type, const uint8_t 
     else if (type == TYPE_Q5_K) q5_k_unpacked(row, NULL, out, K / 256);
     else if (type == TYPE_Q3_K) q3_k_unpacked(row, NULL, out, K / 256);
     else if (type == TYPE_Q2_K) q2_k_unpacked(row, NULL, out, K / 256);
+    else if (type == TYPE_IQ4_XS) iq4_xs_unpacked(row, NULL, out, K / 256);
     else q6_k_unpacked(row, NULL, out, K / 256);
 }
 #endif
@@ -919,6 +970,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
     case TYPE_Q6_K: return fdot_q6_k(row, x, K / 256);
     case TYPE_Q3_K: return fdot_q3_k(row, x, K / 256);
     case TYPE_Q2_K: return fdot_q2_k(row, x, xsum, K / 256);
+    case TYPE_IQ4_NL: return fdot_iq4_nl(row, x, K / QK);
+    case TYPE_IQ4_XS: return fdot_iq4_xs(row, x, K / 256);
     default: return fdot_q4_k(row, x, xsum, K / 256);
     }
 }
@@ -951,8 +1004,8 @@ static inline float pair_dot(int64_t type, const uint8_t *row, const float *x, c
 /* Whether a bf16 body (fdot_q*_bf16) takes this weight's pairs with bf16 activations. */
 static inline int bf16_dot_type(int64_t type) {
 #if defined(__AVX512BF16__)
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || quant_block_size(type) == 256 ||
-           is_grouped(type);
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_IQ4_NL ||
+           quant_block_size(type) == 256 || is_grouped(type);
 #else
     (void)type;
     return 0;
@@ -1035,6 +1088,8 @@ static int qlinear(const float *x, const uint16_t *x_bf16, const qweight *w, con
                     case TYPE_Q6_K: dot = fdot_q6_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q3_K: dot = fdot_q3_k_bf16(row, xp, pm, K / 256); break;
                     case TYPE_Q2_K: dot = fdot_q2_k_bf16(row, xp, pm, K / 256); break;
+                    case TYPE_IQ4_NL: dot = fdot_iq4_nl_bf16(row, xp, blocks); break;
+                    case TYPE_IQ4_XS: dot = fdot_iq4_xs_bf16(row, xp, K / 256); break;
                     case TYPE_Q4_1: dot = fdot_q4_1_bf16(row, xp, pm, sums, blocks); break;
                     default: dot = fdot_q4_0_bf16(row, xp, pm, sums, blocks);
                     }
@@ -1139,6 +1194,10 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
         const uint8_t *p = row + b * bytes;
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p), m = 0.0f;
         float *o = out + b * QK;
+        if (type == TYPE_IQ4_NL) {
+            iq4_nl_unpacked(p, o, iq4_table());
+            continue;
+        }
         if (type == TYPE_Q8_0) {
             widen_s8(p + 2, w);
             for (int g = 0; g < GROUP; g++) vec_store(o + g * LANES, vec_fma(w[g], vec_set1(d), vec_zero()));

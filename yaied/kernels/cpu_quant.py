@@ -1,7 +1,7 @@
-"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): their
-formats, a torch reference (unpacking all eight, packing Q8_0 and Q4_0 from float weights), and
-the launcher of cpu_quant.c, whose few-row linear reads the blocks directly and whose unpacking
-feeds matmuls of many rows.
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+IQ4_XS): their formats, a torch reference (unpacking all ten, packing Q8_0 and Q4_0 from float
+weights), and the launcher of cpu_quant.c, whose few-row linear reads the blocks directly and
+whose unpacking feeds matmuls of many rows.
 
 A weight is its block table: a contiguous uint8 tensor [N, row bytes], each row K / block size
 blocks of ``QuantType.block_bytes`` (the layout GGUF files store, so a file's tensor is used as
@@ -47,7 +47,11 @@ Q3_K = QuantType("q3_k", 11, 256, 110)
 Q4_K = QuantType("q4_k", 12, 256, 144)
 Q5_K = QuantType("q5_k", 13, 256, 176)
 Q6_K = QuantType("q6_k", 14, 256, 210)
-QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
+IQ4_NL = QuantType("iq4_nl", 20, 32, 18)
+IQ4_XS = QuantType("iq4_xs", 23, 256, 136)
+QUANT_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)}
+# The 16 values a 4-bit index of IQ4_NL and IQ4_XS picks (llama.cpp's kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # yaied's own layouts of Q4_0 and Q4_1 (cpu_quant.c's header): a row's blocks in groups of
 # SCALE_GROUP (the last may be shorter), each group's fp16 d first, then (Q4_1) its fp16 m, then
 # its blocks' 16 bytes of quants. Not GGUF types: their numbers are cpu_quant.c's, and they show
@@ -153,6 +157,8 @@ def dequantize_reference(qtype: QuantType, blocks: torch.Tensor, k: int) -> torc
         return _q3_k_reference(table, n, k)
     if qtype is Q2_K:
         return _q2_k_reference(table, n, k)
+    if qtype in (IQ4_NL, IQ4_XS):
+        return _iq4_reference(qtype, table, n, k)
     # Q4_K, and Q5_K: the same with 32 bytes of fifth bits (bit j of byte i: sub-block j's
     # weight i) before the nibbles
     dmin = _halves(table, 2)
@@ -206,6 +212,26 @@ def _q2_k_reference(table: torch.Tensor, n: int, k: int) -> torch.Tensor:
     scales, mins = (sc & 0xF).float() * _halves(table, 80), (sc >> 4).float() * _halves(table, 82)
     weights = q.reshape(n, -1, 16, 16).float() * scales[..., None] - mins[..., None]
     return weights.reshape(n, k)
+
+
+def _iq4_reference(qtype: QuantType, table: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """IQ4_NL (table [n, blocks, 18]: fp16 d, 16 bytes of 4-bit indices laid out as Q4_0's
+    quants) and IQ4_XS ([n, super-blocks, 136]: fp16 d, a 16-bit word of the eight 6-bit scales'
+    top pairs, 4 bytes of their low nibbles, then 8 runs of 16 bytes as IQ4_NL's):
+    w = d v[q], or d (scale_j - 32) v[q] (v: IQ4_VALUES)."""
+    data = table[..., 2:] if qtype is IQ4_NL else table[..., 8:]
+    data = data.reshape(n, -1, 16).long()
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[torch.cat([data & 0xF, data >> 4], -1)]
+    scale = _halves(table, 0)
+    if qtype is IQ4_XS:
+        high = table[..., 2].long() | table[..., 3].long() << 8
+        low = table[..., 4:8].long()
+        low = torch.stack([low & 0xF, low >> 4], dim=-1).reshape(n, -1, 8)
+        tops = high[..., None] >> torch.arange(0, 16, 2) & 3
+        scale = (scale * ((low | tops << 4) - 32).float()).reshape(n, -1)
+    else:
+        scale = scale.reshape(n, -1)
+    return (values * scale[..., None]).reshape(n, k)
 
 
 def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
