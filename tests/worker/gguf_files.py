@@ -1,8 +1,8 @@
 """Tiny GGUF files written with gguf-py's GGUFWriter, as llama.cpp's converter and quantize
 write them: llama (Q/K rows interleaved per head), qwen2 (Q/K/V biases) or qwen3 (Q/K norms),
 tied or untied embeddings, GQA, and any GGML type per tensor. gguf-py packs Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, F16 and BF16 itself; the K types (which it only unpacks) are random blocks with small
-scales, so each is a valid table whose weights gguf-py's own dequantize gives."""
+Q5_0, Q5_1, F16 and BF16 itself; the K and IQ4 types (which it only unpacks) are random blocks with
+small scales, so each is a valid table whose weights gguf-py's own dequantize gives."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ _K_SCALES: dict[T, tuple[tuple[int, float], ...]] = {
     T.Q4_K: ((0, 0.0003), (2, 0.00225)),
     T.Q5_K: ((0, 0.00015), (2, 0.0023)),
     T.Q6_K: ((208, 0.00005),),
+    # every 4-bit index picks a value of -127..113: d (IQ4_XS: times its scales of -32..31)
+    T.IQ4_NL: ((0, 0.002),),
+    T.IQ4_XS: ((0, 0.00012),),
 }
 PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -177,6 +180,17 @@ def q2_k(name: str) -> T:
     if name.endswith(("attn_v.weight", "ffn_down.weight", "attn_output.weight")):
         return T.Q3_K
     return T.Q2_K
+
+
+def iq4_xs(name: str) -> T:
+    """llama.cpp's IQ4_XS: IQ4_XS, the output in Q6_K, and IQ4_NL for a tensor whose rows are
+    not whole super-blocks of 256 (here the FFN's down projection, as for a model whose FFN
+    width is not a multiple of 256)."""
+    if name == "output.weight":
+        return T.Q6_K
+    if name.endswith("ffn_down.weight"):
+        return T.IQ4_NL
+    return T.IQ4_XS
 
 
 def every(kind: T) -> Callable[[str], T]:

@@ -12,7 +12,17 @@ import random
 
 import pytest
 
-from tests.worker.gguf_files import Shape, T, every, q2_k, q3_k_m, q4_k_m, q5_k_m, write_gguf
+from tests.worker.gguf_files import (
+    Shape,
+    T,
+    every,
+    iq4_xs,
+    q2_k,
+    q3_k_m,
+    q4_k_m,
+    q5_k_m,
+    write_gguf,
+)
 from yaied import LLM, SamplingParams
 from yaied.worker.quantized import QuantizedLinear
 
@@ -37,6 +47,11 @@ CASES = {
     "q3_k_m-tied": (Shape(**K_SHAPE, tied=True), q3_k_m, "q3_k+q4_k+q5_k", False),
     "q2_k": (Shape(**K_SHAPE), every(T.Q2_K), "q2_k", False),
     "q2_k-mix": (Shape(**K_SHAPE), q2_k, "q2_k+q3_k+q4_k+q6_k", False),
+    "iq4_nl": (Shape(), every(T.IQ4_NL), "iq4_nl", False),
+    "iq4_nl-tied-mha": (Shape(tied=True, kv_heads=4), every(T.IQ4_NL), "iq4_nl", False),
+    "iq4_xs": (Shape(**K_SHAPE), every(T.IQ4_XS), "iq4_xs", False),
+    "iq4_xs-mix": (Shape(**K_SHAPE), iq4_xs, "iq4_nl+iq4_xs+q6_k", False),
+    "iq4_xs-tied": (Shape(**K_SHAPE, tied=True), iq4_xs, "iq4_nl+iq4_xs", False),
     "f16": (Shape(), every(T.F16), "", True),
     "bf16": (Shape(), every(T.BF16), "", True),
     "qwen2-q4_0-tied": (Shape(arch="qwen2", tied=True), every(T.Q4_0), "q4_0", False),

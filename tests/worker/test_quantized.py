@@ -172,13 +172,20 @@ def test_truncated_block_table_names_the_tensor(tiny_gguf, tmp_path):
         _load(cut, "gguf", tmp_path / "cache")
 
 
+# A kept type, its block's bytes, and where its fp16 d is in a block
+DAMAGED_TYPES = {"q3_k": (gguf_files.T.Q3_K, 110, 108), "iq4_xs": (gguf_files.T.IQ4_XS, 136, 0)}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGED_TYPES))
 @pytest.mark.parametrize("damage", ["cut", "short-dims", "nan-d"])
-def test_a_damaged_q3_k_table_names_the_tensor(tmp_path, damage):
-    """Q3_K tables (kept in blocks) meet the GGUF checks every kept type meets: a file cut
-    inside the last Q3_K table, dims that claim fewer rows than the table holds, a NaN d (the
-    fp16 at byte 108 of a block) each stop the load with one line naming the tensor."""
+def test_a_damaged_kept_table_names_the_tensor(tmp_path, damage, kind):
+    """Q3_K and IQ4_XS tables (kept in blocks) meet the GGUF checks every kept type meets: a file
+    cut inside the last table, dims that claim fewer rows than the table holds, a NaN d (the
+    fp16 at byte 108 of a Q3_K block, 0 of an IQ4_XS one) each stop the load with one line naming
+    the tensor."""
+    qtype, block_bytes, d_at = DAMAGED_TYPES[kind]
     shape = gguf_files.Shape(hidden=256, ffn=512, head_dim=64)
-    path = gguf_files.write_gguf(tmp_path / "q3.gguf", shape, gguf_files.every(gguf_files.T.Q3_K))
+    path = gguf_files.write_gguf(tmp_path / "q.gguf", shape, gguf_files.every(qtype))
     data = bytearray(path.read_bytes())
     tensor, named = "blk.1.ffn_down.weight", "truncated"
     if damage == "cut":
@@ -188,7 +195,7 @@ def test_a_damaged_q3_k_table_names_the_tensor(tmp_path, damage):
         gguf_files.set_dims(data, tensor, [256, 256])
     else:
         tensor, named = "blk.0.attn_k.weight", "NaN"
-        start = gguf_files.table_start(path, tensor) + 3 * 110 + 108  # block 3's d
+        start = gguf_files.table_start(path, tensor) + 3 * block_bytes + d_at  # block 3's d
         data[start : start + 2] = np.array([np.nan], dtype=np.float16).tobytes()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))

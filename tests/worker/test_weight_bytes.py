@@ -120,7 +120,11 @@ def _loaded_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("kept", [T.Q8_0, T.Q3_K, T.Q2_K], ids=["q8_0", "q3_k", "q2_k"])
+@pytest.mark.parametrize(
+    "kept",
+    [T.Q8_0, T.Q3_K, T.Q2_K, T.IQ4_NL, T.IQ4_XS],
+    ids=["q8_0", "q3_k", "q2_k", "iq4_nl", "iq4_xs"],
+)
 def test_a_gguf_counts_what_the_load_keeps_in_blocks(tmp_path, tied, kept):
     """A head in blocks (``output.weight``, or ``token_embd`` that a tied head is read from)
     counts as its blocks, a tied one's embeddings as nothing more; a fused projection with one

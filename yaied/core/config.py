@@ -37,10 +37,10 @@ class ModelConfig:
     trust_remote_code: bool = False  # never runs code shipped with a model unless set
     seed: int = 0  # seeds random weights of dummy models and unseeded sampling
     cache_dir: str = ""  # where converted GGUF models go; "" = $YAIED_CACHE_DIR or ~/.cache/yaied
-    # none: linear weights dequantized (bf16/fp32) | gguf: a GGUF file's Q8_0/Q4_0/Q4_1 and
-    # Q2_K/Q3_K/Q4_K/Q5_K/Q6_K linears kept in their blocks (other types dequantized) | auto: gguf
-    # for a GGUF model, else none | q8_0, q4_0: linears packed at load (safetensors, dummy or
-    # GGUF); CPU, native only
+    # none: linear weights dequantized (bf16/fp32) | gguf: a GGUF file's Q8_0/Q4_0/Q4_1,
+    # Q2_K/Q3_K/Q4_K/Q5_K/Q6_K and IQ4_NL/IQ4_XS linears kept in their blocks (other types
+    # dequantized) | auto: gguf for a GGUF model, else none | q8_0, q4_0: linears packed at load
+    # (safetensors, dummy or GGUF); CPU, native only
     quantization: str = "none"
 
     def __post_init__(self) -> None:

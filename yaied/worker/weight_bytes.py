@@ -44,9 +44,9 @@ from yaied.worker import model_files
 PACKED_BYTES_PER_WEIGHT = {"q8_0": 34 / 32, "q4_0": 18 / 32}  # a block: scale + 32 weights
 HEAD_PACKED_BYTES_PER_WEIGHT = 34 / 32  # q8_0 and q4_0 both pack the LM head in Q8_0
 # The GGML type numbers whose tensors stay in their blocks: kernels/cpu_quant.py's BY_GGML_ID
-# (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; that module loads torch, so a test checks
-# they agree).
-KEPT_GGML_IDS = frozenset({8, 2, 3, 10, 11, 12, 13, 14})
+# (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; that module loads torch, so
+# a test checks they agree).
+KEPT_GGML_IDS = frozenset({8, 2, 3, 10, 11, 12, 13, 14, 20, 23})
 # worker/cpu_linear.py's caps on its optional copies (that module loads torch; a test checks).
 GEMV_MEMORY_SHARE = 0.125
 FP32_COPY_MEMORY_SHARE = 0.25
