@@ -1,5 +1,6 @@
 /* Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K,
- * Q6_K, IQ4_NL, IQ4_XS) for a few rows, and the unpacking of such weights to fp32 or bf16 for matmuls of many rows.
+ * Q6_K, IQ4_NL, IQ4_XS) for a few rows, and the unpacking of such weights to fp32 or bf16 for
+ * matmuls of many rows.
  *
  * A decode step is a pass over the weights, so where memory is the bound its floor is the
  * weights' bytes over the bandwidth: 2.6 to 8.5 bits a weight here against 16 for bf16. The
@@ -298,11 +299,22 @@ static void dequantize_q2_k(const uint8_t *p, float *o) {
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
-/* An IQ4_XS super-block's eight 6-bit scales (before their -32) into out[8] */
+/* An IQ4_XS super-block's eight 6-bit scales (before their -32) into out[8], scale j in byte j:
+ * its low nibble is nibble j of the 32-bit word at p + 4, its top pair bits 2 j, 2 j + 1 of the
+ * 16-bit word at p + 2. Both spread to a byte each in one 64-bit word (a loop over the eight
+ * took a quarter of the bf16 body's time). */
 static inline void iq4_xs_scale_bytes(const uint8_t *p, uint8_t *out) {
-    unsigned high = (unsigned)(p[2] | p[3] << 8);
-    for (int j = 0; j < 8; j++)
-        out[j] = (uint8_t)((p[4 + j / 2] >> (4 * (j & 1)) & 0xF) | (high >> (2 * j) & 3) << 4);
+    uint32_t low32;
+    memcpy(&low32, p + 4, 4);
+    uint64_t low = low32, high = (uint64_t)(p[2] | p[3] << 8);
+    low = (low | low << 16) & 0x0000FFFF0000FFFFull; /* a byte each 16 bits */
+    low = (low | low << 8) & 0x00FF00FF00FF00FFull;
+    low = (low & 0x000F000F000F000Full) | (low >> 4 & 0x000F000F000F000Full) << 8;
+    high = (high | high << 24) & 0x000000FF000000FFull; /* 8 bits each 32, 4 each 16, 2 a byte */
+    high = (high | high << 12) & 0x000F000F000F000Full;
+    high = (high | high << 6) & 0x0303030303030303ull;
+    uint64_t bytes = low | high << 4;
+    memcpy(out, &bytes, 8);
 }
 
 /* One IQ4_XS super-block at p into o[256]: d (sc_j - 32) exact in fp32, times the value (exact
@@ -1195,7 +1207,7 @@ static void unpack_row(int64_t type, const uint8_t *row, float *out, int64_t K) 
         float d = half_to_float(grouped ? grouped_scale(row, b, bytes) : p), m = 0.0f;
         float *o = out + b * QK;
         if (type == TYPE_IQ4_NL) {
-            iq4_nl_unpacked(p, o, iq4_table());
+            iq4_nl_unpacked(p, o, iq4_lookup_table());
             continue;
         }
         if (type == TYPE_Q8_0) {
