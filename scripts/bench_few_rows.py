@@ -9,9 +9,9 @@ the best pass of ``--rounds``. For reference, the same process measures ``torch.
 tensor of the same bytes (a plain sequential read) and the copy bandwidth the W-single floor
 uses (scripts/single_stream.py). One JSON line per (level, activations, rows).
 
-``--weights q4_0|q4_1|q2_k|q3_k|q4_k|q5_k|q6_k|q8_0`` runs cpu_quant.c's kernel over block tables
-of that type instead (random blocks; ``weights_g_s`` is weights a second, the kernel's bound where
-it is arithmetic).
+``--weights q4_0|q4_1|q2_k|q3_k|q4_k|q5_k|q6_k|q8_0|iq4_nl|iq4_xs`` runs cpu_quant.c's kernel over
+block tables of that type instead (random blocks; ``weights_g_s`` is weights a second, the
+kernel's bound where it is arithmetic).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py [--levels avx2,avx512_bf16] [--rows 1,8]
     PYTHONPATH=. .venv/bin/python scripts/bench_few_rows.py --weights q4_1 --rows 1
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="bf16",
-        choices=["bf16", "q4_0", "q4_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"],
+        choices=["bf16", *cpu_quant.QUANT_TYPES],
     )
     parser.add_argument("--shape", default="default", choices=sorted(SHAPES))
     args = parser.parse_args()

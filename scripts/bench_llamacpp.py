@@ -22,7 +22,8 @@ vocabulary, random weights packed in Q4_0 by yaied, written once into the cache)
 1b-q4_k_m`` (the same shapes in F16, quantized by llama.cpp's own Q4_K_M: Q4_K with Q6_K for
 the tied head and some layers' V and down projections, as the files people download), ``--model
 1b-q3_k_m`` (the same, llama.cpp's Q3_K_M: Q3_K with Q4_K/Q5_K for the attention output, V and
-down projections and Q6_K for the head), or a path.
+down projections and Q6_K for the head), ``--model 1b-iq4_xs`` (the same, llama.cpp's IQ4_XS,
+without an importance matrix: IQ4_XS with Q6_K for the head), or a path.
 
     PYTHONPATH=. python scripts/bench_llamacpp.py --model default --threads 2
     chrt -f 10 python scripts/bench_llamacpp.py --model 1b-q4_0 --skip-serving
@@ -458,11 +459,11 @@ def model_file(name: str, llama_python: Path | None = None) -> Path:
 
 
 # The 1B shapes quantized by llama.cpp: --model name -> llama_cpp's LLAMA_FTYPE_MOSTLY_<mix>
-LLAMA_CPP_MIXES = {"1b-q4_k_m": "Q4_K_M", "1b-q3_k_m": "Q3_K_M"}
+LLAMA_CPP_MIXES = {"1b-q4_k_m": "Q4_K_M", "1b-q3_k_m": "Q3_K_M", "1b-iq4_xs": "IQ4_XS"}
 
 
 def write_1b_q4_k_m(path: Path, tokenizer_source: Path, python: Path, mix: str = "Q4_K_M") -> None:
-    """write_1b_q4_0's model in F16, quantized to ``mix`` (Q4_K_M, Q3_K_M) by llama.cpp
+    """write_1b_q4_0's model in F16, quantized to ``mix`` (Q4_K_M, Q3_K_M, IQ4_XS) by llama.cpp
     (``python``'s llama_cpp.llama_model_quantize); the 2 GB F16 file never stays behind."""
     f16, tmp = path.with_suffix(".f16.gguf"), path.with_suffix(".tmp")
     code = (
@@ -567,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="default",
-        help="default | 1b-q4_0 | 1b-q4_k_m | 1b-q3_k_m | a .gguf path",
+        help="default | 1b-q4_0 | 1b-q4_k_m | 1b-q3_k_m | 1b-iq4_xs | a .gguf path",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quantization", default="gguf", help="yaied's model.quantization")
