@@ -23,7 +23,8 @@ vocabulary, random weights packed in Q4_0 by yaied, written once into the cache)
 the tied head and some layers' V and down projections, as the files people download), ``--model
 1b-q3_k_m`` (the same, llama.cpp's Q3_K_M: Q3_K with Q4_K/Q5_K for the attention output, V and
 down projections and Q6_K for the head), ``--model 1b-iq4_xs`` (the same, llama.cpp's IQ4_XS,
-without an importance matrix: IQ4_XS with Q6_K for the head), or a path.
+without an importance matrix: IQ4_XS with Q5_K for V and two down projections and Q6_K for the
+head), or a path.
 
     PYTHONPATH=. python scripts/bench_llamacpp.py --model default --threads 2
     chrt -f 10 python scripts/bench_llamacpp.py --model 1b-q4_0 --skip-serving
