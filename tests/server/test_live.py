@@ -52,6 +52,9 @@ def scrape(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         values.setdefault(family.name, 0.0)
         for sample in family.samples:
+            if family.name.startswith("process_"):  # the daemon's process, as any service's
+                assert not sample.labels
+                continue
             # Every sample but the whole pod's is one engine's.
             if family.name not in POOL_FAMILIES:
                 assert sample.labels.get("engine") == "0"
