@@ -65,7 +65,7 @@ def verdict(nodes, entry: EngineEntry, world_size: int = 1, node_types=None) -> 
 def started_here(monkeypatch):
     """The Ray instance is the daemon's own unless a test says otherwise (no autoscaler config
     published then means none: nothing adds nodes to it)."""
-    monkeypatch.setattr(ray_cluster, "_started_here", True)
+    monkeypatch.setattr(ray_cluster, "_started_here", lambda ray: True)
 
 
 def ray_entry(**fields) -> EngineEntry:
@@ -118,7 +118,7 @@ def test_a_joined_cluster_that_publishes_no_autoscaler_config_may_yet_hold_it(mo
     (one that does not report its node types: GPU nodes scaled up from zero): taking that for
     "none" made a start that would have run exit 2 for good, where exit 1 costs a few
     retries (the review)."""
-    monkeypatch.setattr(ray_cluster, "_started_here", False)
+    monkeypatch.setattr(ray_cluster, "_started_here", lambda ray: False)
     assert verdict(CPU_NODES, ray_entry(resources={"GPU": 1})) == "later"
     assert verdict(CPU_NODES, ray_entry(resources={"GPU": 1}), node_types=[{"CPU": 8}]) == "never"
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 NODE_LABEL_AMOUNT = 0.001  # what an engine takes of its node's label resource: any node has 1
 _CONNECT_TIMEOUT_SECONDS = 5.0
 _JOIN_LOCK = threading.Lock()
-_started_here = False  # the Ray instance joined is one this daemon started (ray_address "")
+_own_instance: str | None = None  # the GCS address of the Ray instance this process started
 
 
 def import_ray() -> Any:
@@ -76,9 +76,23 @@ def _join(ray: Any, address: str) -> Any:
         error = UnreachableError if isinstance(exc, ConnectionError) else ValueError
         raise error(f"cannot join the Ray cluster ({where}): {_one_line(exc)}") from None
     log.info("ray: joined %s", address or "a Ray instance started here")
-    global _started_here
-    _started_here = not address
+    if not address:
+        global _own_instance
+        _own_instance = _gcs_address(ray)
     return ray
+
+
+def _gcs_address(ray: Any) -> str | None:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 (not connected, or a Ray without it: not known)
+        return None
+
+
+def _started_here(ray: Any) -> bool:
+    """Whether the Ray instance this process is connected to is the one it started (not a
+    cluster joined since, as a test's: hence the address, not a flag)."""
+    return _own_instance is not None and _gcs_address(ray) == _own_instance
 
 
 def _check_reachable(address: str) -> None:
@@ -177,7 +191,7 @@ def _autoscaler_node_types(ray: Any) -> list[dict[str, float]] | None:
     except Exception:  # noqa: BLE001 (a private API: any change in it means "not known")
         return None
     if not config:
-        return [] if _started_here else None
+        return [] if _started_here(ray) else None
     groups = config.node_group_configs
     return [dict(g.resources) for g in groups if g.resources and g.max_count != 0]
 
