@@ -7,24 +7,8 @@ import asyncio
 import pytest
 
 from yaied import SamplingParams
-from yaied.core.config import load_config
 from yaied.core.request import FinishReason
 from yaied.engine.async_engine import AsyncEngine
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dirs):
-    config = load_config(
-        overrides={
-            "model": str(tiny_model_dirs["llama"]),
-            "dtype": "float32",
-            "kv_cache_gib": 0.01,
-            "max_num_batched_tokens": 32,
-        }
-    )
-    eng = AsyncEngine(config, show_progress=False)
-    yield eng
-    eng._executor.shutdown()
 
 
 def all_pages_free(engine: AsyncEngine) -> bool:

@@ -11,23 +11,6 @@ import pytest
 
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 from tests.worker.heap import freed_but_resident_kb
-from yaied.core.config import load_config
-from yaied.engine.async_engine import AsyncEngine
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dirs):
-    config = load_config(
-        overrides={
-            "model": str(tiny_model_dirs["llama"]),
-            "dtype": "float32",
-            "kv_cache_gib": 0.01,
-            "max_num_batched_tokens": 32,
-        }
-    )
-    eng = AsyncEngine(config, show_progress=False)
-    yield eng
-    eng._executor.shutdown()
 
 
 class Trims:

@@ -10,26 +10,10 @@ import pytest
 import torch
 
 from tests.engine.test_async_engine import all_pages_free
-from yaied.core.config import load_config
 from yaied.core.request import SamplingParams
 from yaied.engine.async_engine import AsyncEngine
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(70)]  # over two 32-token chunks
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dirs):
-    config = load_config(
-        overrides={
-            "model": str(tiny_model_dirs["llama"]),
-            "dtype": "float32",
-            "kv_cache_gib": 0.01,
-            "max_num_batched_tokens": 32,
-        }
-    )
-    eng = AsyncEngine(config, show_progress=False)
-    yield eng
-    eng._executor.shutdown()
 
 
 @pytest.fixture(scope="module")
