@@ -116,53 +116,53 @@ def test_build_model_allocates_in_the_requested_dtype():
     assert model.inv_freq.dtype == torch.float32
 
 
-def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
-    """torch._dynamo (and triton under it) cost a CPU daemon 0.6 s of start-up and about 100 MB
-    resident; a meta-device Embedding's own init used to pull them in. A fresh interpreter,
-    since pytest's may have them already; on the CPU, since the CUDA path runs Triton."""
+def _imported_after(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules named by ``prefixes`` that ``code`` imported, in a fresh interpreter (pytest's
+    may have them already)."""
     import subprocess
     import sys
 
-    path = tmp_path / "tiny-llama.json"
-    path.write_text(json.dumps(TINY_CONFIGS["llama"]))
-    code = (
-        "import sys; from yaied import LLM, SamplingParams\n"
-        f"llm = LLM({str(path)!r}, load_format='dummy', kv_cache_gib=0.01, show_progress=False,"
-        " **{'device.device': 'cpu'})\n"
-        "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton'))))"
-    )
+    found = f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
+    code += f"\nimport json, sys; print(json.dumps({found}))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_serving_a_model_on_cpu_never_imports_the_compiler_stack(tmp_path):
+    """torch._dynamo (and triton under it) cost a CPU daemon 0.6 s of start-up and about 100 MB
+    resident; a meta-device Embedding's own init used to pull them in. On the CPU, since the
+    CUDA path runs Triton."""
+    path = tmp_path / "tiny-llama.json"
+    path.write_text(json.dumps(TINY_CONFIGS["llama"]))
+    code = (
+        "from yaied import LLM, SamplingParams\n"
+        f"llm = LLM({str(path)!r}, load_format='dummy', kv_cache_gib=0.01, show_progress=False,"
+        " **{'device.device': 'cpu'})\n"
+        "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))"
+    )
+    assert _imported_after(code, ("torch._dynamo", "triton")) == []
 
 
 def test_loading_a_native_model_imports_neither_sympy_nor_dtensor(tiny_model_dirs, tmp_path):
     """Materialising the meta-built model with torch.empty_like ran torch's Python reference,
-    which imports sympy (about 30 MB resident, 0.2 s) on every native load. A fresh interpreter,
-    since pytest's has them already. Qwen2 and Qwen3: transformers' own LlamaConfig module
-    imports sympy and torch.distributed.tensor (utils.type_validators -> activations -> ...
-    -> distributed.sharding_utils), which yaied cannot cut without leaving the library."""
-    import subprocess
-    import sys
-
+    which imports sympy (about 30 MB resident, 0.2 s) on every native load. Qwen2 and Qwen3:
+    transformers' own LlamaConfig module imports sympy and torch.distributed.tensor
+    (utils.type_validators -> activations -> ... -> distributed.sharding_utils), which yaied
+    cannot cut without leaving the library."""
     dummy = tmp_path / "tiny-qwen3.json"
     dummy.write_text(json.dumps(TINY_CONFIGS["qwen3"]))
     code = (
-        "import sys; from yaied import LLM, SamplingParams\n"
+        "from yaied import LLM, SamplingParams\n"
         "params = SamplingParams(max_tokens=2, ignore_eos=True)\n"
         f"for model, extra in (({str(tiny_model_dirs['qwen2'])!r}, {{}}),"
         f" ({str(dummy)!r}, {{'load_format': 'dummy', 'dtype': 'bfloat16'}})):\n"
         "    with LLM(model, kv_cache_gib=0.01, show_progress=False, **extra) as llm:\n"
-        "        assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 2\n"
-        "heavy = ('sympy', 'torch.distributed.tensor', 'torch._dynamo')\n"
-        "print(sorted(m for m in sys.modules if m.startswith(heavy)))"
+        "        assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 2"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    heavy = ("sympy", "torch.distributed.tensor", "torch._dynamo")
+    assert _imported_after(code, heavy) == []
 
 
 def test_materialize_allocates_each_tensor_on_the_device_as_to_empty_does():
